@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages kvcodec needs, only those missing (idempotent).
+set -euo pipefail
+packages=(
+  build-essential cmake pkg-config clang libclang-rt-14-dev
+  libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
+  nlohmann-json3-dev libfmt-dev libxxhash-dev libzstd-dev libcpp-httplib-dev
+  gnuplot-nox python3
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install_deps: installing ${missing[*]}" >&2
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

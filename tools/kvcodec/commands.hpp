@@ -1,0 +1,11 @@
+// Subcommands of the kvcodec CLI. Each lives in its own cmd_<name>.cpp and
+// registers itself on the app; main.cpp lists them.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace kvcodec::cli {
+
+void register_bench(CLI::App& app);
+
+}  // namespace kvcodec::cli
