@@ -1,0 +1,252 @@
+// kvcodec::entropy: entropy coders for quantized transform coefficients.
+//
+// The KVTC codec quantizes a block of T tokens x C principal components into
+// integer symbols laid out token-major: symbols[t * C + c] is component c of
+// token t. Component c is coded with its own static model, frozen at fit time,
+// so every symbol of every alphabet keeps a nonzero probability and later
+// blocks always code. Columns may be skipped (dropped components): they are
+// not coded and decode to 0.
+//
+// Three coders share that multi-column layout:
+//   - rANS (default): 32-bit state, byte-wise renormalisation, kRansLanes
+//     interleaved lanes (coded symbol i goes to lane i % kRansLanes);
+//   - canonical Huffman with code lengths limited to kHuffmanMaxLength bits;
+//   - fixed-width bit packing.
+// Streams carry no header: the caller knows rows, columns and tables. Every
+// decoder treats its input as hostile: it never reads or writes out of
+// bounds, never loops unboundedly, and throws Error(kFormat) when the bytes
+// are truncated or inconsistent.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvcodec/error.hpp"
+
+namespace kvcodec::entropy {
+
+// --- bit I/O -----------------------------------------------------------------
+//
+// Bits are LSB-first: the first bit written is bit 0 of byte 0. A value of n
+// bits is written low bit first, so put(v, n) followed by get(n) returns v.
+
+class BitWriter {
+ public:
+  // Appends the low nbits (0..32) of value; higher bits of value must be 0.
+  void put(uint32_t value, unsigned nbits);
+  void put_bit(bool bit) { put(bit ? 1u : 0u, 1); }
+  // Elias gamma code of v >= 1: floor(log2 v) zeros, a one, then the low
+  // floor(log2 v) bits of v. 2*floor(log2 v)+1 bits.
+  void put_gamma(uint64_t v);
+  size_t bit_count() const { return bits_; }
+  // The bytes written so far, the last one zero-padded.
+  std::vector<uint8_t> bytes() const;
+
+ private:
+  std::vector<uint8_t> buf_;  // complete bytes
+  uint64_t acc_ = 0;          // pending bits (< 8 between calls)
+  unsigned pending_ = 0;
+  size_t bits_ = 0;
+};
+
+class BitReader {
+ public:
+  BitReader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  // Reads nbits (0..32); throws Error(kFormat) when that goes past the end.
+  uint32_t get(unsigned nbits);
+  bool get_bit() { return get(1) != 0; }
+  // Reads an Elias gamma code with at most max_zeros leading zeros (<= 63);
+  // more zeros is a format error (so corrupt input cannot make it spin).
+  uint64_t get_gamma(unsigned max_zeros = 32);
+  size_t bits_consumed() const { return pos_; }
+  size_t bits_left() const { return size_ * 8 - pos_; }
+  // Bytes touched so far (the partial last byte counts).
+  size_t bytes_consumed() const { return (pos_ + 7) / 8; }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;  // in bits
+};
+
+// --- frequency tables (rANS models) -----------------------------------------
+
+inline constexpr uint32_t kMaxScaleBits = 16;
+inline constexpr uint32_t kMaxAlphabet = 1u << 16;  // symbols are uint16_t
+
+struct FrequencyTable {
+  uint32_t alphabet_size = 0;
+  uint32_t scale_bits = 0;      // freq sums to 1 << scale_bits
+  std::vector<uint32_t> freq;   // [alphabet_size], every entry >= 1
+  std::vector<uint32_t> cum;    // [alphabet_size + 1], cum[s] = sum freq[0..s)
+
+  uint32_t total() const { return 1u << scale_bits; }
+
+  // max(12, ceil(log2 alphabet) + 2) capped at 16: 12 bits keep decode tables
+  // in L1 for the small alphabets that dominate; +2 bits above the alphabet
+  // leave every symbol room for at least ~4 slots on average so the forced
+  // minimum of 1 costs little.
+  static uint32_t default_scale_bits(uint32_t alphabet_size);
+
+  // Quantizes counts (one per symbol; alphabet_size = counts.size()) to
+  // frequencies summing to exactly 1 << scale_bits, each >= 1, minimising
+  // sum counts[s] * -log2(freq[s] / total) (optimal: greedy on the convex
+  // per-symbol costs). scale_bits 0 = adaptive: default_scale_bits(), raised
+  // (up to 16) while the rate loss against the counts' empirical entropy
+  // exceeds 0.5% (e.g. many never-seen symbols). All-zero counts
+  // give a near-uniform table. Throws Error(kInvalidArgument) for an empty or
+  // too-large alphabet or a scale that cannot give every symbol a slot.
+  static FrequencyTable from_counts(const std::vector<uint64_t>& counts, uint32_t scale_bits = 0);
+  // Builds from explicit frequencies; validates (sum, >= 1, sizes) and throws
+  // Error(kInvalidArgument) naming what is wrong.
+  static FrequencyTable from_freqs(std::vector<uint32_t> freq, uint32_t scale_bits);
+
+  // Compact form: gamma(alphabet), 4 bits scale, index of the largest
+  // frequency (implied by the sum), the others minus one with an adaptive
+  // Rice code and gamma-coded runs of 1s (the flat tails).
+  void serialize(BitWriter& out) const;
+  size_t serialized_bits() const;
+  // Validates everything (alphabet <= max_alphabet, scale, each freq >= 1,
+  // exact sum); throws Error(kFormat) on bad input.
+  static FrequencyTable deserialize(BitReader& in, uint32_t max_alphabet);
+
+  // sum counts[s] * -log2(freq[s] / total): the ideal payload in bits.
+  // counts.size() must be <= alphabet_size (missing symbols count 0).
+  double cost_bits(const std::vector<uint64_t>& counts) const;
+
+  bool operator==(const FrequencyTable& o) const {
+    return alphabet_size == o.alphabet_size && scale_bits == o.scale_bits && freq == o.freq;
+  }
+};
+
+// --- rANS ----------------------------------------------------------------------
+
+inline constexpr size_t kRansLanes = 8;            // interleaved states
+inline constexpr uint32_t kRansLow = 1u << 23;     // states live in [kRansLow, kRansLow << 8)
+
+// slot -> symbol lookup, built once per frozen table and cached by the caller.
+struct RansDecodeTable {
+  struct Entry {
+    uint32_t freq;    // frequency of the symbol owning this slot
+    uint16_t bias;    // slot - cum[symbol] (< freq <= 65536)
+    uint16_t symbol;
+  };
+  uint32_t alphabet_size = 0;
+  uint32_t scale_bits = 0;
+  std::vector<Entry> slots;  // [1 << scale_bits]
+
+  RansDecodeTable() = default;
+  explicit RansDecodeTable(const FrequencyTable& table);
+};
+
+// Codes the non-skipped columns of symbols[n_rows x n_cols] (token-major).
+// tables.size() == n_cols; nullptr skips a column. Output: the final states
+// of the lanes that received a symbol (4 bytes each, little-endian, lane 0
+// first) then the renormalisation bytes; empty when nothing is coded.
+// A symbol >= its table's alphabet throws Error(kInvalidArgument).
+std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                 const std::vector<const FrequencyTable*>& tables);
+// Inverse of rans_encode; out has n_rows * n_cols entries, skipped columns get
+// 0. Throws Error(kFormat) when the stream is truncated, has trailing bytes or
+// ends in states other than the initial ones.
+void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                 const std::vector<const RansDecodeTable*>& tables, uint16_t* out);
+
+// Plain single-lane coder: the reference the interleaved one is tested
+// against (same symbol order, one state, 4 flush bytes).
+std::vector<uint8_t> rans_encode_reference(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                           const std::vector<const FrequencyTable*>& tables);
+void rans_decode_reference(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                           const std::vector<const FrequencyTable*>& tables, uint16_t* out);
+
+// --- canonical Huffman -----------------------------------------------------------
+
+inline constexpr unsigned kHuffmanMaxLength = 15;
+inline constexpr uint32_t kHuffmanMaxAlphabet = 1u << kHuffmanMaxLength;
+
+struct HuffmanTable {
+  uint32_t alphabet_size = 0;
+  uint32_t max_length = 0;           // longest code (0 for a 1-symbol alphabet)
+  std::vector<uint8_t> lengths;      // [alphabet_size], 1..15 (all 0 when alphabet is 1)
+  std::vector<uint16_t> codes;       // bit-reversed canonical codes, ready for LSB-first output
+  std::vector<uint32_t> lut;         // [1 << max_length]: symbol | length << 16
+
+  // Complete prefix code from lengths (Kraft sum exactly 1, or a single
+  // symbol with length 0); throws Error(kInvalidArgument) otherwise.
+  static HuffmanTable from_lengths(std::vector<uint8_t> lengths);
+
+  // Code lengths: gamma(alphabet), then each length as a zigzag delta from
+  // the previous one, gamma coded (smooth distributions give ~1 bit each).
+  void serialize(BitWriter& out) const;
+  size_t serialized_bits() const;
+  static HuffmanTable deserialize(BitReader& in, uint32_t max_alphabet);
+
+  // sum counts[s] * lengths[s]; counts.size() <= alphabet_size.
+  uint64_t cost_bits(const std::vector<uint64_t>& counts) const;
+
+  bool operator==(const HuffmanTable& o) const {
+    return alphabet_size == o.alphabet_size && lengths == o.lengths;
+  }
+};
+
+// Optimal length-limited (package-merge) code lengths for counts; every
+// symbol gets a code (zero counts are weighted as a tiny fraction of a count).
+HuffmanTable huffman_build(const std::vector<uint64_t>& counts);
+
+std::vector<uint8_t> huffman_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                    const std::vector<const HuffmanTable*>& tables);
+// Throws Error(kFormat) on truncated input, trailing bytes or nonzero padding.
+void huffman_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                    const std::vector<const HuffmanTable*>& tables, uint16_t* out);
+
+// --- fixed-width packing ------------------------------------------------------------
+
+// Bits of pack_fixed's payload: n_rows * sum(widths) (before rounding to bytes).
+uint64_t fixed_bits(size_t n_rows, const std::vector<uint8_t>& widths);
+// widths[c] in 0..16 bits (0 = skipped); symbols must fit their width, else
+// Error(kInvalidArgument). LSB-first, token-major, last byte zero-padded.
+std::vector<uint8_t> pack_fixed(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                const std::vector<uint8_t>& widths);
+// size must be exactly ceil(fixed_bits / 8) with zero padding, else Error(kFormat).
+void unpack_fixed(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                  const std::vector<uint8_t>& widths, uint16_t* out);
+
+// --- coder choice -----------------------------------------------------------------
+
+enum class Coder : uint8_t { kFixed = 0, kHuffman = 1, kRans = 2 };  // simplest first
+const char* coder_name(Coder coder);
+Coder parse_coder(const std::string& name);  // "rans" | "huffman" | "fixed"
+
+struct CoderSize {
+  uint64_t table_bits = 0;    // tables exactly as serialised (fixed: 0, widths are the allocation)
+  uint64_t payload_bits = 0;  // whole bytes of the stream(s), times 8
+  uint64_t total_bits() const { return table_bits + payload_bits; }
+};
+
+struct CoderChoice {
+  CoderSize fixed, huffman, rans;
+  Coder best = Coder::kFixed;  // strictly smallest total; ties go to the simpler coder
+  const CoderSize& size_of(Coder c) const;
+};
+
+// Sizes of coding symbols whose per-column histograms are column_counts
+// (size n_cols; columns with a null table / width 0 are skipped and must be
+// consistent across the three) as n_streams equal streams (e.g. blocks).
+// Fixed and Huffman payloads are exact; the rANS payload is the ideal cost
+// plus the lane flush, rounded up to bytes per stream (the real stream is
+// within a few bytes of it). Tables count once. A null table for a column
+// that a coder needs makes that coder unavailable (size = UINT64_MAX total).
+CoderChoice choose_coder(const std::vector<std::vector<uint64_t>>& column_counts,
+                         const std::vector<const FrequencyTable*>& rans_tables,
+                         const std::vector<const HuffmanTable*>& huffman_tables,
+                         const std::vector<uint8_t>& fixed_widths, size_t n_streams = 1);
+
+// Exact variant for one stream: encodes with each coder and measures.
+CoderChoice choose_coder_exact(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                               const std::vector<const FrequencyTable*>& rans_tables,
+                               const std::vector<const HuffmanTable*>& huffman_tables,
+                               const std::vector<uint8_t>& fixed_widths);
+
+}  // namespace kvcodec::entropy

@@ -1,0 +1,286 @@
+// Frequency tables for rANS: normalisation, compact serialisation, cost.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <queue>
+#include <string>
+
+#include "entropy/entropy.hpp"
+
+namespace kvcodec::entropy {
+namespace {
+
+[[noreturn]] void invalid(const std::string& what) { throw Error(ErrorCode::kInvalidArgument, "FrequencyTable: " + what); }
+[[noreturn]] void bad_format(const std::string& what) { throw Error(ErrorCode::kFormat, "frequency table: " + what); }
+
+void fill_cum(FrequencyTable& t) {
+  t.cum.assign(t.alphabet_size + 1, 0);
+  for (uint32_t s = 0; s < t.alphabet_size; ++s) t.cum[s + 1] = t.cum[s] + t.freq[s];
+}
+
+// Change in cost (bits) of giving symbol with count c one more slot / one
+// fewer slot. Convex in f, which makes the greedy allocation optimal.
+double gain_up(uint64_t c, uint32_t f) { return c == 0 ? 0.0 : double(c) * std::log2(double(f + 1) / double(f)); }
+double loss_down(uint64_t c, uint32_t f) {
+  if (f <= 1) return INFINITY;
+  return c == 0 ? 0.0 : double(c) * std::log2(double(f) / double(f - 1));
+}
+
+// Adaptive Rice parameters for the serialised frequencies (LOCO-I style
+// running mean, halved every kRiceReset values so it follows the slope of the
+// distribution from tail to peak and back).
+constexpr uint32_t kRiceReset = 8;
+constexpr uint32_t kRiceEscape = 20;  // unary quotient at which the raw value follows
+constexpr uint32_t kRawBits = 17;     // raw freq-1 < 2^16 always fits
+
+struct RiceState {
+  uint64_t sum, n;
+  uint32_t k() const {
+    uint32_t k = 0;
+    while ((n << k) < sum && k < 16) ++k;
+    return k;
+  }
+  void update(uint32_t v) {
+    sum += v;
+    if (++n >= kRiceReset) {
+      sum = (sum + 1) / 2;
+      n /= 2;
+    }
+  }
+};
+
+RiceState initial_rice(uint32_t alphabet, uint32_t scale) {
+  return RiceState{std::max<uint64_t>(1, (uint64_t(1) << scale) / alphabet), 1};
+}
+
+void put_rice(BitWriter& out, uint32_t v, uint32_t k) {
+  const uint32_t q = v >> k;
+  if (q >= kRiceEscape) {
+    out.put((1u << kRiceEscape) - 1, kRiceEscape);
+    out.put(v, kRawBits);
+    return;
+  }
+  out.put((1u << q) - 1, q + 1);  // q ones then a zero
+  out.put(v & ((1u << k) - 1), k);
+}
+
+uint32_t get_rice(BitReader& in, uint32_t k) {
+  uint32_t q = 0;
+  while (q < kRiceEscape && in.get_bit()) ++q;
+  if (q == kRiceEscape) return in.get(kRawBits);
+  return (q << k) | in.get(k);
+}
+
+unsigned index_bits(uint32_t alphabet) { return alphabet <= 1 ? 0 : unsigned(std::bit_width(alphabet - 1)); }
+
+}  // namespace
+
+uint32_t FrequencyTable::default_scale_bits(uint32_t alphabet_size) {
+  const uint32_t need = alphabet_size <= 1 ? 0 : uint32_t(std::bit_width(alphabet_size - 1));
+  return std::min<uint32_t>(kMaxScaleBits, std::max<uint32_t>(12, need + 2));
+}
+
+FrequencyTable FrequencyTable::from_freqs(std::vector<uint32_t> freq, uint32_t scale_bits) {
+  if (freq.empty() || freq.size() > kMaxAlphabet)
+    invalid("alphabet size " + std::to_string(freq.size()) + " not in [1, " + std::to_string(kMaxAlphabet) + "]");
+  if (scale_bits < 1 || scale_bits > kMaxScaleBits)
+    invalid("scale_bits = " + std::to_string(scale_bits) + ", allowed 1.." + std::to_string(kMaxScaleBits));
+  uint64_t sum = 0;
+  for (size_t s = 0; s < freq.size(); ++s) {
+    if (freq[s] == 0) invalid("symbol " + std::to_string(s) + " has frequency 0 (every symbol needs >= 1)");
+    sum += freq[s];
+  }
+  if (sum != (uint64_t(1) << scale_bits))
+    invalid("frequencies sum to " + std::to_string(sum) + ", expected " + std::to_string(1u << scale_bits));
+  FrequencyTable t;
+  t.alphabet_size = uint32_t(freq.size());
+  t.scale_bits = scale_bits;
+  t.freq = std::move(freq);
+  fill_cum(t);
+  return t;
+}
+
+FrequencyTable FrequencyTable::from_counts(const std::vector<uint64_t>& counts_in, uint32_t scale_bits) {
+  const size_t n = counts_in.size();
+  if (n == 0 || n > kMaxAlphabet)
+    invalid("alphabet size " + std::to_string(n) + " not in [1, " + std::to_string(kMaxAlphabet) + "]");
+  if (scale_bits == 0) {
+    // Adaptive: start at the default and add precision while the table loses
+    // more than kMaxRateLoss against the empirical entropy of the counts
+    // (many never-seen symbols each holding a forced slot is the usual cause).
+    constexpr double kMaxRateLoss = 0.005;
+    double ideal = 0, n_total = 0;
+    for (uint64_t c : counts_in) n_total += double(c);
+    for (uint64_t c : counts_in)
+      if (c) ideal -= double(c) * std::log2(double(c) / n_total);
+    uint32_t scale = default_scale_bits(uint32_t(n));
+    for (;; ++scale) {
+      FrequencyTable t = from_counts(counts_in, scale);
+      if (scale >= kMaxScaleBits || t.cost_bits(counts_in) <= ideal * (1 + kMaxRateLoss) + 1e-9) return t;
+    }
+  }
+  if (scale_bits > kMaxScaleBits || (uint64_t(1) << scale_bits) < n)
+    invalid("scale_bits = " + std::to_string(scale_bits) + " cannot give each of " + std::to_string(n) +
+            " symbols a slot (allowed ceil(log2 alphabet)..16)");
+  const uint32_t total = 1u << scale_bits;
+
+  std::vector<uint64_t> counts = counts_in;
+  long double sum = 0;
+  for (uint64_t c : counts) sum += (long double)c;
+  if (sum == 0) {
+    std::fill(counts.begin(), counts.end(), 1);
+    sum = (long double)n;
+  }
+
+  // Start from the proportional share rounded down (at least 1), then move
+  // single slots greedily; the cost is a sum of convex functions of each
+  // frequency, so balancing with best marginal moves and then swapping until
+  // no swap helps reaches the optimum.
+  std::vector<uint32_t> f(n);
+  int64_t assigned = 0;
+  for (size_t s = 0; s < n; ++s) {
+    const long double share = (long double)counts[s] * total / sum;
+    f[s] = std::max<uint32_t>(1, uint32_t(std::min<long double>(share, total)));
+    assigned += f[s];
+  }
+  using Item = std::pair<double, uint32_t>;
+  if (assigned < total) {
+    std::priority_queue<Item> heap;  // largest gain first
+    for (size_t s = 0; s < n; ++s) heap.push({gain_up(counts[s], f[s]), uint32_t(s)});
+    while (assigned < total) {
+      auto [g, s] = heap.top();
+      heap.pop();
+      const double now = gain_up(counts[s], f[s]);
+      if (now != g) {
+        heap.push({now, s});
+        continue;
+      }
+      ++f[s];
+      ++assigned;
+      heap.push({gain_up(counts[s], f[s]), s});
+    }
+  } else if (assigned > total) {
+    std::priority_queue<Item, std::vector<Item>, std::greater<Item>> heap;  // smallest loss first
+    for (size_t s = 0; s < n; ++s) heap.push({loss_down(counts[s], f[s]), uint32_t(s)});
+    while (assigned > total) {
+      auto [l, s] = heap.top();
+      heap.pop();
+      const double now = loss_down(counts[s], f[s]);
+      if (now != l) {
+        heap.push({now, s});
+        continue;
+      }
+      --f[s];
+      --assigned;
+      heap.push({loss_down(counts[s], f[s]), s});
+    }
+  }
+  // Swap phase: move a slot from the cheapest donor to the best receiver
+  // while that strictly lowers the cost. Bounded for safety; it normally
+  // stops after a handful of moves.
+  for (size_t iter = 0; iter < 4 * n + 64; ++iter) {
+    size_t up = 0, down = 0;
+    double best_gain = -1, best_loss = INFINITY;
+    for (size_t s = 0; s < n; ++s) {
+      const double g = gain_up(counts[s], f[s]);
+      if (g > best_gain) best_gain = g, up = s;
+      const double l = loss_down(counts[s], f[s]);
+      if (l < best_loss) best_loss = l, down = s;
+    }
+    if (up == down || !(best_gain > best_loss * (1 + 1e-12) + 1e-12)) break;
+    ++f[up];
+    --f[down];
+  }
+  return from_freqs(std::move(f), scale_bits);
+}
+
+void FrequencyTable::serialize(BitWriter& out) const {
+  out.put_gamma(alphabet_size);
+  out.put(scale_bits - 1, 4);
+  if (alphabet_size == 1) return;
+  const uint32_t top = uint32_t(std::max_element(freq.begin(), freq.end()) - freq.begin());
+  out.put(top, index_bits(alphabet_size));
+  RiceState rice = initial_rice(alphabet_size, scale_bits);
+  for (uint32_t s = 0; s < alphabet_size; ++s) {
+    if (s == top) continue;
+    const uint32_t v = freq[s] - 1;
+    put_rice(out, v, rice.k());
+    rice.update(v);
+    if (v == 0) {
+      // Run of further frequency-1 symbols (flat tails), skipped by the Rice code.
+      uint32_t run = 0, t = s + 1;
+      while (t < alphabet_size && (t == top || freq[t] == 1)) {
+        if (t != top) ++run;
+        ++t;
+      }
+      out.put_gamma(uint64_t(run) + 1);
+      uint32_t skipped = 0;
+      while (skipped < run) {
+        ++s;
+        if (s != top) ++skipped;
+      }
+    }
+  }
+}
+
+size_t FrequencyTable::serialized_bits() const {
+  BitWriter w;
+  serialize(w);
+  return w.bit_count();
+}
+
+FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet) {
+  const uint64_t alphabet = in.get_gamma(17);
+  const uint64_t limit = std::min<uint64_t>(max_alphabet, kMaxAlphabet);
+  if (alphabet > limit)
+    bad_format("alphabet size " + std::to_string(alphabet) + " exceeds the limit " + std::to_string(limit));
+  const uint32_t scale = in.get(4) + 1;
+  const uint64_t total = uint64_t(1) << scale;
+  if (alphabet > total)
+    bad_format("alphabet size " + std::to_string(alphabet) + " exceeds 2^scale_bits = " + std::to_string(total));
+  const uint32_t a = uint32_t(alphabet);
+  std::vector<uint32_t> f(a, 0);
+  if (a == 1) {
+    f[0] = uint32_t(total);
+    return from_freqs(std::move(f), scale);
+  }
+  const uint32_t top = in.get(index_bits(a));
+  if (top >= a) bad_format("largest-symbol index " + std::to_string(top) + " >= alphabet size " + std::to_string(a));
+  RiceState rice = initial_rice(a, scale);
+  uint64_t sum = 0;
+  // Slots left for the implied 'top' must stay >= 1 after each symbol.
+  auto add = [&](uint32_t s, uint64_t v) {
+    sum += v + 1;
+    if (sum >= total) bad_format("frequencies exceed the total " + std::to_string(total) + " at symbol " + std::to_string(s));
+    f[s] = uint32_t(v + 1);
+  };
+  for (uint32_t s = 0; s < a; ++s) {
+    if (s == top) continue;
+    const uint32_t v = get_rice(in, rice.k());
+    add(s, v);
+    rice.update(v);
+    if (v == 0) {
+      const uint64_t run = in.get_gamma(17) - 1;
+      uint64_t done = 0;
+      while (done < run) {
+        if (++s >= a) bad_format("run of unit frequencies runs past the alphabet end");
+        if (s == top) continue;
+        add(s, 0);
+        ++done;
+      }
+    }
+  }
+  f[top] = uint32_t(total - sum);
+  return from_freqs(std::move(f), scale);
+}
+
+double FrequencyTable::cost_bits(const std::vector<uint64_t>& counts) const {
+  if (counts.size() > alphabet_size)
+    invalid("cost_bits: " + std::to_string(counts.size()) + " counts for an alphabet of " + std::to_string(alphabet_size));
+  double bits = 0;
+  for (size_t s = 0; s < counts.size(); ++s)
+    if (counts[s]) bits += double(counts[s]) * (double(scale_bits) - std::log2(double(freq[s])));
+  return bits;
+}
+
+}  // namespace kvcodec::entropy

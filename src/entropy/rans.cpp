@@ -1,0 +1,297 @@
+// rANS with 32-bit states and byte-wise renormalisation (after ryg_rans):
+// states live in [kRansLow, kRansLow << 8); the encoder runs backwards over
+// the symbols writing bytes towards the front of its buffer, the decoder runs
+// forwards. Coded symbol i (row-major over the non-skipped columns) belongs
+// to lane i % kRansLanes, so the decoder's lanes are independent dependency
+// chains the CPU overlaps.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "entropy/entropy.hpp"
+
+namespace kvcodec::entropy {
+namespace {
+
+[[noreturn]] void bad_stream(const std::string& what) { throw Error(ErrorCode::kFormat, "rANS stream: " + what); }
+
+template <typename T>
+std::vector<uint32_t> active_columns(size_t n_cols, const std::vector<const T*>& tables, const char* who) {
+  if (tables.size() != n_cols)
+    throw Error(ErrorCode::kInvalidArgument, std::string(who) + ": " + std::to_string(tables.size()) + " tables for " +
+                                                 std::to_string(n_cols) + " columns");
+  std::vector<uint32_t> cols;
+  for (size_t c = 0; c < n_cols; ++c)
+    if (tables[c]) cols.push_back(uint32_t(c));
+  return cols;
+}
+
+size_t checked_count(size_t n_rows, size_t n_cols, const char* who) {
+  if (n_cols != 0 && n_rows > (SIZE_MAX / 4) / n_cols)
+    throw Error(ErrorCode::kInvalidArgument, std::string(who) + ": " + std::to_string(n_rows) + " x " +
+                                                 std::to_string(n_cols) + " symbols is too many");
+  return n_rows * n_cols;
+}
+
+[[noreturn]] void symbol_out_of_range(size_t row, uint32_t col, uint32_t sym, uint32_t alphabet) {
+  throw Error(ErrorCode::kInvalidArgument, "entropy encode: symbol " + std::to_string(sym) + " at row " +
+                                               std::to_string(row) + ", column " + std::to_string(col) +
+                                               " is outside the alphabet of size " + std::to_string(alphabet));
+}
+
+inline void put_state(uint8_t* p, uint32_t x) {
+  p[0] = uint8_t(x), p[1] = uint8_t(x >> 8), p[2] = uint8_t(x >> 16), p[3] = uint8_t(x >> 24);
+}
+inline uint32_t get_state(const uint8_t* p) {
+  return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+}
+
+// One encode step: renormalise (emit low bytes) so the result stays below
+// kRansLow << 8, then x -> (x / f) * M + x % f + cum.
+inline uint32_t encode_step(uint32_t x, uint8_t*& p, uint32_t f, uint32_t start, uint32_t scale) {
+  const uint32_t x_max = ((kRansLow >> scale) << 8) * f;
+  while (x >= x_max) {
+    *--p = uint8_t(x);
+    x >>= 8;
+  }
+  return ((x / f) << scale) + (x % f) + start;
+}
+
+// Validates symbols up front so encode never writes a partial stream.
+void check_symbols(const uint16_t* symbols, size_t n_rows, size_t n_cols, const std::vector<uint32_t>& cols,
+                   const std::vector<const FrequencyTable*>& tables) {
+  for (size_t r = 0; r < n_rows; ++r)
+    for (uint32_t c : cols) {
+      const uint16_t s = symbols[r * n_cols + c];
+      if (s >= tables[c]->alphabet_size) symbol_out_of_range(r, c, s, tables[c]->alphabet_size);
+    }
+}
+
+void check_tables(const std::vector<uint32_t>& cols, const std::vector<const FrequencyTable*>& tables) {
+  for (uint32_t c : cols) {
+    const FrequencyTable& t = *tables[c];
+    if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.freq.size() != t.alphabet_size ||
+        t.cum.size() != size_t(t.alphabet_size) + 1 || t.cum.back() != t.total())
+      throw Error(ErrorCode::kInvalidArgument, "rans_encode: table of column " + std::to_string(c) +
+                                                   " is not a valid FrequencyTable (build it with from_counts/from_freqs)");
+  }
+}
+
+void check_decode_tables(const std::vector<uint32_t>& cols, const std::vector<const RansDecodeTable*>& tables) {
+  for (uint32_t c : cols) {
+    const RansDecodeTable& t = *tables[c];
+    if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.slots.size() != (size_t(1) << t.scale_bits))
+      throw Error(ErrorCode::kInvalidArgument,
+                  "rans_decode: decode table of column " + std::to_string(c) + " is not built from a FrequencyTable");
+  }
+}
+
+// Per-column data the decoder's inner loop needs, contiguous.
+struct DecCol {
+  const RansDecodeTable::Entry* slots;
+  uint32_t scale;
+  uint32_t mask;
+};
+
+}  // namespace
+
+RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
+  if (t.freq.size() != t.alphabet_size || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits)
+    throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: invalid frequency table");
+  slots.resize(size_t(1) << scale_bits);
+  size_t slot = 0;
+  for (uint32_t s = 0; s < alphabet_size; ++s) {
+    const uint32_t f = t.freq[s];
+    if (f == 0 || slot + f > slots.size())
+      throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: frequencies do not sum to 2^scale_bits");
+    for (uint32_t b = 0; b < f; ++b) slots[slot++] = Entry{f, uint16_t(b), uint16_t(s)};
+  }
+  if (slot != slots.size())
+    throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: frequencies do not sum to 2^scale_bits");
+}
+
+std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                 const std::vector<const FrequencyTable*>& tables) {
+  const std::vector<uint32_t> cols = active_columns(n_cols, tables, "rans_encode");
+  checked_count(n_rows, n_cols, "rans_encode");
+  const size_t n_active = cols.size();
+  const size_t n_coded = n_rows * n_active;
+  if (n_coded == 0) return {};
+  check_tables(cols, tables);
+  check_symbols(symbols, n_rows, n_cols, cols, tables);
+
+  const size_t lanes_used = std::min(kRansLanes, n_coded);
+  // At most 2 bytes per symbol (scale <= 16), plus the flushed states.
+  std::vector<uint8_t> buf(2 * n_coded + 4 * kRansLanes);
+  uint8_t* const end = buf.data() + buf.size();
+  uint8_t* p = end;
+  uint32_t x[kRansLanes];
+  for (auto& v : x) v = kRansLow;
+
+  size_t i = n_coded;
+  for (size_t r = n_rows; r-- > 0;) {
+    const uint16_t* row = symbols + r * n_cols;
+    for (size_t k = n_active; k-- > 0;) {
+      --i;
+      const FrequencyTable& t = *tables[cols[k]];
+      const uint16_t s = row[cols[k]];
+      uint32_t& st = x[i % kRansLanes];
+      st = encode_step(st, p, t.freq[s], t.cum[s], t.scale_bits);
+    }
+  }
+  for (size_t l = lanes_used; l-- > 0;) {
+    p -= 4;
+    put_state(p, x[l]);
+  }
+  return std::vector<uint8_t>(p, end);
+}
+
+void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                 const std::vector<const RansDecodeTable*>& tables, uint16_t* out) {
+  const std::vector<uint32_t> cols = active_columns(n_cols, tables, "rans_decode");
+  const size_t total_out = checked_count(n_rows, n_cols, "rans_decode");
+  const size_t n_active = cols.size();
+  const size_t n_coded = n_rows * n_active;
+  if (total_out) std::memset(out, 0, total_out * sizeof(uint16_t));
+  if (n_coded == 0) {
+    if (size != 0) bad_stream(std::to_string(size) + " bytes where no symbols are coded");
+    return;
+  }
+  check_decode_tables(cols, tables);
+  const size_t lanes_used = std::min(kRansLanes, n_coded);
+  if (size < 4 * lanes_used)
+    bad_stream("truncated: " + std::to_string(size) + " bytes cannot hold " + std::to_string(lanes_used) + " lane states");
+
+  uint32_t x[kRansLanes];
+  for (size_t l = 0; l < kRansLanes; ++l) {
+    x[l] = kRansLow;
+    if (l < lanes_used) {
+      x[l] = get_state(data + 4 * l);
+      if (x[l] < kRansLow || x[l] >= (kRansLow << 8))
+        bad_stream("lane " + std::to_string(l) + " state " + std::to_string(x[l]) + " outside [2^23, 2^31)");
+    }
+  }
+  const uint8_t* p = data + 4 * lanes_used;
+  const uint8_t* const end = data + size;
+
+  // Columns unrolled so that positions k0 .. k0 + kRansLanes - 1 of the
+  // cyclic column sequence never wrap inside one group.
+  std::vector<DecCol> ext(n_active + kRansLanes);
+  for (size_t k = 0; k < ext.size(); ++k) {
+    const RansDecodeTable& t = *tables[cols[k % n_active]];
+    ext[k] = DecCol{t.slots.data(), t.scale_bits, (1u << t.scale_bits) - 1};
+  }
+  // With no skipped columns the coded order is the output order.
+  const bool dense = n_active == n_cols;
+  std::vector<uint16_t> compact;
+  uint16_t* dst = out;
+  if (!dense) {
+    compact.resize(n_coded);
+    dst = compact.data();
+  }
+
+  size_t i = 0, k0 = 0;
+  // Fast path: a group of kRansLanes symbols reads at most 2 bytes each
+  // (after a decode step x >= 2^(23 - scale) >= 2^7), so with that many bytes
+  // left no per-byte bound check is needed.
+  while (i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes) {
+    const DecCol* c = &ext[k0];
+#pragma GCC unroll 8
+    for (size_t j = 0; j < kRansLanes; ++j) {
+      uint32_t s = x[j];
+      const RansDecodeTable::Entry e = c[j].slots[s & c[j].mask];
+      dst[i + j] = e.symbol;
+      s = e.freq * (s >> c[j].scale) + e.bias;
+      if (s < kRansLow) {
+        s = (s << 8) | *p++;
+        if (s < kRansLow) s = (s << 8) | *p++;
+      }
+      x[j] = s;
+    }
+    i += kRansLanes;
+    k0 += kRansLanes;
+    while (k0 >= n_active) k0 -= n_active;
+  }
+  // Careful path for the tail: every byte read is bounds-checked.
+  for (; i < n_coded; ++i) {
+    const DecCol& c = ext[k0];
+    uint32_t& s = x[i % kRansLanes];
+    const RansDecodeTable::Entry e = c.slots[s & c.mask];
+    dst[i] = e.symbol;
+    s = e.freq * (s >> c.scale) + e.bias;
+    while (s < kRansLow) {
+      if (p == end) bad_stream("truncated: ran out of bytes at symbol " + std::to_string(i) + " of " + std::to_string(n_coded));
+      s = (s << 8) | *p++;
+    }
+    if (++k0 == n_active) k0 = 0;
+  }
+  if (p != end) bad_stream(std::to_string(end - p) + " trailing bytes after the last symbol");
+  for (size_t l = 0; l < lanes_used; ++l)
+    if (x[l] != kRansLow) bad_stream("lane " + std::to_string(l) + " did not return to its initial state (corrupt data)");
+
+  if (!dense) {
+    size_t q = 0;
+    for (size_t r = 0; r < n_rows; ++r) {
+      uint16_t* row = out + r * n_cols;
+      for (uint32_t c : cols) row[c] = compact[q++];
+    }
+  }
+}
+
+// --- single-lane reference ------------------------------------------------------
+
+std::vector<uint8_t> rans_encode_reference(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                           const std::vector<const FrequencyTable*>& tables) {
+  const std::vector<uint32_t> cols = active_columns(n_cols, tables, "rans_encode_reference");
+  checked_count(n_rows, n_cols, "rans_encode_reference");
+  if (n_rows == 0 || cols.empty()) return {};
+  check_tables(cols, tables);
+  check_symbols(symbols, n_rows, n_cols, cols, tables);
+  std::vector<uint8_t> buf(2 * n_rows * cols.size() + 4);
+  uint8_t* const end = buf.data() + buf.size();
+  uint8_t* p = end;
+  uint32_t x = kRansLow;
+  for (size_t r = n_rows; r-- > 0;)
+    for (size_t k = cols.size(); k-- > 0;) {
+      const FrequencyTable& t = *tables[cols[k]];
+      const uint16_t s = symbols[r * n_cols + cols[k]];
+      x = encode_step(x, p, t.freq[s], t.cum[s], t.scale_bits);
+    }
+  p -= 4;
+  put_state(p, x);
+  return std::vector<uint8_t>(p, end);
+}
+
+void rans_decode_reference(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                           const std::vector<const FrequencyTable*>& tables, uint16_t* out) {
+  const std::vector<uint32_t> cols = active_columns(n_cols, tables, "rans_decode_reference");
+  const size_t total_out = checked_count(n_rows, n_cols, "rans_decode_reference");
+  if (total_out) std::memset(out, 0, total_out * sizeof(uint16_t));
+  if (n_rows == 0 || cols.empty()) {
+    if (size != 0) bad_stream("bytes where no symbols are coded");
+    return;
+  }
+  check_tables(cols, tables);
+  if (size < 4) bad_stream("truncated state");
+  uint32_t x = get_state(data);
+  if (x < kRansLow || x >= (kRansLow << 8)) bad_stream("state outside [2^23, 2^31)");
+  const uint8_t* p = data + 4;
+  const uint8_t* const end = data + size;
+  for (size_t r = 0; r < n_rows; ++r)
+    for (uint32_t c : cols) {
+      const FrequencyTable& t = *tables[c];
+      const uint32_t slot = x & (t.total() - 1);
+      // Binary search over cum: slow, obviously correct.
+      const uint32_t s = uint32_t(std::upper_bound(t.cum.begin(), t.cum.end(), slot) - t.cum.begin()) - 1;
+      out[r * n_cols + c] = uint16_t(s);
+      x = t.freq[s] * (x >> t.scale_bits) + slot - t.cum[s];
+      while (x < kRansLow) {
+        if (p == end) bad_stream("truncated");
+        x = (x << 8) | *p++;
+      }
+    }
+  if (p != end) bad_stream("trailing bytes");
+  if (x != kRansLow) bad_stream("final state mismatch");
+}
+
+}  // namespace kvcodec::entropy
