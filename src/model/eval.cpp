@@ -1,0 +1,200 @@
+#include "model/eval.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+
+#include "kvcodec/error.hpp"
+#include "model/generate.hpp"
+
+namespace kvcodec::model {
+namespace {
+
+// log_softmax of one row, in double for a stable KL of nearly equal rows.
+void log_softmax(const float* logits, int vocab, std::vector<double>& out) {
+  out.resize(size_t(vocab));
+  double mx = logits[0];
+  for (int i = 1; i < vocab; ++i) mx = std::max(mx, double(logits[i]));
+  double sum = 0.0;
+  for (int i = 0; i < vocab; ++i) sum += std::exp(double(logits[i]) - mx);
+  const double lse = mx + std::log(sum);
+  for (int i = 0; i < vocab; ++i) out[size_t(i)] = double(logits[i]) - lse;
+}
+
+struct WindowRun {
+  std::vector<float> logits;  // [predictions, vocab]: row i predicts target[i]
+  double seconds = 0.0;
+  int64_t fed = 0;
+  CacheStats stats;
+};
+
+// Runs one window through a fresh set of caches, collecting the logits of
+// every scored prediction.
+WindowRun run_window(const LlamaModel& model, const CacheFactory& factory, const int32_t* window,
+                     const EvalOptions& o, const std::function<void()>& tick) {
+  const int vocab = model.config().vocab_size;
+  Session session(model, factory);
+  WindowRun run;
+  std::vector<float> step;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (o.whole_window) {
+    session.forward(window, o.window_length, step, true);
+    run.fed = o.window_length;
+    step.resize(size_t(o.window_length - 1) * size_t(vocab));  // the last position predicts nothing here
+    run.logits = std::move(step);
+    tick();
+  } else {
+    run.logits.resize(size_t(o.score) * size_t(vocab));
+    session.forward(window, o.context, step, false);
+    std::copy(step.begin(), step.end(), run.logits.begin());
+    tick();
+    for (int64_t i = 1; i < o.score; ++i) {
+      session.forward(window + o.context + i - 1, 1, step, false);
+      std::copy(step.begin(), step.end(), run.logits.begin() + i * vocab);
+      tick();
+    }
+    run.fed = o.context + o.score - 1;
+  }
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  run.stats = session.cache_stats();
+  return run;
+}
+
+void validate(const EvalOptions& o, int64_t n_tokens) {
+  if (o.window_length < 2) throw_config_error("window_length", std::to_string(o.window_length), ">= 2");
+  const int64_t available = n_tokens / o.window_length;
+  if (o.first_window < 0 || o.first_window >= available)
+    throw_config_error("first_window", std::to_string(o.first_window),
+                       "[0, " + std::to_string(available - 1) + "] (" + std::to_string(available) +
+                           " windows of " + std::to_string(o.window_length) + " tokens)");
+  if (o.windows < 1 || o.windows > available - o.first_window)
+    throw_config_error("windows", std::to_string(o.windows),
+                       "[1, " + std::to_string(available - o.first_window) + "] from window " +
+                           std::to_string(o.first_window));
+  if (o.whole_window) return;
+  if (o.context < 1 || o.context >= o.window_length)
+    throw_config_error("context", std::to_string(o.context), "[1, " + std::to_string(o.window_length - 1) + "]");
+  if (o.score < 1 || o.context + o.score > o.window_length)
+    throw_config_error("score", std::to_string(o.score),
+                       "[1, " + std::to_string(o.window_length - o.context) + "] (context + score <= window " +
+                           std::to_string(o.window_length) + ")");
+}
+
+}  // namespace
+
+std::vector<int32_t> load_u16_tokens(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw Error(ErrorCode::kIo, "cannot open token file " + path);
+  const std::streamoff size = in.tellg();
+  if (size < 0 || size % 2 != 0)
+    throw Error(ErrorCode::kFormat, "token file " + path + " has " + std::to_string(size) +
+                                        " bytes, not a whole number of uint16 tokens");
+  std::vector<uint8_t> bytes(static_cast<size_t>(size));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(bytes.data()), size);
+  if (!in) throw Error(ErrorCode::kIo, "cannot read token file " + path);
+  std::vector<int32_t> tokens(bytes.size() / 2);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(bytes[2 * i]) | (int32_t(bytes[2 * i + 1]) << 8);
+  return tokens;
+}
+
+std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int32_t>& tokens,
+                                 const std::vector<MethodSpec>& methods, const MethodSpec& baseline,
+                                 const EvalOptions& o, const ProgressFn& progress) {
+  validate(o, int64_t(tokens.size()));
+  const int vocab = model.config().vocab_size;
+  for (int64_t w = o.first_window; w < o.first_window + o.windows; ++w)
+    for (int64_t i = 0; i < o.window_length; ++i) {
+      const int32_t t = tokens[size_t(w * o.window_length + i)];
+      if (t < 0 || t >= vocab)
+        throw Error(ErrorCode::kFormat, "token " + std::to_string(t) + " at window " + std::to_string(w) +
+                                            ", position " + std::to_string(i) + " is outside the vocabulary [0, " +
+                                            std::to_string(vocab) + ")");
+    }
+
+  // Which runs are needed: the baseline, then every method not named like it.
+  std::vector<const MethodSpec*> runs{&baseline};
+  std::vector<int> run_of(methods.size());
+  for (size_t m = 0; m < methods.size(); ++m) {
+    if (methods[m].name == baseline.name) {
+      run_of[m] = 0;
+    } else {
+      run_of[m] = int(runs.size());
+      runs.push_back(&methods[m]);
+    }
+  }
+  const int64_t steps_per_window = o.whole_window ? 1 : o.score;
+  const int64_t total_steps = steps_per_window * o.windows * int64_t(runs.size());
+  int64_t done = 0;
+  auto tick = [&] {
+    ++done;
+    if (progress) progress(done, total_steps);
+  };
+
+  struct Acc {
+    double nll = 0, kl = 0, seconds = 0;
+    int64_t top1 = 0, scored = 0, fed = 0;
+    CacheStats stats;
+  };
+  std::vector<Acc> acc(runs.size());
+  std::vector<double> base_lp, lp;
+  std::vector<std::vector<double>> base_rows;
+  std::vector<int32_t> base_top;
+
+  for (int64_t w = o.first_window; w < o.first_window + o.windows; ++w) {
+    const int32_t* window = tokens.data() + w * o.window_length;
+    // Prediction i is scored against target[i].
+    const int32_t* target = o.whole_window ? window + 1 : window + o.context;
+    const int64_t n_pred = o.whole_window ? o.window_length - 1 : o.score;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      WindowRun run = run_window(model, runs[r]->factory, window, o, tick);
+      Acc& a = acc[r];
+      a.seconds += run.seconds;
+      a.fed += run.fed;
+      a.stats += run.stats;
+      a.scored += n_pred;
+      if (r == 0) {
+        base_rows.assign(size_t(n_pred), {});
+        base_top.assign(size_t(n_pred), 0);
+      }
+      for (int64_t i = 0; i < n_pred; ++i) {
+        const float* row = run.logits.data() + i * vocab;
+        log_softmax(row, vocab, lp);
+        a.nll -= lp[size_t(target[i])];
+        const int32_t top = argmax(row, vocab);
+        if (r == 0) {
+          base_rows[size_t(i)] = lp;  // keeps the baseline's distributions for KL
+          base_top[size_t(i)] = top;
+          ++a.top1;
+          continue;
+        }
+        const std::vector<double>& b = base_rows[size_t(i)];
+        double kl = 0.0;
+        for (int v = 0; v < vocab; ++v) kl += std::exp(b[size_t(v)]) * (b[size_t(v)] - lp[size_t(v)]);
+        a.kl += std::max(0.0, kl);  // rounding can give -1e-17 for equal rows
+        a.top1 += top == base_top[size_t(i)];
+      }
+    }
+  }
+
+  std::vector<EvalResult> results;
+  for (size_t m = 0; m < methods.size(); ++m) {
+    const Acc& a = acc[size_t(run_of[m])];
+    EvalResult r;
+    r.method = methods[m].name;
+    r.scored = a.scored;
+    r.nll = a.nll / double(a.scored);
+    r.ppl = std::exp(r.nll);
+    r.kl = a.kl / double(a.scored);
+    r.top1 = double(a.top1) / double(a.scored);
+    r.stats = a.stats;
+    r.compression_ratio = a.stats.compression_ratio();
+    r.seconds = a.seconds;
+    r.tokens_per_s = a.seconds > 0 ? double(a.fed) / a.seconds : 0.0;
+    results.push_back(std::move(r));
+  }
+  return results;
+}
+
+}  // namespace kvcodec::model
