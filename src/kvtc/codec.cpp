@@ -1,0 +1,486 @@
+#include "kvtc/codec.hpp"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "alloc/allocator.hpp"
+#include "kvcodec/error.hpp"
+#include "kvcodec/tensor.hpp"
+
+namespace kvcodec::kvtc {
+
+namespace {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstRowMap = Eigen::Map<const RowMatrix>;
+using RowMap = Eigen::Map<RowMatrix>;
+
+// Step of the MSE-optimal uniform quantizer of a unit Gaussian with 2^b
+// levels (Max 1960 / Lloyd), b = 1..8; beyond 8 bits each bit halves it.
+double gaussian_uniform_step(int bits) {
+  static const double kStep[9] = {0.0, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0568, 0.0307};
+  if (bits <= 8) return kStep[bits];
+  return kStep[8] * std::ldexp(1.0, 8 - bits);
+}
+
+float round_f16(float v) { return f16_to_f32(f32_to_f16(v)); }
+
+// Where a quantizer's codes start (code = floor(c / step + code_offset)) and
+// what code value reconstructs to 0 ((code - recon_offset) * step).
+float code_offset(const ComponentQuantizer& q) {
+  return q.half_offset ? float(q.levels / 2) : float(q.zero) + 0.5f;
+}
+float recon_offset(const ComponentQuantizer& q) {
+  return q.half_offset ? float(q.levels / 2) - 0.5f : float(q.zero);
+}
+
+int ceil_log2(uint32_t v) {
+  int b = 0;
+  while ((1u << b) < v) ++b;
+  return b;
+}
+
+// Empirical entropy (bits per symbol) of round(c / step) over n samples.
+double measured_entropy(const float* coeffs, int64_t n, int stride, double step,
+                        std::vector<uint32_t>& scratch) {
+  if (n == 0) return 0.0;
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = std::floor(coeffs[i * stride] / step + 0.5);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  const double span = hi - lo + 1;
+  if (span <= 1) return 0.0;
+  if (span > 1e6) return std::log2(double(n));  // pathological: treat as incompressible
+  scratch.assign(size_t(span), 0);
+  for (int64_t i = 0; i < n; ++i)
+    ++scratch[size_t(std::floor(coeffs[i * stride] / step + 0.5) - lo)];
+  double h = 0.0;
+  for (uint32_t c : scratch)
+    if (c) h -= double(c) * std::log2(double(c) / double(n));
+  return h / double(n);
+}
+
+// Projects x [n, D] on every stored axis of p (fit-time helper, all D rows).
+RowMatrix project_all(const float* x, int64_t n, int dim, const std::vector<float>& mean,
+                      const std::vector<float>& axes, int n_axes) {
+  ConstRowMap xm(x, n, dim);
+  Eigen::Map<const Eigen::RowVectorXf> mu(mean.data(), dim);
+  ConstRowMap basis(axes.data(), n_axes, dim);
+  RowMatrix centred = xm.rowwise() - mu;
+  return centred * basis.transpose();
+}
+
+}  // namespace
+
+const char* allocator_name(Allocator a) { return a == Allocator::kDp ? "dp" : "rate"; }
+
+const char* coder_name(CoderChoice c) {
+  switch (c) {
+    case CoderChoice::kRans: return "rans";
+    case CoderChoice::kHuffman: return "huffman";
+    case CoderChoice::kFixed: return "fixed";
+    case CoderChoice::kAuto: return "auto";
+  }
+  return "?";
+}
+
+HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>& mean,
+                    const std::vector<float>& components, const std::vector<double>& eigenvalues,
+                    const CodecOptions& options) {
+  if (n < 1 || dim < 1) throw Error(ErrorCode::kInvalidArgument, "kvtc fit needs tokens and dim >= 1");
+  HeadParams p;
+  p.dim = dim;
+  p.basis_bits = options.basis_bits;
+  p.eigenvalues = eigenvalues;
+  p.mean.resize(size_t(dim));
+  for (int d = 0; d < dim; ++d) p.mean[size_t(d)] = round_f16(mean[size_t(d)]);
+
+  // Round the whole basis as it would be stored, so the allocation and the
+  // quantizer ranges see the coefficients the encoder will really produce.
+  std::vector<float> stored_axes(components.size());
+  std::vector<float> axis_scale(size_t(dim), 0.0f);
+  if (options.basis_bits == 16) {
+    for (size_t i = 0; i < components.size(); ++i) stored_axes[i] = round_f16(components[i]);
+  } else {
+    // int8 rows with an f16 scale: scale = max|row| / 127.
+    for (int k = 0; k < dim; ++k) {
+      const float* row = &components[size_t(k) * size_t(dim)];
+      float amax = 0.0f;
+      for (int d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(row[d]));
+      const float scale = round_f16(amax / 127.0f);
+      axis_scale[size_t(k)] = scale;
+      for (int d = 0; d < dim; ++d)
+        stored_axes[size_t(k) * size_t(dim) + size_t(d)] =
+            scale == 0.0f ? 0.0f : float(std::clamp(std::nearbyint(row[d] / scale), -127.0f, 127.0f)) * scale;
+    }
+  }
+  RowMatrix coeffs = project_all(x, n, dim, p.mean, stored_axes, dim);  // [n, D]
+
+  std::vector<ComponentQuantizer> quant(static_cast<size_t>(dim));
+  p.bits.assign(size_t(dim), 0);
+  const int budget = options.bit_budget > 0 ? options.bit_budget : 4 * dim;
+
+  if (options.allocator == Allocator::kDp) {
+    std::vector<double> variances(static_cast<size_t>(dim));
+    for (int k = 0; k < dim; ++k) variances[size_t(k)] = std::max(0.0, eigenvalues[size_t(k)]);
+    const alloc::AllocationResult a = alloc::allocate_bits_dp(variances, budget, options.bit_choices, options.beta);
+    for (int k = 0; k < dim; ++k) {
+      const int b = a.bits[size_t(k)];
+      if (b == 0) continue;
+      const double sigma = std::sqrt(variances[size_t(k)]);
+      ComponentQuantizer& q = quant[size_t(k)];
+      q.levels = uint16_t(1u << b);
+      q.half_offset = true;
+      q.zero = uint16_t(q.levels / 2);
+      q.step = float(std::max(gaussian_uniform_step(b) * sigma, 1e-30));
+      p.bits[size_t(k)] = b;
+    }
+  } else {
+    // One step for all components (reverse water-filling for entropy-coded
+    // uniform quantizers): bisect log2(step) until the measured entropy of the
+    // fit codes meets the budget. Components whose codes are all 0 drop out.
+    std::vector<uint32_t> scratch;
+    auto rate_at = [&](double step) {
+      double bits = 0.0;
+      for (int k = 0; k < dim; ++k) bits += measured_entropy(coeffs.data() + k, n, dim, step, scratch);
+      return bits;
+    };
+    double max_abs = 0.0;
+    for (int64_t i = 0; i < coeffs.size(); ++i) max_abs = std::max(max_abs, double(std::fabs(coeffs.data()[i])));
+    if (max_abs == 0.0) max_abs = 1.0;
+    // Steps finer than max_abs / 2047 would need more than 4096 levels.
+    double lo = std::log2(max_abs / 2047.0), hi = std::log2(max_abs * 4.0);
+    for (int it = 0; it < 40; ++it) {
+      const double mid = 0.5 * (lo + hi);
+      if (rate_at(std::exp2(mid)) > budget) lo = mid; else hi = mid;
+    }
+    const double step = std::exp2(hi);
+    for (int k = 0; k < dim; ++k) {
+      float cmin = std::numeric_limits<float>::infinity(), cmax = -cmin;
+      for (int64_t i = 0; i < n; ++i) {
+        cmin = std::min(cmin, coeffs(i, k));
+        cmax = std::max(cmax, coeffs(i, k));
+      }
+      const double lo_code = std::floor(cmin / step + 0.5), hi_code = std::floor(cmax / step + 0.5);
+      const double levels = hi_code - lo_code + 1;
+      if (levels <= 1) continue;
+      ComponentQuantizer& q = quant[size_t(k)];
+      q.levels = uint16_t(std::min(levels, 4096.0));
+      q.zero = uint16_t(std::clamp(-lo_code, 0.0, double(q.levels - 1)));
+      q.half_offset = false;
+      q.step = float(step);
+      p.bits[size_t(k)] = ceil_log2(q.levels);
+    }
+  }
+
+  for (int k = 0; k < dim; ++k)
+    if (quant[size_t(k)].levels > 1) {
+      p.kept.push_back(uint16_t(k));
+      p.quant.push_back(quant[size_t(k)]);
+      p.row_scale.push_back(axis_scale[size_t(k)]);
+      p.basis.insert(p.basis.end(), stored_axes.begin() + int64_t(k) * dim,
+                     stored_axes.begin() + int64_t(k + 1) * dim);
+    }
+
+  // Entropy models: histograms of the fit tokens' codes, every symbol kept
+  // at a nonzero probability so later tokens always code.
+  const int kept = p.n_kept();
+  std::vector<uint16_t> codes(size_t(n) * size_t(kept));
+  p.coder = CoderChoice::kFixed;
+  quantize_block(p, x, n, codes.data());
+  std::vector<std::vector<uint64_t>> counts(static_cast<size_t>(kept));
+  for (int k = 0; k < kept; ++k) counts[size_t(k)].assign(p.quant[size_t(k)].levels, 0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int k = 0; k < kept; ++k) ++counts[size_t(k)][codes[size_t(i) * size_t(kept) + size_t(k)]];
+
+  p.fixed_widths.resize(size_t(kept));
+  for (int k = 0; k < kept; ++k) p.fixed_widths[size_t(k)] = uint8_t(ceil_log2(p.quant[size_t(k)].levels));
+
+  CoderChoice coder = options.coder;
+  if (coder == CoderChoice::kRans || coder == CoderChoice::kAuto) {
+    for (int k = 0; k < kept; ++k) p.rans_tables.push_back(entropy::FrequencyTable::from_counts(counts[size_t(k)]));
+  }
+  if (coder == CoderChoice::kHuffman || coder == CoderChoice::kAuto) {
+    for (int k = 0; k < kept; ++k) p.huffman_tables.push_back(entropy::huffman_build(counts[size_t(k)]));
+  }
+  if (coder == CoderChoice::kAuto) {
+    // Strictly smaller wins (tables included, as serialised), on the fit tokens.
+    auto total_bytes = [&](CoderChoice c) {
+      HeadParams trial = p;
+      trial.coder = c;
+      if (c != CoderChoice::kRans) trial.rans_tables.clear();
+      if (c != CoderChoice::kHuffman) trial.huffman_tables.clear();
+      trial.build_decoders();
+      return trial.serialized_size() + encode_block(trial, x, n).size();
+    };
+    const size_t fixed = total_bytes(CoderChoice::kFixed);
+    const size_t huff = total_bytes(CoderChoice::kHuffman);
+    const size_t rans = total_bytes(CoderChoice::kRans);
+    coder = CoderChoice::kFixed;
+    size_t best = fixed;
+    if (huff < best) { coder = CoderChoice::kHuffman; best = huff; }
+    if (rans < best) { coder = CoderChoice::kRans; best = rans; }
+  }
+  p.coder = coder;
+  if (coder != CoderChoice::kRans) p.rans_tables.clear();
+  if (coder != CoderChoice::kHuffman) p.huffman_tables.clear();
+  p.build_decoders();
+  return p;
+}
+
+void HeadParams::build_decoders() {
+  rans_decode.clear();
+  for (const auto& t : rans_tables) rans_decode.emplace_back(t);
+}
+
+// --- quantization: fast path (Eigen) and plain reference ------------------
+
+void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
+  const int kept = p.n_kept();
+  if (n == 0 || kept == 0) return;
+  RowMatrix coeffs = project_all(x, n, p.dim, p.mean, p.basis, kept);  // [n, K]
+  const size_t K = static_cast<size_t>(kept);
+  std::vector<float> inv_step(K), offset(K), max_code(K);
+  for (int k = 0; k < kept; ++k) {
+    inv_step[size_t(k)] = 1.0f / p.quant[size_t(k)].step;
+    offset[size_t(k)] = code_offset(p.quant[size_t(k)]);
+    max_code[size_t(k)] = float(p.quant[size_t(k)].levels - 1);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float* c = coeffs.data() + i * kept;
+    uint16_t* out = codes + i * kept;
+    for (int k = 0; k < kept; ++k) {
+      const float v = std::floor(c[k] * inv_step[size_t(k)] + offset[size_t(k)]);
+      out[k] = uint16_t(std::clamp(v, 0.0f, max_code[size_t(k)]));
+    }
+  }
+}
+
+void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
+  const int kept = p.n_kept();
+  const int dim = p.dim;
+  Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
+  RowMap xo(out, n, dim);
+  if (kept == 0) {
+    xo.rowwise() = mu;
+    return;
+  }
+  RowMatrix coeffs(n, kept);
+  const size_t K = static_cast<size_t>(kept);
+  std::vector<float> step(K), offset(K);
+  for (int k = 0; k < kept; ++k) {
+    step[size_t(k)] = p.quant[size_t(k)].step;
+    offset[size_t(k)] = recon_offset(p.quant[size_t(k)]);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t* c = codes + i * kept;
+    float* o = coeffs.data() + i * kept;
+    for (int k = 0; k < kept; ++k) o[k] = (float(c[k]) - offset[size_t(k)]) * step[size_t(k)];
+  }
+  ConstRowMap basis(p.basis.data(), kept, dim);
+  xo.noalias() = coeffs * basis;
+  xo.rowwise() += mu;
+}
+
+void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
+  const int kept = p.n_kept();
+  for (int64_t i = 0; i < n; ++i)
+    for (int k = 0; k < kept; ++k) {
+      double acc = 0.0;
+      for (int d = 0; d < p.dim; ++d)
+        acc += double(x[i * p.dim + d] - p.mean[size_t(d)]) * double(p.basis[size_t(k) * size_t(p.dim) + size_t(d)]);
+      const ComponentQuantizer& q = p.quant[size_t(k)];
+      const double v = std::floor(acc / double(q.step) + double(code_offset(q)));
+      codes[i * kept + k] = uint16_t(std::clamp(v, 0.0, double(q.levels - 1)));
+    }
+}
+
+void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
+  const int kept = p.n_kept();
+  for (int64_t i = 0; i < n; ++i)
+    for (int d = 0; d < p.dim; ++d) {
+      double acc = p.mean[size_t(d)];
+      for (int k = 0; k < kept; ++k) {
+        const ComponentQuantizer& q = p.quant[size_t(k)];
+        const double c = (double(codes[i * kept + k]) - double(recon_offset(q))) * double(q.step);
+        acc += c * double(p.basis[size_t(k) * size_t(p.dim) + size_t(d)]);
+      }
+      out[i * p.dim + d] = float(acc);
+    }
+}
+
+// --- entropy coding of a block ---------------------------------------------
+
+std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n) {
+  const int kept = p.n_kept();
+  std::vector<uint16_t> codes(size_t(n) * size_t(kept));
+  quantize_block(p, x, n, codes.data());
+  switch (p.coder) {
+    case CoderChoice::kRans: {
+      std::vector<const entropy::FrequencyTable*> tables;
+      for (const auto& t : p.rans_tables) tables.push_back(&t);
+      return entropy::rans_encode(codes.data(), size_t(n), size_t(kept), tables);
+    }
+    case CoderChoice::kHuffman: {
+      std::vector<const entropy::HuffmanTable*> tables;
+      for (const auto& t : p.huffman_tables) tables.push_back(&t);
+      return entropy::huffman_encode(codes.data(), size_t(n), size_t(kept), tables);
+    }
+    case CoderChoice::kFixed:
+    case CoderChoice::kAuto:
+      return entropy::pack_fixed(codes.data(), size_t(n), size_t(kept), p.fixed_widths);
+  }
+  return {};
+}
+
+void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out) {
+  const int kept = p.n_kept();
+  std::vector<uint16_t> codes(size_t(n) * size_t(kept));
+  switch (p.coder) {
+    case CoderChoice::kRans: {
+      std::vector<const entropy::RansDecodeTable*> tables;
+      for (const auto& t : p.rans_decode) tables.push_back(&t);
+      entropy::rans_decode(data, size, size_t(n), size_t(kept), tables, codes.data());
+      break;
+    }
+    case CoderChoice::kHuffman: {
+      std::vector<const entropy::HuffmanTable*> tables;
+      for (const auto& t : p.huffman_tables) tables.push_back(&t);
+      entropy::huffman_decode(data, size, size_t(n), size_t(kept), tables, codes.data());
+      break;
+    }
+    case CoderChoice::kFixed:
+    case CoderChoice::kAuto:
+      entropy::unpack_fixed(data, size, size_t(n), size_t(kept), p.fixed_widths, codes.data());
+      break;
+  }
+  // A decoder may hand back a code past a component's levels on corrupt input
+  // only if its table allowed it; clamp so reconstruction stays in range.
+  for (int64_t i = 0; i < n; ++i)
+    for (int k = 0; k < kept; ++k) {
+      uint16_t& c = codes[size_t(i) * size_t(kept) + size_t(k)];
+      if (c >= p.quant[size_t(k)].levels) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
+    }
+  dequantize_block(p, codes.data(), n, out);
+}
+
+// --- side information --------------------------------------------------------
+//
+// Layout (little-endian): u16 dim, u8 coder, u8 basis_bits, u16 K,
+// K x u16 kept index, D x f16 mean, basis (K x D f16, or K x (f16 scale +
+// D x i8)), K x (f32 step, u16 levels, u16 zero, u8 midrise), then the coder's
+// tables as one length-prefixed bit-packed blob.
+
+void HeadParams::serialize(ByteWriter& out) const {
+  out.u16(uint16_t(dim));
+  out.u8(uint8_t(coder));
+  out.u8(uint8_t(basis_bits));
+  out.u16(uint16_t(kept.size()));
+  for (uint16_t k : kept) out.u16(k);
+  for (float m : mean) out.u16(f32_to_f16(m));
+  const int K = n_kept();
+  for (int k = 0; k < K; ++k) {
+    const float* row = &basis[size_t(k) * size_t(dim)];
+    if (basis_bits == 16) {
+      for (int d = 0; d < dim; ++d) out.u16(f32_to_f16(row[d]));
+    } else {
+      // The stored rows are exactly scale * int8 (7 + 11 mantissa bits fit a float).
+      const float scale = row_scale[size_t(k)];
+      out.u16(f32_to_f16(scale));
+      for (int d = 0; d < dim; ++d)
+        out.u8(uint8_t(int8_t(scale == 0.0f ? 0.0f : std::nearbyint(row[d] / scale))));
+    }
+  }
+  for (const ComponentQuantizer& q : quant) {
+    out.f32(q.step);
+    out.u16(q.levels);
+    out.u16(q.zero);
+    out.u8(q.half_offset ? 1 : 0);
+  }
+  entropy::BitWriter tables;
+  if (coder == CoderChoice::kRans)
+    for (const auto& t : rans_tables) t.serialize(tables);
+  if (coder == CoderChoice::kHuffman)
+    for (const auto& t : huffman_tables) t.serialize(tables);
+  const std::vector<uint8_t> blob = tables.bytes();
+  out.u32(uint32_t(blob.size()));
+  out.bytes(blob.data(), blob.size());
+}
+
+size_t HeadParams::serialized_size() const {
+  ByteWriter w;
+  serialize(w);
+  return w.size();
+}
+
+HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim) {
+  HeadParams p;
+  p.dim = in.u16();
+  if (p.dim != expected_dim)
+    throw Error(ErrorCode::kFormat, "kvtc head params: dim " + std::to_string(p.dim) + ", expected " +
+                                        std::to_string(expected_dim));
+  const uint8_t coder = in.u8();
+  if (coder > uint8_t(CoderChoice::kFixed)) throw Error(ErrorCode::kFormat, "kvtc head params: bad coder id");
+  p.coder = CoderChoice(coder);
+  p.basis_bits = in.u8();
+  if (p.basis_bits != 16 && p.basis_bits != 8) throw Error(ErrorCode::kFormat, "kvtc head params: bad basis_bits");
+  const int K = in.u16();
+  if (K > p.dim) throw Error(ErrorCode::kFormat, "kvtc head params: more kept components than dim");
+  for (int k = 0; k < K; ++k) {
+    const uint16_t idx = in.u16();
+    if (idx >= p.dim || (k > 0 && idx <= p.kept.back()))
+      throw Error(ErrorCode::kFormat, "kvtc head params: kept component indices not ascending in range");
+    p.kept.push_back(idx);
+  }
+  p.mean.resize(size_t(p.dim));
+  for (int d = 0; d < p.dim; ++d) p.mean[size_t(d)] = f16_to_f32(in.u16());
+  p.basis.resize(size_t(K) * size_t(p.dim));
+  for (int k = 0; k < K; ++k) {
+    float* row = &p.basis[size_t(k) * size_t(p.dim)];
+    if (p.basis_bits == 16) {
+      for (int d = 0; d < p.dim; ++d) row[d] = f16_to_f32(in.u16());
+    } else {
+      const float scale = f16_to_f32(in.u16());
+      if (!std::isfinite(scale)) throw Error(ErrorCode::kFormat, "kvtc head params: non-finite basis scale");
+      p.row_scale.push_back(scale);
+      for (int d = 0; d < p.dim; ++d) row[d] = float(int8_t(in.u8())) * scale;
+    }
+  }
+  for (int k = 0; k < K; ++k) {
+    ComponentQuantizer q;
+    q.step = in.f32();
+    q.levels = in.u16();
+    q.zero = in.u16();
+    const uint8_t mid = in.u8();
+    if (!(std::isfinite(q.step) && q.step > 0.0f) || q.levels < 2 || q.levels > 4096 || q.zero >= q.levels || mid > 1)
+      throw Error(ErrorCode::kFormat, "kvtc head params: bad quantizer of component " + std::to_string(k));
+    q.half_offset = mid == 1;
+    p.quant.push_back(q);
+    p.fixed_widths.push_back(uint8_t(ceil_log2(q.levels)));
+    p.bits.push_back(ceil_log2(q.levels));
+  }
+  const uint32_t blob_size = in.u32();
+  const uint8_t* blob = in.bytes(blob_size).data();
+  entropy::BitReader tables(blob, blob_size);
+  if (p.coder == CoderChoice::kRans)
+    for (int k = 0; k < K; ++k) p.rans_tables.push_back(entropy::FrequencyTable::deserialize(tables, p.quant[size_t(k)].levels));
+  if (p.coder == CoderChoice::kHuffman)
+    for (int k = 0; k < K; ++k) p.huffman_tables.push_back(entropy::HuffmanTable::deserialize(tables, p.quant[size_t(k)].levels));
+  for (int k = 0; k < K; ++k) {
+    const uint32_t alphabet = p.coder == CoderChoice::kRans      ? p.rans_tables[size_t(k)].alphabet_size
+                              : p.coder == CoderChoice::kHuffman ? p.huffman_tables[size_t(k)].alphabet_size
+                                                                 : p.quant[size_t(k)].levels;
+    if (alphabet != p.quant[size_t(k)].levels)
+      throw Error(ErrorCode::kFormat, "kvtc head params: table of component " + std::to_string(k) +
+                                          " does not match its quantizer");
+  }
+  p.build_decoders();
+  return p;
+}
+
+}  // namespace kvcodec::kvtc

@@ -1,0 +1,102 @@
+// KVTC: transform coding of one head's vectors (DESIGN 4).
+//
+// Pipeline per head and tensor (K or V): centre -> project on a PCA basis ->
+// allocate bits per principal component -> quantize -> entropy-code.
+// fit_head() freezes every parameter from the fit tokens; encode_block() and
+// decode_block() are stateless given those parameters, so a token's codes
+// never change after it is written.
+//
+// Shapes: one head's tokens are [n, D] row-major (D = head_dim); a block's
+// codes are [n, K] with K = kept components (those with a nonzero width).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "entropy/entropy.hpp"
+#include "kvcodec/container.hpp"
+
+namespace kvcodec::kvtc {
+
+enum class Allocator : uint8_t {
+  kDp = 0,    // exact DP over bit_choices on the beta distortion model (the seeds')
+  kRate = 1,  // one quantizer step for every component, chosen on measured entropy
+};
+
+enum class CoderChoice : uint8_t { kRans = 0, kHuffman = 1, kFixed = 2, kAuto = 3 };
+
+const char* allocator_name(Allocator a);
+const char* coder_name(CoderChoice c);
+
+struct CodecOptions {
+  int bit_budget = 0;                          // payload bits per token; 0 -> 4 * D
+  std::vector<int> bit_choices{0, 1, 2, 3, 4, 6, 8};
+  double beta = 3.5;                           // distortion model d(v, b) = v * beta^-b
+  Allocator allocator = Allocator::kDp;
+  CoderChoice coder = CoderChoice::kRans;
+  int basis_bits = 16;                         // 16: f16 basis; 8: int8 rows with an f16 scale
+};
+
+// One kept principal component: its uniform quantizer. code = clamp(round(c /
+// step) + zero, 0, levels - 1); reconstruction (code - zero) * step.
+struct ComponentQuantizer {
+  float step = 1.0f;
+  uint16_t levels = 1;
+  uint16_t zero = 0;  // code of the reconstruction point nearest to 0 (may be fractional: see half_offset)
+  bool half_offset = false;  // midrise grid: reconstruction points at (code - zero + 0.5) * step
+};
+
+// Frozen parameters of one head for one tensor.
+struct HeadParams {
+  int dim = 0;
+  CoderChoice coder = CoderChoice::kFixed;  // never kAuto once fitted
+  int basis_bits = 16;
+  std::vector<float> mean;                  // [D], as stored (f16-rounded)
+  std::vector<uint16_t> kept;               // indices of kept components, ascending
+  std::vector<float> basis;                 // [K, D] rows of kept axes, as stored
+  std::vector<float> row_scale;             // [K] f16 scale of each int8 row (basis_bits == 8)
+  std::vector<ComponentQuantizer> quant;    // [K]
+  std::vector<entropy::FrequencyTable> rans_tables;   // [K] when coder == kRans
+  std::vector<entropy::HuffmanTable> huffman_tables;  // [K] when coder == kHuffman
+  std::vector<uint8_t> fixed_widths;                  // [K] when coder == kFixed
+
+  // Not stored: what the fit saw, for telemetry and bounds.
+  std::vector<double> eigenvalues;          // [D] descending
+  std::vector<int> bits;                    // [D] allocated width (dp) or ceil(log2 levels)
+
+  int n_kept() const { return int(kept.size()); }
+
+  // Side information exactly as serialised.
+  void serialize(ByteWriter& out) const;
+  static HeadParams deserialize(ByteReader& in, int expected_dim);
+  size_t serialized_size() const;
+
+  // Decoder tables built once after fit/deserialize (not serialised).
+  std::vector<entropy::RansDecodeTable> rans_decode;
+  void build_decoders();
+};
+
+// Fits one head from x [n, D] (row-major) given its PCA (eigen-sorted axes).
+// components is [D, D] row-major, row k = k-th axis; mean [D]; eigenvalues [D].
+HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>& mean,
+                    const std::vector<float>& components, const std::vector<double>& eigenvalues,
+                    const CodecOptions& options);
+
+// Encodes n tokens x [n, D] into bytes (payload only; the caller frames it).
+std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n);
+
+// Decodes bytes of n tokens into out [n, D]. Throws Error(kFormat) on bad bytes.
+void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out);
+
+// The integer codes of a block, before entropy coding ([n, K] row-major), and
+// back: the two halves of encode/decode, exposed for tests and rate studies.
+void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
+void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
+
+// Plain-loop reference of quantize_block + dequantize_block (projection and
+// reconstruction by naive loops), for testing the fast path.
+void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
+void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
+
+}  // namespace kvcodec::kvtc

@@ -1,0 +1,208 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "kvcodec/container.hpp"
+#include "kvcodec/error.hpp"
+#include "kvtc/codec.hpp"
+#include "linalg/pca.hpp"
+
+using namespace kvcodec;
+using namespace kvcodec::kvtc;
+
+namespace {
+
+// Correlated vectors: a decaying spectrum mixed by a random rotation, plus an offset.
+std::vector<float> correlated(int64_t n, int dim, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> mix(size_t(dim * dim));
+  for (auto& m : mix) m = g(rng) / std::sqrt(float(dim));
+  std::vector<float> x(size_t(n * dim));
+  std::vector<float> z(static_cast<size_t>(dim));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int k = 0; k < dim; ++k) z[size_t(k)] = g(rng) * 4.0f * std::exp(-0.12f * float(k));
+    for (int d = 0; d < dim; ++d) {
+      float acc = 0.3f * float(d % 5);
+      for (int k = 0; k < dim; ++k) acc += mix[size_t(d * dim + k)] * z[size_t(k)];
+      x[size_t(i * dim + d)] = acc;
+    }
+  }
+  return x;
+}
+
+double rel_mse(const std::vector<float>& a, const std::vector<float>& b) {
+  double e = 0, r = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    e += double(a[i] - b[i]) * (a[i] - b[i]);
+    r += double(a[i]) * a[i];
+  }
+  return e / r;
+}
+
+HeadParams fit(const std::vector<float>& x, int64_t n, int dim, const CodecOptions& o) {
+  const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
+  return fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
+}
+
+struct Case {
+  Allocator allocator;
+  CoderChoice coder;
+  int basis_bits;
+};
+
+class CodecRoundTrip : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CodecRoundTrip, DecodeMatchesDequantizedCodesAndSerialisesExactly) {
+  const int dim = 32;
+  const int64_t n = 256;
+  // Fit on the first n tokens, code 64 later tokens of the same distribution.
+  const auto all = correlated(n + 64, dim, 7);
+  const std::vector<float> x(all.begin(), all.begin() + n * dim);
+  const std::vector<float> y(all.begin() + n * dim, all.end());
+  CodecOptions o;
+  o.allocator = GetParam().allocator;
+  o.coder = GetParam().coder;
+  o.basis_bits = GetParam().basis_bits;
+  o.bit_budget = 3 * dim;
+  const HeadParams p = fit(x, n, dim, o);
+  ASSERT_GT(p.n_kept(), 0);
+  EXPECT_NE(p.coder, CoderChoice::kAuto);
+
+  // New tokens, coded with the frozen parameters.
+  const std::vector<uint8_t> bytes = encode_block(p, y.data(), 64);
+  std::vector<float> decoded(y.size());
+  decode_block(p, bytes.data(), bytes.size(), 64, decoded.data());
+
+  std::vector<uint16_t> codes(size_t(64 * p.n_kept()));
+  quantize_block(p, y.data(), 64, codes.data());
+  std::vector<float> expect(y.size());
+  dequantize_block(p, codes.data(), 64, expect.data());
+  EXPECT_EQ(decoded, expect);
+  EXPECT_LT(rel_mse(y, decoded), 0.05);
+
+  // Side information round-trips to identical decoding.
+  ByteWriter w;
+  p.serialize(w);
+  EXPECT_EQ(w.size(), p.serialized_size());
+  const std::vector<uint8_t> side = w.take();
+  ByteReader r(side.data(), side.size());
+  const HeadParams q = HeadParams::deserialize(r, dim);
+  EXPECT_TRUE(r.at_end());
+  std::vector<float> decoded2(y.size());
+  decode_block(q, bytes.data(), bytes.size(), 64, decoded2.data());
+  EXPECT_EQ(decoded, decoded2);
+  EXPECT_EQ(encode_block(q, y.data(), 64), bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CodecRoundTrip,
+                         ::testing::Values(Case{Allocator::kDp, CoderChoice::kRans, 16},
+                                           Case{Allocator::kDp, CoderChoice::kHuffman, 16},
+                                           Case{Allocator::kDp, CoderChoice::kFixed, 16},
+                                           Case{Allocator::kDp, CoderChoice::kAuto, 8},
+                                           Case{Allocator::kRate, CoderChoice::kRans, 16},
+                                           Case{Allocator::kRate, CoderChoice::kAuto, 8}));
+
+TEST(Codec, FastPathMatchesReference) {
+  const int dim = 64;
+  const int64_t n = 300;
+  const auto x = correlated(n, dim, 11);
+  for (Allocator a : {Allocator::kDp, Allocator::kRate}) {
+    CodecOptions o;
+    o.allocator = a;
+    const HeadParams p = fit(x, n, dim, o);
+    std::vector<uint16_t> fast(size_t(n * p.n_kept())), ref(fast.size());
+    quantize_block(p, x.data(), n, fast.data());
+    quantize_block_reference(p, x.data(), n, ref.data());
+    // Float sums in a different order may flip a code sitting on a cell edge.
+    size_t differ = 0;
+    for (size_t i = 0; i < fast.size(); ++i) {
+      EXPECT_LE(std::abs(int(fast[i]) - int(ref[i])), 1);
+      differ += fast[i] != ref[i];
+    }
+    EXPECT_LT(differ, fast.size() / 1000 + 2);
+    std::vector<float> out_fast(size_t(n * dim)), out_ref(out_fast.size());
+    dequantize_block(p, fast.data(), n, out_fast.data());
+    dequantize_block_reference(p, fast.data(), n, out_ref.data());
+    for (size_t i = 0; i < out_fast.size(); ++i) EXPECT_NEAR(out_fast[i], out_ref[i], 1e-4 * (1 + std::fabs(out_ref[i])));
+  }
+}
+
+TEST(Codec, MoreBudgetLessError) {
+  const int dim = 64;
+  const int64_t n = 512;
+  const auto x = correlated(n, dim, 3);
+  for (Allocator a : {Allocator::kDp, Allocator::kRate}) {
+    double last = 1e9;
+    size_t last_bytes = 0;
+    for (int budget : {32, 64, 128, 256}) {
+      CodecOptions o;
+      o.allocator = a;
+      o.bit_budget = budget;
+      const HeadParams p = fit(x, n, dim, o);
+      const auto bytes = encode_block(p, x.data(), n);
+      std::vector<float> y(x.size());
+      decode_block(p, bytes.data(), bytes.size(), n, y.data());
+      const double e = rel_mse(x, y);
+      EXPECT_LT(e, last) << allocator_name(a) << " budget " << budget;
+      EXPECT_GT(bytes.size(), last_bytes);
+      // The payload stays near the budget (rate: measured entropy; dp: at most the budget).
+      EXPECT_LT(double(bytes.size()) * 8.0 / double(n), budget * 1.15 + 40.0);
+      last = e;
+      last_bytes = bytes.size();
+    }
+  }
+}
+
+TEST(Codec, CorruptSideInformationIsRejected) {
+  const int dim = 16;
+  const auto x = correlated(128, dim, 5);
+  const HeadParams p = fit(x, 128, dim, CodecOptions{});
+  ByteWriter w;
+  p.serialize(w);
+  const std::vector<uint8_t> good = w.take();
+  // Truncation anywhere must throw a kvcodec::Error, never crash.
+  for (size_t len = 0; len < good.size(); ++len) {
+    ByteReader r(good.data(), len);
+    EXPECT_THROW(HeadParams::deserialize(r, dim), Error) << len;
+  }
+  // Wrong dimension is named.
+  ByteReader r(good.data(), good.size());
+  try {
+    HeadParams::deserialize(r, dim + 1);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dim"), std::string::npos);
+  }
+  // Random byte flips: error or a well-formed result, never a crash.
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<uint8_t> bad = good;
+    bad[rng() % bad.size()] ^= uint8_t(1 + rng() % 255);
+    try {
+      ByteReader rr(bad.data(), bad.size());
+      HeadParams q = HeadParams::deserialize(rr, dim);
+      const auto bytes = encode_block(p, x.data(), 16);
+      std::vector<float> out(size_t(16 * dim));
+      decode_block(q, bytes.data(), bytes.size(), 16, out.data());
+    } catch (const Error&) {
+    }
+  }
+}
+
+TEST(Codec, DropsEverythingAtZeroBudgetGracefully) {
+  const int dim = 8;
+  const auto x = correlated(64, dim, 2);
+  CodecOptions o;
+  o.bit_budget = 1;
+  o.bit_choices = {0, 2};
+  const HeadParams p = fit(x, 64, dim, o);
+  EXPECT_EQ(p.n_kept(), 0);
+  const auto bytes = encode_block(p, x.data(), 64);
+  std::vector<float> y(x.size());
+  decode_block(p, bytes.data(), bytes.size(), 64, y.data());
+  for (int d = 0; d < dim; ++d) EXPECT_FLOAT_EQ(y[size_t(d)], p.mean[size_t(d)]);
+}
+
+}  // namespace
