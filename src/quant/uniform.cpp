@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <numbers>
 #include <string>
 
 #include "kvcodec/error.hpp"
@@ -102,6 +104,72 @@ UniformQuantizer make_step_quantizer(float step, float lo, float hi, float centr
   q.hi = static_cast<float>(centre + (kmax + 0.5) * static_cast<double>(step));
   validate(q);
   return q;
+}
+
+namespace {
+// Gaussian partial moments over [a, b] (infinite ends allowed):
+// m0 = P(a < X < b), m1 = E[X; a<X<b], m2 = E[X^2; a<X<b].
+double pdf(double x) { return std::isinf(x) ? 0.0 : std::exp(-0.5 * x * x) / std::sqrt(2.0 * std::numbers::pi); }
+double cdf(double x) { return 0.5 * std::erfc(-x / std::sqrt(2.0)); }
+double x_pdf(double x) { return std::isinf(x) ? 0.0 : x * pdf(x); }
+}  // namespace
+
+double gaussian_uniform_mse(int bits, double step) {
+  if (bits < 1 || bits > kMaxBits || !(step > 0.0) || !std::isfinite(step)) {
+    invalid("gaussian_uniform_mse: bits = " + std::to_string(bits) + " (must be 1..12), step = " +
+            fstr(step) + " (must be finite and > 0)");
+  }
+  const int levels = 1 << bits;
+  const double inf = std::numeric_limits<double>::infinity();
+  double mse = 0.0;
+  for (int k = 0; k < levels; ++k) {
+    const double c = (k - 0.5 * (levels - 1)) * step;  // cell centre
+    const double a = k == 0 ? -inf : c - 0.5 * step;
+    const double b = k == levels - 1 ? inf : c + 0.5 * step;
+    const double m0 = cdf(b) - cdf(a);
+    const double m1 = pdf(a) - pdf(b);
+    const double m2 = m0 - (x_pdf(b) - x_pdf(a));
+    mse += m2 - 2.0 * c * m1 + c * c * m0;
+  }
+  return mse;
+}
+
+double gaussian_optimal_step(int bits) {
+  if (bits < 1 || bits > kMaxBits) {
+    invalid("gaussian_optimal_step: bits = " + std::to_string(bits) + ", must be in [1, 12]");
+  }
+  // The MSE is unimodal in the step: granular error grows, overload shrinks.
+  double a = 1e-4, b = 4.0;
+  const double r = 0.5 * (std::sqrt(5.0) - 1.0);
+  double x1 = b - r * (b - a), x2 = a + r * (b - a);
+  double f1 = gaussian_uniform_mse(bits, x1), f2 = gaussian_uniform_mse(bits, x2);
+  for (int it = 0; it < 200 && b - a > 1e-12; ++it) {
+    if (f1 < f2) {
+      b = x2; x2 = x1; f2 = f1;
+      x1 = b - r * (b - a); f1 = gaussian_uniform_mse(bits, x1);
+    } else {
+      a = x1; x1 = x2; f1 = f2;
+      x2 = a + r * (b - a); f2 = gaussian_uniform_mse(bits, x2);
+    }
+  }
+  return 0.5 * (a + b);
+}
+
+UniformQuantizer make_gaussian_quantizer(float sigma, int bits, float centre) {
+  if (!std::isfinite(sigma) || sigma < 0.0f || !std::isfinite(centre)) {
+    invalid("make_gaussian_quantizer: sigma = " + fstr(sigma) + ", centre = " + fstr(centre) +
+            "; sigma must be finite and >= 0, centre finite");
+  }
+  if (bits < 0 || bits > kMaxBits) {
+    invalid("make_gaussian_quantizer: bits = " + std::to_string(bits) + ", must be in [0, 12]");
+  }
+  if (bits == 0 || sigma == 0.0f) {
+    UniformQuantizer q;
+    q.lo = q.hi = centre;
+    return q;
+  }
+  const double half = std::ldexp(gaussian_optimal_step(bits), bits - 1) * sigma;
+  return make_range_quantizer(static_cast<float>(centre - half), static_cast<float>(centre + half), bits);
 }
 
 void quantize_block_reference(const UniformQuantizer* q, int cols, const float* x, int64_t n,

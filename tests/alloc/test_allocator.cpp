@@ -100,11 +100,11 @@ TEST(AllocDp, MonotoneInBudgetAndLargeProblemsAreFast) {
   // Full budget: every component gets 8 bits.
   auto full = allocate_bits_dp(v, 8 * 256);
   for (int b : full.bits) EXPECT_EQ(b, 8);
-  // Default 4*D budget for D = 1024 components (the calibrated layer size).
-  std::vector<double> big(1024);
+  // Default 4*D budget for a calibrated layer of H*D = 512 components.
+  std::vector<double> big(512);
   for (size_t i = 0; i < big.size(); ++i) big[i] = std::exp(-0.01 * double(i));
-  auto r = allocate_bits_dp(big, 4 * 1024);
-  EXPECT_LE(r.total_bits, 4 * 1024);
+  auto r = allocate_bits_dp(big, 4 * 512);
+  EXPECT_LE(r.total_bits, 4 * 512);
   // Higher-variance components never get fewer bits than lower ones here.
   for (size_t i = 1; i < r.bits.size(); ++i) EXPECT_GE(r.bits[i - 1], r.bits[i]) << i;
 }

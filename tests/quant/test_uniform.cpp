@@ -230,3 +230,45 @@ TEST(Uniform, SerialisationRoundTripAndMalformed) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Uniform, GaussianOptimalStepMatchesMaxTable) {
+  // Max (1960), optimum uniform quantizers for a unit Gaussian.
+  const double step[] = {1.596, 0.9957, 0.5860, 0.3352};
+  const double mse[] = {0.3634, 0.1188, 0.03744, 0.01154};
+  for (int b = 1; b <= 4; ++b) {
+    const double s = gaussian_optimal_step(b);
+    EXPECT_NEAR(s, step[b - 1], 2e-3) << b;
+    EXPECT_NEAR(gaussian_uniform_mse(b, s), mse[b - 1], 2e-3 * mse[b - 1] + 1e-5) << b;
+    // A minimum: nearby steps are worse.
+    EXPECT_LT(gaussian_uniform_mse(b, s), gaussian_uniform_mse(b, s * 1.05));
+    EXPECT_LT(gaussian_uniform_mse(b, s), gaussian_uniform_mse(b, s * 0.95));
+  }
+  // Steps shrink with bits; at 8 bits the MSE is close to step^2/12.
+  for (int b = 2; b <= 8; ++b) EXPECT_LT(gaussian_optimal_step(b), gaussian_optimal_step(b - 1));
+  const double s8 = gaussian_optimal_step(8);
+  EXPECT_NEAR(gaussian_uniform_mse(8, s8), s8 * s8 / 12, 0.2 * s8 * s8 / 12);
+  // The quantizer built from it beats the sample-extremes range on Gaussian data.
+  std::mt19937 rng(8);
+  std::normal_distribution<float> g(0.0f, 2.0f);
+  std::vector<float> x(20000);
+  for (auto& v : x) v = g(rng);
+  const float lo = *std::min_element(x.begin(), x.end()), hi = *std::max_element(x.begin(), x.end());
+  for (int b = 1; b <= 4; ++b) {
+    const auto qg = make_gaussian_quantizer(2.0f, b);
+    const auto qr = make_range_quantizer(lo, hi, b);
+    double eg = 0, er = 0;
+    for (float v : x) {
+      eg += std::pow(qg.dequantize(qg.quantize(v)) - v, 2);
+      er += std::pow(qr.dequantize(qr.quantize(v)) - v, 2);
+    }
+    EXPECT_LT(eg, er) << b;
+    EXPECT_NEAR(eg / x.size() / 4.0, mse[b - 1], 0.05 * mse[b - 1]) << b;
+  }
+  EXPECT_EQ(make_gaussian_quantizer(2.0f, 0, 0.5f).dequantize(0), 0.5f);
+  EXPECT_THROW(make_gaussian_quantizer(-1.0f, 2), Error);
+  EXPECT_THROW(gaussian_optimal_step(0), Error);
+}
+
+}  // namespace
