@@ -1,0 +1,278 @@
+// PALU stream (DESIGN 5): low-rank latents per head group, mixed-bit quantized.
+//
+// Before the fit, tokens are raw (counted). The first append that brings at
+// least min_fit_tokens tokens fits one projection per head group from every
+// token held (all batches), freezes it, and moves those tokens into latents;
+// later tokens are projected on arrival. Latents wait as f16 in a per-group
+// tail until group_size tokens are there, then the token group is quantized
+// (asymmetric per channel, hi/lo widths) and never touched again.
+//
+// Layout of a head group's latents, token-major [t, rows, rank]:
+//   shared: rows = B * g (one row per batch and head), the projection maps D;
+//   joint:  rows = B, the projection maps the g heads concatenated (g * D).
+//
+// Stored, in order: u8 fitted; if not fitted, the raw tokens; else per head
+// group: its projection (dims, widths, f16 basis), its quantized token groups
+// and its f16 tail. The number of token groups is total / group_size
+// (quantize=true) or 0 (quantize=false: every latent stays f16).
+#include <algorithm>
+#include <cstring>
+
+#include "cache/streams.hpp"
+
+namespace kvcodec::cache_impl {
+namespace {
+
+class PaluStream final : public TokenStream {
+ public:
+  explicit PaluStream(const PaluOptions& opt) : opt_(opt) {}
+
+  void start(const StreamShape& s) override {
+    shape_ = s;
+    raw_.reset(s.rows(), s.dim, s.storage);
+    fitted_ = false;
+    blocks_ = 0;
+    tail_tokens_ = 0;
+    groups_.clear();
+    for (auto [first, count] : palu::split_head_groups(int(s.heads), opt_.n_head_groups)) {
+      Group g;
+      g.first_head = first;
+      g.n_heads = count;
+      g.rows = opt_.joint ? s.batch : s.batch * count;
+      g.dim = opt_.joint ? int(count * s.dim) : int(s.dim);
+      groups_.push_back(std::move(g));
+    }
+  }
+
+  void append(const float* x, int64_t n) override {
+    if (!fitted_) {
+      raw_.push_back(x, n);
+      if (raw_.tokens() >= opt_.min_fit_tokens) fit();
+      return;
+    }
+    encode_tokens(x, n);
+  }
+
+  void decode(int64_t first, int64_t n, float* out) const override {
+    const int64_t rows = shape_.rows(), dim = shape_.dim;
+    if (!fitted_) {
+      std::vector<float> buf(static_cast<size_t>(n * rows * dim));
+      raw_.read(first, n, buf.data());
+      scatter_tokens(buf.data(), n, rows, dim, out, n, 0);
+      return;
+    }
+    const int64_t q_tokens = blocks_ * opt_.group_size;
+    std::vector<float> lat;
+    for (const Group& g : groups_) {
+      const int64_t lat_tok = g.rows * g.proj.rank;
+      int64_t t = first;
+      const int64_t end = first + n;
+      while (t < end && t < q_tokens) {
+        const int64_t b = t / opt_.group_size;
+        lat.resize(size_t(opt_.group_size * lat_tok));
+        palu::decode_latent_group(g.proj, g.blobs.data() + size_t(b) * g.blob_bytes, g.blob_bytes, g.rows,
+                                  opt_.group_size, lat.data());
+        const int64_t hi = std::min(end, (b + 1) * opt_.group_size);
+        for (; t < hi; ++t) reconstruct(g, lat.data() + (t - b * opt_.group_size) * lat_tok, out, n, t - first);
+      }
+      std::vector<float> z(static_cast<size_t>(lat_tok));
+      for (; t < end; ++t) {
+        convert(g.tail.data() + size_t(t - q_tokens) * lat_tok, DType::kF16, z.data(), DType::kF32, size_t(lat_tok));
+        reconstruct(g, z.data(), out, n, t - first);
+      }
+    }
+  }
+
+  void trim_to(int64_t total) override {
+    if (!fitted_) {
+      raw_.truncate(total);
+      return;
+    }
+    // A cut inside a quantized token group returns that group's latents to
+    // the f16 tail (their dequantized values), keeping groups aligned to 0.
+    std::vector<float> lat;
+    while (total < blocks_ * opt_.group_size) {
+      --blocks_;
+      for (Group& g : groups_) {
+        const int64_t lat_tok = g.rows * g.proj.rank;
+        lat.resize(size_t(opt_.group_size * lat_tok));
+        palu::decode_latent_group(g.proj, g.blobs.data() + size_t(blocks_) * g.blob_bytes, g.blob_bytes, g.rows,
+                                  opt_.group_size, lat.data());
+        std::vector<uint16_t> head(lat.size());
+        convert(lat.data(), DType::kF32, head.data(), DType::kF16, lat.size());
+        g.tail.insert(g.tail.begin(), head.begin(), head.end());
+        g.blobs.resize(size_t(blocks_) * g.blob_bytes);
+      }
+      tail_tokens_ += opt_.group_size;
+    }
+    const int64_t keep = std::min(tail_tokens_, total - blocks_ * opt_.group_size);
+    for (Group& g : groups_) g.tail.resize(size_t(keep * g.rows * g.proj.rank));
+    tail_tokens_ = keep;
+  }
+
+  int64_t tokens() const override { return fitted_ ? blocks_ * opt_.group_size + tail_tokens_ : raw_.tokens(); }
+
+  uint64_t stored_bytes() const override {
+    uint64_t n = 1;
+    if (!fitted_) return n + raw_.bytes();
+    for (const Group& g : groups_) n += g.proj.serialized_size() + g.blobs.size() + 2 * g.tail.size();
+    return n;
+  }
+
+  void save(ByteWriter& w) const override {
+    w.u8(fitted_ ? 1 : 0);
+    if (!fitted_) {
+      raw_.serialize(w);
+      return;
+    }
+    for (const Group& g : groups_) {
+      g.proj.serialize(w.out);
+      w.bytes(g.blobs.data(), g.blobs.size());
+      w.bytes(g.tail.data(), 2 * g.tail.size());
+    }
+  }
+
+  void load(ByteReader& r, int64_t tokens) override {
+    const uint8_t fitted = r.u8();
+    if (fitted > 1) throw Error(ErrorCode::kFormat, r.what() + ": PALU fitted flag " + std::to_string(fitted));
+    if (!fitted) {
+      raw_.deserialize(r, tokens);
+      return;
+    }
+    fitted_ = true;
+    blocks_ = opt_.quantize ? tokens / opt_.group_size : 0;
+    tail_tokens_ = tokens - blocks_ * opt_.group_size;
+    for (Group& g : groups_) {
+      size_t pos = r.position();
+      g.proj = palu::Projection::deserialize(r.data(), r.size(), pos, g.dim);
+      r.take(pos - r.position());
+      g.blob_bytes = palu::latent_group_bytes(g.proj, g.rows, opt_.group_size);
+      const uint64_t nb = checked_mul(uint64_t(blocks_), g.blob_bytes, "PALU token groups");
+      const uint8_t* p = r.take(size_t(nb));
+      g.blobs.assign(p, p + nb);
+      const uint64_t nt = checked_mul(checked_mul(uint64_t(tail_tokens_), uint64_t(g.rows), "PALU tail"),
+                                      uint64_t(g.proj.rank), "PALU tail");
+      const uint8_t* q = r.take(size_t(checked_mul(nt, 2, "PALU tail")));
+      g.tail.resize(size_t(nt));
+      std::memcpy(g.tail.data(), q, size_t(nt) * 2);
+    }
+  }
+
+  void add_extras(const std::string& prefix, std::map<std::string, double>& e) const override {
+    if (!fitted_) return;
+    double proj = 0.0, bits = 0.0, channels = 0.0;
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      const Group& g = groups_[i];
+      proj += double(g.proj.serialized_size());
+      e[prefix + "rank." + std::to_string(i)] = g.proj.rank;
+      bits += (opt_.quantize ? g.proj.average_bits() : 16.0) * g.proj.rank * g.rows;
+      channels += g.proj.rank * g.rows;
+    }
+    e[prefix + "projection_bytes"] = proj;
+    e[prefix + "assigned_avg_bits"] = channels > 0 ? bits / channels : 0.0;
+  }
+
+ private:
+  struct Group {
+    int first_head = 0, n_heads = 0;
+    int64_t rows = 0;
+    int dim = 0;
+    palu::Projection proj;
+    size_t blob_bytes = 0;
+    std::vector<uint8_t> blobs;   // quantized token groups, blob_bytes each
+    std::vector<uint16_t> tail;   // f16 latents [tail_tokens, rows, rank]
+  };
+
+  // x [n, R, D] -> latents of each head group, appended to the tails.
+  void encode_tokens(const float* x, int64_t n) {
+    const int64_t H = shape_.heads, D = shape_.dim;
+    std::vector<float> z;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* tok = x + t * shape_.rows() * D;
+      for (Group& g : groups_) {
+        const int r = g.proj.rank;
+        z.resize(size_t(g.rows * r));
+        for (int64_t b = 0; b < shape_.batch; ++b) {
+          if (opt_.joint) {
+            // The group's heads of batch b are adjacent rows: one (g*D) vector.
+            g.proj.project(tok + (b * H + g.first_head) * D, z.data() + b * r);
+          } else {
+            for (int h = 0; h < g.n_heads; ++h)
+              g.proj.project(tok + (b * H + g.first_head + h) * D, z.data() + (b * g.n_heads + h) * r);
+          }
+        }
+        const size_t old = g.tail.size();
+        g.tail.resize(old + z.size());
+        convert(z.data(), DType::kF32, g.tail.data() + old, DType::kF16, z.size());
+      }
+      ++tail_tokens_;
+      if (opt_.quantize && tail_tokens_ == opt_.group_size) flush_group();
+    }
+  }
+
+  void flush_group() {
+    std::vector<float> lat;
+    for (Group& g : groups_) {
+      lat.resize(g.tail.size());
+      convert(g.tail.data(), DType::kF16, lat.data(), DType::kF32, lat.size());
+      palu::encode_latent_group(g.proj, lat.data(), g.rows, opt_.group_size, g.blobs);
+      g.tail.clear();
+    }
+    ++blocks_;
+    tail_tokens_ = 0;
+  }
+
+  void reconstruct(const Group& g, const float* z, float* out, int64_t n, int64_t at) const {
+    const int64_t H = shape_.heads, D = shape_.dim;
+    const int r = g.proj.rank;
+    std::vector<float> x(static_cast<size_t>(g.dim));
+    for (int64_t b = 0; b < shape_.batch; ++b) {
+      if (opt_.joint) {
+        g.proj.reconstruct(z + b * r, x.data());
+        for (int h = 0; h < g.n_heads; ++h)
+          std::memcpy(out + ((b * H + g.first_head + h) * n + at) * D, x.data() + h * D, size_t(D) * sizeof(float));
+      } else {
+        for (int h = 0; h < g.n_heads; ++h)
+          g.proj.reconstruct(z + (b * g.n_heads + h) * r, out + ((b * H + g.first_head + h) * n + at) * D);
+      }
+    }
+  }
+
+  void fit() {
+    const int64_t n = raw_.tokens(), R = shape_.rows(), H = shape_.heads, D = shape_.dim;
+    std::vector<float> x(static_cast<size_t>(n * R * D));
+    raw_.read(0, n, x.data());
+    for (Group& g : groups_) {
+      // Samples: shared -> every (token, batch, head) vector of D; joint ->
+      // every (token, batch) vector of the group's heads concatenated.
+      std::vector<float> samples;
+      samples.reserve(size_t(n * shape_.batch * g.n_heads * D));
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t b = 0; b < shape_.batch; ++b) {
+          const float* p = x.data() + ((t * shape_.batch + b) * H + g.first_head) * D;
+          samples.insert(samples.end(), p, p + g.n_heads * D);
+        }
+      const int64_t n_samples = int64_t(samples.size()) / g.dim;
+      palu::FitOptions fo = opt_.fit;
+      if (fo.rank > g.dim) fo.rank = g.dim;
+      g.proj = palu::fit_projection(samples.data(), n_samples, g.dim, fo);
+      g.blob_bytes = palu::latent_group_bytes(g.proj, g.rows, opt_.group_size);
+    }
+    fitted_ = true;
+    raw_.reset(R, D, shape_.storage);
+    encode_tokens(x.data(), n);
+  }
+
+  PaluOptions opt_;
+  StreamShape shape_;
+  RawTokenStore raw_;
+  bool fitted_ = false;
+  int64_t blocks_ = 0, tail_tokens_ = 0;
+  std::vector<Group> groups_;
+};
+
+}  // namespace
+
+std::unique_ptr<TokenStream> make_palu_stream(const PaluOptions& opt) { return std::make_unique<PaluStream>(opt); }
+
+}  // namespace kvcodec::cache_impl

@@ -1,0 +1,142 @@
+// Internal building blocks of the streaming caches (DESIGN 3, 5, 6).
+//
+// A cache holds two TokenStreams, one for keys and one for values. A stream
+// sees tokens in token-major order: x [n, R, D] with R = B * H_kv rows (row =
+// b * H_kv + h), already rounded to the cache's storage dtype and widened to
+// f32, so every method works from exactly the values a raw tail would hold.
+// It decodes ranges of tokens into [R, n, D] = [B, H_kv, n, D] f32.
+//
+// The byte counters are the stream's serialised size: stored_bytes() ==
+// the number of bytes save() appends, always (tested).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvcodec/cache.hpp"
+#include "kvcodec/error.hpp"
+#include "kvcodec/tensor.hpp"
+#include "palu/projection.hpp"
+
+namespace kvcodec::cache_impl {
+
+// Little-endian append-only writer and bounds-checked reader.
+struct ByteWriter {
+  std::vector<uint8_t>& out;
+  void bytes(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    out.insert(out.end(), b, b + n);
+  }
+  void u8(uint8_t v) { out.push_back(v); }
+  void u16(uint16_t v) { bytes(&v, 2); }
+  void u32(uint32_t v) { bytes(&v, 4); }
+  void u64(uint64_t v) { bytes(&v, 8); }
+};
+
+class ByteReader {
+ public:
+  ByteReader(const uint8_t* data, size_t size, std::string what) : data_(data), size_(size), what_(std::move(what)) {}
+  const uint8_t* take(size_t n) {
+    if (n > size_ - pos_)
+      throw Error(ErrorCode::kFormat, what_ + ": needs " + std::to_string(n) + " bytes at offset " +
+                                          std::to_string(pos_) + " but only " + std::to_string(size_ - pos_) +
+                                          " remain");
+    const uint8_t* p = data_ + pos_;
+    pos_ += n;
+    return p;
+  }
+  uint8_t u8() { return *take(1); }
+  uint16_t u16() { uint16_t v; std::memcpy(&v, take(2), 2); return v; }
+  uint64_t u64() { uint64_t v; std::memcpy(&v, take(8), 8); return v; }
+  size_t remaining() const { return size_ - pos_; }
+  size_t position() const { return pos_; }
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  void expect_end() const {
+    if (pos_ != size_)
+      throw Error(ErrorCode::kFormat, what_ + ": " + std::to_string(size_ - pos_) + " unexpected trailing bytes");
+  }
+  const std::string& what() const { return what_; }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+  std::string what_;
+};
+
+// a * b, or a kFormat error on overflow (sizes computed from untrusted meta).
+uint64_t checked_mul(uint64_t a, uint64_t b, const char* what);
+
+// Token-major raw storage [t, R, D] in a 16-bit or f32 dtype: pre-fit tokens,
+// raw windows and partial groups. Counted at its exact size.
+class RawTokenStore {
+ public:
+  void reset(int64_t rows, int64_t dim, DType dtype);
+  int64_t tokens() const { return tokens_; }
+  size_t token_bytes() const { return size_t(rows_ * dim_) * dtype_size(dtype_); }
+  size_t bytes() const { return data_.size(); }
+  void push_back(const float* x, int64_t n);  // x [n, R, D]
+  void push_front(const float* x, int64_t n);
+  void pop_front(int64_t n);
+  void truncate(int64_t n_tokens);            // keep the first n_tokens
+  void read(int64_t first, int64_t n, float* out) const;  // out [n, R, D]
+  void serialize(ByteWriter& w) const { w.bytes(data_.data(), data_.size()); }
+  void deserialize(ByteReader& r, int64_t tokens);
+
+ private:
+  int64_t rows_ = 0, dim_ = 0, tokens_ = 0;
+  DType dtype_ = DType::kF16;
+  std::vector<uint8_t> data_;
+};
+
+struct StreamShape {
+  int64_t batch = 0, heads = 0, dim = 0;
+  DType storage = DType::kF16;
+  int64_t rows() const { return batch * heads; }
+};
+
+class TokenStream {
+ public:
+  virtual ~TokenStream() = default;
+  // Sets the shape and clears all state.
+  virtual void start(const StreamShape& shape) = 0;
+  virtual void append(const float* x, int64_t n) = 0;                    // x [n, R, D]
+  virtual void decode(int64_t first, int64_t n, float* out) const = 0;   // out [R, n, D]
+  virtual void trim_to(int64_t total) = 0;                                // keep the first total tokens
+  virtual int64_t tokens() const = 0;
+  virtual uint64_t stored_bytes() const = 0;
+  virtual void save(ByteWriter& w) const = 0;
+  virtual void load(ByteReader& r, int64_t tokens) = 0;  // after start(); reads everything
+  virtual void add_extras(const std::string& /*prefix*/, std::map<std::string, double>& /*extras*/) const {}
+};
+
+// Copies token-major rows x [n, R, D] for tokens [0, n) into out [R, total_n, D]
+// at token position at.
+void scatter_tokens(const float* x, int64_t n, int64_t rows, int64_t dim, float* out, int64_t total_n, int64_t at);
+
+std::unique_ptr<TokenStream> make_raw_stream();
+std::unique_ptr<TokenStream> make_symmetric_stream(int bits, int64_t group_size);
+std::unique_ptr<TokenStream> make_kivi_key_stream(int64_t group_size, int64_t residual, int bits);
+std::unique_ptr<TokenStream> make_kivi_value_stream(int64_t group_size, int64_t residual, int bits);
+
+struct PaluOptions {
+  bool joint = false;
+  int n_head_groups = 4;
+  palu::FitOptions fit;
+  int64_t group_size = 32;
+  bool quantize = true;
+  int64_t min_fit_tokens = 128;
+};
+std::unique_ptr<TokenStream> make_palu_stream(const PaluOptions& opt);
+
+// The cache every method in this folder is: two streams behind KVCache.
+std::unique_ptr<KVCache> make_stream_cache(const std::string& method, const CacheConfig& config,
+                                           const Settings& settings, std::unique_ptr<TokenStream> keys,
+                                           std::unique_ptr<TokenStream> values);
+
+}  // namespace kvcodec::cache_impl

@@ -1,0 +1,222 @@
+#include "palu/projection.hpp"
+
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "kvcodec/error.hpp"
+#include "kvcodec/tensor.hpp"
+#include "palu/group_quant.hpp"
+
+namespace kvcodec::palu {
+
+std::vector<std::pair<int, int>> split_head_groups(int n_heads, int n_groups) {
+  const int g = std::clamp(n_groups, 1, std::max(1, n_heads));
+  std::vector<std::pair<int, int>> out;
+  int first = 0;
+  for (int i = 0; i < g; ++i) {
+    const int count = n_heads / g + (i < n_heads % g ? 1 : 0);
+    out.emplace_back(first, count);
+    first += count;
+  }
+  return out;
+}
+
+void Projection::project(const float* x, float* z) const {
+  for (int j = 0; j < rank; ++j) {
+    const float* u = basis_t.data() + size_t(j) * dim;
+    float acc = 0.0f;
+    for (int i = 0; i < dim; ++i) acc += u[i] * x[i];
+    z[j] = acc;
+  }
+}
+
+void Projection::reconstruct(const float* z, float* x) const {
+  for (int i = 0; i < dim; ++i) {
+    const float* u = basis.data() + size_t(i) * rank;
+    float acc = 0.0f;
+    for (int j = 0; j < rank; ++j) acc += u[j] * z[j];
+    x[i] = acc;
+  }
+}
+
+double Projection::average_bits() const {
+  if (rank == 0) return 0.0;
+  return std::accumulate(bits.begin(), bits.end(), 0.0) / rank;
+}
+
+void Projection::build_decoded() {
+  basis.resize(basis_f16.size());
+  basis_t.resize(basis_f16.size());
+  for (int i = 0; i < dim; ++i)
+    for (int j = 0; j < rank; ++j) {
+      const float v = f16_to_f32(basis_f16[size_t(i) * rank + j]);
+      basis[size_t(i) * rank + j] = v;
+      basis_t[size_t(j) * dim + i] = v;
+    }
+}
+
+void Projection::serialize(std::vector<uint8_t>& out) const {
+  auto u16 = [&](uint16_t v) {
+    out.push_back(uint8_t(v));
+    out.push_back(uint8_t(v >> 8));
+  };
+  u16(uint16_t(dim));
+  u16(uint16_t(rank));
+  out.insert(out.end(), bits.begin(), bits.end());
+  for (uint16_t v : basis_f16) u16(v);
+}
+
+Projection Projection::deserialize(const uint8_t* data, size_t size, size_t& pos, int expected_dim) {
+  auto need = [&](size_t n) {
+    if (size - pos < n || pos > size)
+      throw Error(ErrorCode::kFormat, "PALU projection truncated at byte " + std::to_string(pos));
+  };
+  auto u16 = [&]() {
+    need(2);
+    const uint16_t v = uint16_t(data[pos] | (data[pos + 1] << 8));
+    pos += 2;
+    return v;
+  };
+  Projection p;
+  p.dim = u16();
+  p.rank = u16();
+  if (p.dim != expected_dim)
+    throw Error(ErrorCode::kFormat, "PALU projection has dim " + std::to_string(p.dim) + ", expected " +
+                                        std::to_string(expected_dim));
+  if (p.rank < 1 || p.rank > p.dim)
+    throw Error(ErrorCode::kFormat, "PALU projection rank " + std::to_string(p.rank) + " outside [1, " +
+                                        std::to_string(p.dim) + "]");
+  need(size_t(p.rank));
+  p.bits.assign(data + pos, data + pos + p.rank);
+  pos += size_t(p.rank);
+  for (uint8_t b : p.bits)
+    if (b < 1 || b > 8) throw Error(ErrorCode::kFormat, "PALU latent width " + std::to_string(b) + " outside [1, 8]");
+  need(2 * size_t(p.dim) * p.rank);
+  p.basis_f16.resize(size_t(p.dim) * p.rank);
+  for (auto& v : p.basis_f16) v = u16();
+  p.build_decoded();
+  return p;
+}
+
+// A Haar-random orthogonal r x r matrix from a fixed seed: QR of a Gaussian
+// matrix with the signs of R's diagonal folded into Q. Deterministic (own
+// splitmix64 + Box-Muller), so it never needs to be stored.
+static Eigen::MatrixXd seeded_orthogonal(int r) {
+  uint64_t state = 0x9e3779b97f4a7c15ull ^ uint64_t(r);
+  auto next = [&]() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  auto uniform = [&]() { return (double(next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); };
+  Eigen::MatrixXd g(r, r);
+  for (int i = 0; i < r; ++i)
+    for (int j = 0; j < r; ++j)
+      g(i, j) = std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform());
+  Eigen::HouseholderQR<Eigen::MatrixXd> qr(g);
+  Eigen::MatrixXd q = qr.householderQ();
+  const Eigen::MatrixXd rr = qr.matrixQR().triangularView<Eigen::Upper>();
+  for (int j = 0; j < r; ++j)
+    if (rr(j, j) < 0) q.col(j) = -q.col(j);
+  return q;
+}
+
+Projection fit_projection(const float* samples, int64_t n, int dim, const FitOptions& opt) {
+  if (dim < 1 || dim > 65535) throw Error(ErrorCode::kInvalidArgument, "PALU dim out of range");
+  // Gram matrix X^T X in double: eigenvalues are the squared singular values of X.
+  Eigen::MatrixXd gram = Eigen::MatrixXd::Zero(dim, dim);
+  {
+    Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> chunk;
+    const int64_t step = 256;
+    for (int64_t s = 0; s < n; s += step) {
+      const int64_t m = std::min(step, n - s);
+      chunk.resize(m, dim);
+      for (int64_t i = 0; i < m; ++i)
+        for (int d = 0; d < dim; ++d) {
+          const double v = samples[(s + i) * dim + d];
+          chunk(i, d) = std::isfinite(v) ? v : 0.0;  // a non-finite sample must not poison the fit
+        }
+      gram.noalias() += chunk.transpose() * chunk;
+    }
+  }
+  Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> eig(gram);
+  // Ascending -> descending.
+  std::vector<double> lambda(dim);
+  Eigen::MatrixXd vecs(dim, dim);
+  for (int k = 0; k < dim; ++k) {
+    lambda[k] = std::max(0.0, eig.eigenvalues()(dim - 1 - k));
+    vecs.col(k) = eig.eigenvectors().col(dim - 1 - k);
+    // Sign convention: the largest-magnitude entry positive (stable across runs).
+    Eigen::Index arg = 0;
+    vecs.col(k).cwiseAbs().maxCoeff(&arg);
+    if (vecs(arg, k) < 0) vecs.col(k) = -vecs.col(k);
+  }
+  int r = opt.rank;
+  if (r <= 0) {
+    const double total = std::accumulate(lambda.begin(), lambda.end(), 0.0);
+    double acc = 0.0;
+    r = dim;
+    for (int k = 0; k < dim; ++k) {
+      acc += lambda[k];
+      if (total <= 0.0 || acc >= opt.energy_threshold * total) {
+        r = k + 1;
+        break;
+      }
+    }
+  }
+  r = std::clamp(r, 1, dim);
+
+  Eigen::MatrixXd u = vecs.leftCols(r);
+  std::vector<double> energy(r);
+  const double denom = n > 0 ? double(n) : 1.0;
+  if (opt.hadamard) {
+    // Rotating the latents spreads outlier channels over all channels, so a
+    // fixed quantizer range wastes fewer levels. Folded into the basis (U Q),
+    // it costs nothing at encode or decode time.
+    const Eigen::MatrixXd q = seeded_orthogonal(r);
+    u = u * q;
+    for (int j = 0; j < r; ++j) {
+      double e = 0.0;
+      for (int k = 0; k < r; ++k) e += q(k, j) * q(k, j) * lambda[k];
+      energy[j] = e / denom;
+    }
+  } else {
+    for (int j = 0; j < r; ++j) energy[j] = lambda[j] / denom;
+  }
+
+  Projection p;
+  p.dim = dim;
+  p.rank = r;
+  p.channel_energy = energy;
+  // Mixed bits: the highest-energy channels (ties by index) get hi_bit.
+  const int n_hi = std::clamp(int(std::lround(opt.hi_fraction * r)), 1, r);
+  std::vector<int> order(r);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return energy[a] > energy[b]; });
+  p.bits.assign(r, uint8_t(opt.lo_bit));
+  for (int i = 0; i < n_hi; ++i) p.bits[order[i]] = uint8_t(opt.hi_bit);
+  p.basis_f16.resize(size_t(dim) * r);
+  for (int i = 0; i < dim; ++i)
+    for (int j = 0; j < r; ++j) p.basis_f16[size_t(i) * r + j] = f32_to_f16(float(u(i, j)));
+  p.build_decoded();
+  return p;
+}
+
+size_t latent_group_bytes(const Projection& p, int64_t rows, int64_t n_tokens) {
+  return detail::channel_group_bytes(rows, p.rank, n_tokens, p.bits.data());
+}
+
+void encode_latent_group(const Projection& p, const float* z, int64_t rows, int64_t n_tokens,
+                         std::vector<uint8_t>& out) {
+  detail::encode_channel_group(z, rows, p.rank, n_tokens, p.bits.data(), out);
+}
+
+void decode_latent_group(const Projection& p, const uint8_t* blob, size_t size, int64_t rows,
+                         int64_t n_tokens, float* z) {
+  detail::decode_channel_group(blob, size, rows, p.rank, n_tokens, p.bits.data(), z);
+}
+
+}  // namespace kvcodec::palu
