@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "cache/streams.hpp"
+#include "palu/group_quant.hpp"
 
 namespace kvcodec::cache_impl {
 namespace {
@@ -99,7 +100,7 @@ class PaluStream final : public TokenStream {
         palu::decode_latent_group(g.proj, g.blobs.data() + size_t(blocks_) * g.blob_bytes, g.blob_bytes, g.rows,
                                   opt_.group_size, lat.data());
         std::vector<uint16_t> head(lat.size());
-        convert(lat.data(), DType::kF32, head.data(), DType::kF16, lat.size());
+        for (size_t i = 0; i < lat.size(); ++i) head[i] = detail::f16_saturate(lat[i]);
         g.tail.insert(g.tail.begin(), head.begin(), head.end());
         g.blobs.resize(size_t(blocks_) * g.blob_bytes);
       }
@@ -201,9 +202,8 @@ class PaluStream final : public TokenStream {
               g.proj.project(tok + (b * H + g.first_head + h) * D, z.data() + (b * g.n_heads + h) * r);
           }
         }
-        const size_t old = g.tail.size();
-        g.tail.resize(old + z.size());
-        convert(z.data(), DType::kF32, g.tail.data() + old, DType::kF16, z.size());
+        // Saturating: a bf16 outlier's latent beyond 65504 is clipped, never Inf.
+        for (float v : z) g.tail.push_back(detail::f16_saturate(v));
       }
       ++tail_tokens_;
       if (opt_.quantize && tail_tokens_ == opt_.group_size) flush_group();
