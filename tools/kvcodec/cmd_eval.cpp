@@ -1,0 +1,147 @@
+// kvcodec eval: perplexity, KL and top-1 agreement of cache methods against
+// the fp16 cache on held-out token windows (DESIGN 8 protocol), with each
+// method's compression ratio and speed.
+#include <unistd.h>
+
+#include <cstdio>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "commands.hpp"
+#include "kvcodec/cache.hpp"
+#include "kvcodec/error.hpp"
+#include "model/eval.hpp"
+#include "model/llama.hpp"
+#include "model/paths.hpp"
+
+namespace kvcodec::cli {
+namespace {
+
+struct EvalArgs {
+  std::string model_dir;
+  std::string tokens;
+  std::string methods = "fp16";
+  std::string baseline = "fp16";
+  std::vector<std::string> sets;
+  model::EvalOptions options;
+  bool json = false;
+};
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+// A bar redrawn in place on stderr, only when stderr is a terminal.
+class ProgressBar {
+ public:
+  explicit ProgressBar(bool enabled) : enabled_(enabled) {}
+  ~ProgressBar() {
+    if (enabled_ && drawn_) std::fprintf(stderr, "\r%*s\r", 72, "");
+  }
+  void update(int64_t done, int64_t total) {
+    if (!enabled_ || total <= 0) return;
+    const int permille = int(1000 * done / total);
+    if (permille == last_ && done != total) return;
+    last_ = permille;
+    drawn_ = true;
+    constexpr int kWidth = 50;
+    const int filled = int(kWidth * done / total);
+    std::fprintf(stderr, "\r[%s%s] %5.1f%% (%lld/%lld)", std::string(size_t(filled), '#').c_str(),
+                 std::string(size_t(kWidth - filled), '.').c_str(), permille / 10.0, (long long)done, (long long)total);
+    std::fflush(stderr);
+  }
+
+ private:
+  bool enabled_;
+  bool drawn_ = false;
+  int last_ = -1;
+};
+
+void run(const EvalArgs& a) {
+  const std::string dir = a.model_dir.empty() ? model::default_model_dir() : a.model_dir;
+  const std::string token_path = a.tokens.empty() ? model::default_eval_tokens(dir) : a.tokens;
+  if (token_path.empty())
+    throw Error(ErrorCode::kNotFound, "no --tokens given and no eval_tokens.u16 found beside the model or in ../shared");
+  const model::LlamaModel m = model::LlamaModel::load(dir);
+  const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
+
+  const std::vector<std::string> names = split_list(a.methods);
+  if (names.empty()) throw_config_error("--methods", a.methods, "a comma-separated list of methods, e.g. fp16,int4,kvtc");
+  std::vector<model::MethodSpec> methods;
+  CacheConfig probe;
+  probe.n_layers = m.config().n_layers;
+  probe.n_kv_heads = m.config().n_kv_heads;
+  probe.head_dim = m.config().head_dim;
+  probe.rope_theta = m.config().rope_theta;
+  auto spec = [&](const std::string& name) {
+    model::MethodSpec s{name, model::method_cache_factory(name, settings_for_method(a.sets, name))};
+    s.factory(probe);  // a bad method or setting fails now, not after the baseline has run
+    return s;
+  };
+  for (const auto& n : names) methods.push_back(spec(n));
+  const model::MethodSpec baseline = spec(a.baseline);
+
+  ProgressBar bar(isatty(fileno(stderr)) != 0);
+  const auto results =
+      model::evaluate(m, tokens, methods, baseline, a.options, [&](int64_t d, int64_t t) { bar.update(d, t); });
+  bar.update(1, 1);
+
+  if (a.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& r : results)
+      out.push_back({{"method", r.method},
+                     {"compression_ratio", r.compression_ratio},
+                     {"ppl", r.ppl},
+                     {"nll", r.nll},
+                     {"kl", r.kl},
+                     {"top1_agreement", r.top1},
+                     {"tokens_per_s", r.tokens_per_s},
+                     {"scored", r.scored},
+                     {"compressed_bytes", r.stats.compressed_bytes()},
+                     {"fp16_bytes", r.stats.fp16_bytes()}});
+    std::printf("%s\n", out.dump(2).c_str());
+    return;
+  }
+  const auto& o = a.options;
+  std::printf("%s; %lld windows from %lld of %s; %s; baseline %s\n", dir.c_str(), (long long)o.windows,
+              (long long)o.first_window, token_path.c_str(),
+              o.whole_window ? fmt::format("whole window ({} predictions each)", o.window_length - 1).c_str()
+                             : fmt::format("context {}, score {}", o.context, o.score).c_str(),
+              a.baseline.c_str());
+  std::printf("%-12s %8s %9s %8s %10s %7s %10s\n", "method", "ratio", "ppl", "nll", "kl", "top1", "tokens/s");
+  for (const auto& r : results)
+    std::printf("%-12s %7.2fx %9.4f %8.4f %10.3e %7.4f %10.1f\n", r.method.c_str(), r.compression_ratio, r.ppl, r.nll,
+                r.kl, r.top1, r.tokens_per_s);
+}
+
+}  // namespace
+
+void register_eval(CLI::App& app) {
+  auto args = std::make_shared<EvalArgs>();
+  auto* cmd = app.add_subcommand("eval", "Perplexity, KL and top-1 agreement of cache methods vs the fp16 cache");
+  cmd->add_option("--model", args->model_dir, "HF Llama checkpoint folder (default: the shipped models/tinycode)");
+  cmd->add_option("--tokens", args->tokens, "uint16 token windows (default: ../shared/models/tinycode/eval_tokens.u16)");
+  cmd->add_option("--methods", args->methods, "Comma-separated cache methods")->capture_default_str();
+  cmd->add_option("--baseline", args->baseline, "Method the KL and top-1 agreement are measured against")
+      ->capture_default_str();
+  cmd->add_option("--context", args->options.context, "Tokens prefilled per window")->capture_default_str();
+  cmd->add_option("--score", args->options.score, "Tokens scored per window, one decode step each")
+      ->capture_default_str();
+  cmd->add_option("--windows", args->options.windows, "Windows to evaluate")->capture_default_str();
+  cmd->add_option("--first-window", args->options.first_window, "First window")->capture_default_str();
+  cmd->add_option("--window-length", args->options.window_length, "Tokens per window in the file")
+      ->capture_default_str();
+  cmd->add_flag("--whole-window", args->options.whole_window,
+                "Score every position of each window from one prefill through the cache (W-1 predictions)");
+  cmd->add_option("--set", args->sets, "Method setting <method>.<field>=<value> (repeatable)");
+  cmd->add_flag("--json", args->json, "One JSON array on stdout");
+  cmd->callback([args] { run(*args); });
+}
+
+}  // namespace kvcodec::cli
