@@ -2,7 +2,7 @@
 # Installs the Debian 12 packages kvcodec needs, only those missing (idempotent).
 set -euo pipefail
 packages=(
-  build-essential cmake pkg-config clang libclang-rt-14-dev
+  build-essential cmake pkg-config clang libclang-rt-14-dev libomp-14-dev
   libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
   nlohmann-json3-dev libfmt-dev libxxhash-dev libzstd-dev libcpp-httplib-dev
   gnuplot-nox python3

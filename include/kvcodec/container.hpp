@@ -74,6 +74,10 @@ struct ContainerLimits {
   size_t max_sections = 4096;
   size_t max_meta_bytes = 1u << 20;          // all metadata keys + values
   uint64_t max_total_bytes = 16ull << 30;    // whole container (file size checked before reading)
+  // false skips the XXH3 checks (section and trailer) but none of the
+  // structural checks: for fuzzing the parser past the checksums and for
+  // inspecting a damaged file. Never for loading state.
+  bool verify_checksums = true;
 };
 
 class ContainerReader {

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -262,4 +263,52 @@ TEST(Safetensors, ShardedModelErrors) {
   EXPECT_THROW(SafetensorsModel::open(dir), Error);
   EXPECT_THROW(SafetensorsModel::open(dir + "/empty_subdir"), Error);
   std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// Small deterministic files, checked in as fuzz/corpus/fuzz_safetensors/*:
+// the fuzzer's seeds and golden files of the writer's layout.
+// KVCODEC_REGENERATE_GOLDEN=1 rewrites them.
+TEST(Safetensors, GoldenSeedFiles) {
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> goldens;
+  {
+    SafetensorsWriter w;
+    w.add("layers.0.key", random_tensor(DType::kF16, {1, 2, 4, 4}, 11).view());
+    w.add("layers.0.value", random_tensor(DType::kBF16, {1, 2, 4, 4}, 12).view());
+    w.add("layers.0.query_last256", random_tensor(DType::kF32, {1, 2, 2, 4}, 13).view());
+    w.add_metadata("model", "tiny");
+    goldens.emplace_back("kv_small.safetensors", w.to_bytes());
+  }
+  goldens.emplace_back("empty.safetensors", SafetensorsWriter().to_bytes());
+  {
+    SafetensorsWriter w;
+    std::vector<uint8_t> ids(4 * 8);
+    for (size_t i = 0; i < ids.size(); i += 8) ids[i] = uint8_t(i);
+    w.add("input_ids", "I64", {1, 4}, ids);
+    w.add("norm", "F32", {3}, std::vector<uint8_t>(12, 0));
+    w.add("scalar", "F64", {}, std::vector<uint8_t>(8, 0));
+    w.add("zero", "F16", {0, 5}, {});
+    goldens.emplace_back("mixed.safetensors", w.to_bytes());
+  }
+  const std::string dir = std::string(KVCODEC_SOURCE_DIR) + "/fuzz/corpus/fuzz_safetensors";
+  const bool regenerate = std::getenv("KVCODEC_REGENERATE_GOLDEN") != nullptr;
+  for (const auto& [file, bytes] : goldens) {
+    const std::string path = dir + "/" + file;
+    if (regenerate) {
+      ASSERT_EQ(std::system(("mkdir -p '" + dir + "'").c_str()), 0);
+      std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
+                                                  std::streamsize(bytes.size()));
+    }
+    std::ifstream in(path, std::ios::binary);
+    ASSERT_TRUE(in.good()) << "seed file missing: " << path << " (KVCODEC_REGENERATE_GOLDEN=1 writes it)";
+    const std::vector<uint8_t> on_disk((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(on_disk, bytes) << file << ": the writer's layout changed";
+    const SafetensorsFile f = SafetensorsFile::open(path);
+    EXPECT_EQ(f.size(), file == "empty.safetensors" ? 0u : file == "mixed.safetensors" ? 4u : 3u);
+  }
+  const SafetensorsFile mixed = SafetensorsFile::open(dir + "/mixed.safetensors");
+  EXPECT_EQ(mixed.view4("norm").shape, (Shape4{1, 1, 1, 3}));
+  EXPECT_THROW(mixed.view4("scalar"), Error);  // F64 is listed, not a KV dtype
+  EXPECT_EQ(mixed.view4("zero").shape, (Shape4{1, 1, 0, 5}));
+  EXPECT_TRUE(mixed.read_f32("zero").empty());
+  EXPECT_EQ(mixed.read_f32("scalar"), std::vector<float>{0.0f});
 }

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -359,4 +360,88 @@ TEST(Bytes, ReaderRejectsBadInputWithContext) {
   expect_fail([&] { ByteReader r(big_count, "kvtc state"); r.f32_vec(5000); }, "truncated f32 array");
   const std::vector<uint8_t> two{2};
   expect_fail([&] { ByteReader r(two, "kvtc state"); r.boolean(); }, "boolean");
+}
+
+// ---------------------------------------------------------------- golden files
+
+namespace {
+
+struct Golden {
+  std::string file;
+  std::vector<uint8_t> bytes;
+};
+
+// Deterministic containers of format version 1. Their bytes are checked in as
+// fuzz/corpus/fuzz_container/*.kvc: golden files (a layout change without a
+// version bump fails here) and the fuzzer's seeds at once.
+std::vector<Golden> container_goldens() {
+  std::vector<Golden> out;
+  out.push_back({"cache_v1.kvc", small_writer().finish()});
+
+  ContainerWriter dump(ContainerKind::kDump);
+  dump.set_meta("method", "int8");
+  dump.set_meta("shape", "[1, 2, 4, 8]");
+  for (const char* name : {"layers.0.key", "layers.0.value"}) {
+    ByteWriter b;
+    const std::vector<float> v{0.5f, -1.0f, 2.0f, 0.25f};
+    b.varint(v.size());
+    b.f16s_from_f32(v.data(), v.size());
+    b.str(name);
+    b.svarint(-3);
+    dump.add_section(name, b.take());
+  }
+  out.push_back({"dump_v1.kvc", dump.finish()});
+
+  out.push_back({"calibration_empty_v1.kvc", ContainerWriter(ContainerKind::kCalibration).finish()});
+  return out;
+}
+
+}  // namespace
+
+// Set KVCODEC_REGENERATE_GOLDEN=1 to rewrite the files (only with a version bump
+// or a new golden, never to paper over a layout change).
+TEST(Container, GoldenFilesOfVersion1) {
+  const std::string dir = std::string(KVCODEC_SOURCE_DIR) + "/fuzz/corpus/fuzz_container";
+  const bool regenerate = std::getenv("KVCODEC_REGENERATE_GOLDEN") != nullptr;
+  for (const Golden& g : container_goldens()) {
+    const std::string path = dir + "/" + g.file;
+    if (regenerate) {
+      ASSERT_EQ(std::system(("mkdir -p '" + dir + "'").c_str()), 0);
+      std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(g.bytes.data()),
+                                                  std::streamsize(g.bytes.size()));
+    }
+    std::ifstream in(path, std::ios::binary);
+    ASSERT_TRUE(in.good()) << "golden file missing: " << path << " (KVCODEC_REGENERATE_GOLDEN=1 writes it)";
+    const std::vector<uint8_t> on_disk((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(on_disk, g.bytes) << g.file << ": the writer's output changed; a layout change needs a version bump";
+    const ContainerReader r = ContainerReader::read_file(path);
+    EXPECT_EQ(r.version(), 1);
+  }
+  const ContainerReader dump = ContainerReader::read_file(dir + "/dump_v1.kvc");
+  EXPECT_EQ(dump.kind(), ContainerKind::kDump);
+  EXPECT_EQ(dump.meta_or_throw("shape"), "[1, 2, 4, 8]");
+  ByteReader b(dump.section("layers.0.value"), "golden value");
+  const size_t n = size_t(b.count(16, "n"));
+  EXPECT_EQ(b.f16s_to_f32(n), (std::vector<float>{0.5f, -1.0f, 2.0f, 0.25f}));
+  EXPECT_EQ(b.str(), "layers.0.value");
+  EXPECT_EQ(b.svarint(), -3);
+  b.expect_end();
+  const ContainerReader empty = ContainerReader::read_file(dir + "/calibration_empty_v1.kvc");
+  EXPECT_EQ(empty.total_bytes(), kContainerHeaderBytes + kContainerTrailerBytes);
+  EXPECT_TRUE(empty.section_names().empty());
+}
+
+TEST(Container, UncheckedParseStillChecksStructure) {
+  ContainerLimits unchecked;
+  unchecked.verify_checksums = false;
+  std::vector<uint8_t> bytes = small_writer().finish();
+  // A payload flip passes without checksums, as documented...
+  const ContainerReader r = ContainerReader::parse(bytes.data(), bytes.size());
+  bytes[size_t(r.section("basis").data() - bytes.data())] ^= 1;
+  EXPECT_NO_THROW(ContainerReader::parse(bytes.data(), bytes.size(), unchecked));
+  EXPECT_THROW(ContainerReader::parse(bytes.data(), bytes.size()), Error);
+  // ...but truncation never does.
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_THROW(ContainerReader::parse(bytes.data(), n, unchecked), Error) << n;
+  }
 }

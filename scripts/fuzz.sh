@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Builds every libFuzzer target (fuzz/fuzz_*.cpp) with clang and runs each on a
+# copy of its seed corpus (fuzz/corpus/<target>/, empty if absent).
+#
+#   scripts/fuzz.sh [SECONDS] [TARGET...]
+#
+# SECONDS (default 60) is the total budget, split evenly over the targets
+# (at least 1 s each). Fails if any target crashes, leaks, times out or runs
+# out of memory; the reproducer is kept under $KVCODEC_FUZZ_ARTIFACTS
+# (default build-fuzz/artifacts). Other knobs: KVCODEC_FUZZ_BUILD_DIR,
+# KVCODEC_FUZZ_MAX_LEN (default 65536), KVCODEC_FUZZ_JOBS (build jobs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+total=${1:-60}
+shift || true
+build=${KVCODEC_FUZZ_BUILD_DIR:-build-fuzz}
+max_len=${KVCODEC_FUZZ_MAX_LEN:-65536}
+artifacts=${KVCODEC_FUZZ_ARTIFACTS:-$build/artifacts}
+jobs=${KVCODEC_FUZZ_JOBS:-$(nproc)}
+
+if ! [[ "$total" =~ ^[0-9]+$ ]]; then
+  echo "fuzz.sh: SECONDS must be a whole number, got '$total'" >&2
+  exit 2
+fi
+
+if [ $# -gt 0 ]; then
+  targets=("$@")
+else
+  targets=()
+  for src in fuzz/fuzz_*.cpp; do
+    [ -e "$src" ] || continue
+    name=$(basename "$src" .cpp)
+    targets+=("$name")
+  done
+fi
+if [ ${#targets[@]} -eq 0 ]; then
+  echo "fuzz.sh: no fuzz/fuzz_*.cpp targets" >&2
+  exit 0
+fi
+
+echo "fuzz.sh: configuring $build with clang (targets: ${targets[*]})"
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+  -DKVCODEC_FUZZ=ON -DKVCODEC_TESTS=OFF -DKVCODEC_BENCH=OFF >/dev/null
+# Only the fuzz targets (and the libraries they link), not the whole tree.
+cmake --build "$build" -j"$jobs" --target "${targets[@]}"
+
+per=$(( total / ${#targets[@]} ))
+[ "$per" -lt 1 ] && per=1
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvcodec-fuzz.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$artifacts"
+
+failed=()
+for t in "${targets[@]}"; do
+  corpus="$work/$t"
+  mkdir -p "$corpus"
+  # A copy, so the checked-in seeds never grow with generated inputs.
+  if [ -d "fuzz/corpus/$t" ]; then
+    cp -r "fuzz/corpus/$t/." "$corpus/"
+  else
+    echo "fuzz.sh: $t has no fuzz/corpus/$t; starting from an empty corpus"
+  fi
+  echo "== $t: ${per}s"
+  if ! ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1} \
+       UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
+       "$build/fuzz/$t" "$corpus" -max_total_time="$per" -max_len="$max_len" \
+         -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 -print_final_stats=1 \
+         -artifact_prefix="$artifacts/$t-" 2>"$work/$t.log"; then
+    tail -n 60 "$work/$t.log" >&2
+    echo "fuzz.sh: $t FAILED (reproducer in $artifacts/)" >&2
+    failed+=("$t")
+  else
+    grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$work/$t.log" | sed "s/^/  $t /" || true
+  fi
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz.sh: failing targets: ${failed[*]}" >&2
+  exit 1
+fi
+echo "fuzz.sh: all ${#targets[@]} targets ran ${per}s each without a crash"
