@@ -68,6 +68,9 @@ Exact to_exact(double t, int e_low) {
   return r;
 }
 
+// Largest DP table (one byte per cell) we agree to build.
+constexpr int64_t kMaxCells = int64_t{1} << 27;
+
 // --- the DP problem, shared by the model and measured allocators -----------
 
 struct Problem {
@@ -119,7 +122,6 @@ std::vector<int> solve_dp(const Problem& p) {
   // A budget beyond what every component at its widest needs changes nothing.
   const int64_t B = std::min(p.budget, max_useful);
   const int64_t width = B + 1;
-  constexpr int64_t kMaxCells = int64_t{1} << 27;
   if (width > kMaxCells / std::max(p.n, 1)) {
     invalid("bit allocation: DP table of " + std::to_string(p.n) + " components x " +
             std::to_string(width) + " budget states exceeds 2^27 cells; lower the budget or the rate grid");
@@ -278,6 +280,13 @@ Problem model_problem(const std::vector<double>& variances, int budget_bits,
     invalid("bit allocation: too many components");
   }
   const std::vector<int> order = sorted_choice_order(bit_choices);
+  // Refuse an oversized DP before sizing anything by it.
+  const int64_t useful = std::min<int64_t>(budget_bits, static_cast<int64_t>(variances.size()) *
+                                                            bit_choices[order.back()]);
+  if (static_cast<int64_t>(variances.size()) > kMaxCells / (useful + 1)) {
+    invalid("bit allocation: DP table of " + std::to_string(variances.size()) + " components x " +
+            std::to_string(useful + 1) + " budget states exceeds 2^27 cells; lower the budget");
+  }
   Problem p;
   p.n = static_cast<int>(variances.size());
   p.nc = static_cast<int>(order.size());

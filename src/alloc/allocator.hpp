@@ -40,7 +40,8 @@ inline const std::vector<int>& default_bit_choices() {
 // d(v, b) = v * beta^-b. O(n * budget * |choices|) time, O(n * budget) bytes.
 // Throws Error(kInvalidArgument) for empty or negative/non-finite variances,
 // negative budget, empty choices, choices without 0, negative, duplicate or
-// > 16 choices, beta not finite and > 0, or a DP table over 2^27 cells.
+// > 16 widths, beta not finite and > 0, or a DP table over 2^27 cells
+// (checked before anything is sized by it).
 AllocationResult allocate_bits_dp(const std::vector<double>& variances, int budget_bits,
                                   const std::vector<int>& bit_choices = default_bit_choices(),
                                   double beta = 3.5);

@@ -130,6 +130,8 @@ TEST(AllocDp, Errors) {
   expect_invalid([] { allocate_bits_dp({1.0}, 4, {0, 2}, 0.0); }, "beta");
   expect_invalid([] { allocate_bits_brute_force(std::vector<double>(40, 1.0), 4); }, "too many");
   expect_invalid([] { allocate_bits_dp(std::vector<double>(8192, 1.0), 1 << 15); }, "2^27");
+  // Refused before anything is sized by it.
+  expect_invalid([] { allocate_bits_dp(std::vector<double>(1 << 22, 1.0), 1 << 30); }, "2^27");
 }
 
 TEST(AllocMeasured, EqualsBruteForceAndRespectsBudget) {
