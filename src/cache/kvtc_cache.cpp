@@ -1,0 +1,474 @@
+#include "cache/kvtc_cache.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "cache/settings.hpp"
+#include "kvcodec/container.hpp"
+#include "kvcodec/error.hpp"
+#include "linalg/pca.hpp"
+
+namespace kvcodec {
+
+namespace {
+
+void append_varint(std::vector<uint8_t>& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(uint8_t(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(uint8_t(v));
+}
+
+size_t varint_size(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// One encoded block of `block` tokens: every (batch, head)'s payload.
+struct EncodedBlock {
+  std::vector<std::vector<uint8_t>> payload;  // [B*H]
+  size_t serialized_size() const {
+    size_t n = 0;
+    for (const auto& p : payload) n += varint_size(p.size()) + p.size();
+    return n;
+  }
+};
+
+// One tensor's (K or V) compressed state.
+struct Stream {
+  std::vector<kvtc::HeadParams> heads;  // [B*H] once fitted
+  std::vector<EncodedBlock> blocks;
+  // Raw tokens, per (batch, head), in the raw dtype: sinks first, then the tail.
+  std::vector<std::vector<uint16_t>> raw;  // [B*H][tokens * D]
+};
+
+class KvtcCache final : public KVCache {
+ public:
+  KvtcCache(const CacheConfig& config, const Settings& settings)
+      : config_(config), settings_(settings), options_(parse_kvtc_settings(settings, config)) {}
+
+  std::string method() const override { return "kvtc"; }
+  const CacheConfig& config() const override { return config_; }
+  int64_t offset() const override { return offset_; }
+  bool is_trimmable() const override { return true; }
+
+  void append(const TensorView& keys, const TensorView& values) override;
+  void for_each_block(const BlockVisitor& visit) const override;
+  int64_t trim(int64_t n) override;
+  std::vector<uint8_t> save() const override;
+  void load(const uint8_t* data, size_t size) override;
+  CacheStats stats() const override;
+
+ private:
+  int64_t heads_total() const { return batch_ * config_.n_kv_heads; }
+  int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
+  int64_t encoded_tokens() const { return int64_t(key_.blocks.size()) * options_.block; }
+  int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
+  void fit();
+  void encode_ready_blocks();
+  void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
+  void reset();
+
+  CacheConfig config_;
+  Settings settings_;
+  KvtcSettings options_;
+  int64_t batch_ = 0;
+  DType raw_dtype_ = DType::kF16;
+  int64_t offset_ = 0;
+  bool fitted_ = false;
+  Stream key_, value_;
+};
+
+void KvtcCache::reset() {
+  offset_ = 0;
+  fitted_ = false;
+  key_ = Stream{};
+  value_ = Stream{};
+}
+
+void KvtcCache::raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const {
+  const size_t d = size_t(config_.head_dim);
+  convert(raw.data() + size_t(first) * d, raw_dtype_, out, DType::kF32, size_t(count) * d);
+}
+
+void KvtcCache::append(const TensorView& keys, const TensorView& values) {
+  if (keys.shape != values.shape)
+    throw Error(ErrorCode::kShapeMismatch, "kvtc: keys " + shape_string(keys.shape) + " and values " +
+                                               shape_string(values.shape) + " differ");
+  if (keys.shape[1] != config_.n_kv_heads || keys.shape[3] != config_.head_dim)
+    throw Error(ErrorCode::kShapeMismatch, "kvtc: got " + shape_string(keys.shape) + ", cache holds H_kv=" +
+                                               std::to_string(config_.n_kv_heads) +
+                                               ", D=" + std::to_string(config_.head_dim));
+  if (offset_ == 0) {
+    if (keys.shape[0] < 1) throw Error(ErrorCode::kShapeMismatch, "kvtc: batch must be >= 1");
+    batch_ = keys.shape[0];
+    // bf16 stays bf16 (never through f16, which overflows past 65504).
+    raw_dtype_ = keys.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    key_.raw.assign(size_t(heads_total()), {});
+    value_.raw.assign(size_t(heads_total()), {});
+  } else if (keys.shape[0] != batch_) {
+    throw Error(ErrorCode::kShapeMismatch, "kvtc: batch " + std::to_string(keys.shape[0]) +
+                                               " appended to a cache of batch " + std::to_string(batch_));
+  }
+  const int64_t S = keys.shape[2];
+  if (S == 0) return;
+  const size_t D = size_t(config_.head_dim);
+  std::vector<uint16_t> row(size_t(S) * D);
+  for (Stream* stream : {&key_, &value_}) {
+    const TensorView& src = stream == &key_ ? keys : values;
+    for (int64_t b = 0; b < batch_; ++b)
+      for (int64_t h = 0; h < config_.n_kv_heads; ++h) {
+        TensorView head = src;
+        head.data = static_cast<const uint8_t*>(src.data) +
+                    (b * src.strides[0] + h * src.strides[1]) * int64_t(dtype_size(src.dtype));
+        head.shape = {1, 1, S, src.shape[3]};
+        copy_to_contiguous(head, row.data(), raw_dtype_);
+        auto& raw = stream->raw[size_t(b * config_.n_kv_heads + h)];
+        raw.insert(raw.end(), row.begin(), row.end());
+      }
+  }
+  offset_ += S;
+  if (!fitted_ && offset_ - options_.sinks >= options_.min_fit_tokens) fit();
+  if (fitted_) encode_ready_blocks();
+}
+
+void KvtcCache::fit() {
+  const int D = config_.head_dim;
+  const int64_t heads = heads_total();
+  const int64_t first = options_.sinks;          // sinks stay raw and out of the fit
+  const int64_t n = offset_ - first;
+  for (Stream* stream : {&key_, &value_}) {
+    std::vector<float> x(size_t(heads) * size_t(n) * size_t(D));
+    for (int64_t h = 0; h < heads; ++h) raw_to_f32(stream->raw[size_t(h)], first, n, &x[size_t(h * n) * size_t(D)]);
+    const std::vector<linalg::PcaBasis> pcas = linalg::fit_pca_batched(x.data(), heads, n, D);
+    stream->heads.assign(size_t(heads), {});
+#pragma omp parallel for num_threads(options_.threads) schedule(dynamic)
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xh = &x[size_t(h * n) * size_t(D)];
+      const auto& pca = pcas[size_t(h)];
+      kvtc::CodecOptions codec = options_.codec;
+      if (options_.target_ratio > 0.0) {
+        // The largest budget whose fit-token cost (side + payload) stays under
+        // f16 / target_ratio: bisection on the integer budget.
+        const double allowed_bytes = double(n) * D * 2.0 / options_.target_ratio;
+        int lo = 0, hi = 16 * D;
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) / 2;
+          codec.bit_budget = std::max(mid, 1);
+          const auto trial = kvtc::fit_head(xh, n, D, pca.mean, pca.components, pca.eigenvalues, codec);
+          const double bytes = double(trial.serialized_size() + kvtc::encode_block(trial, xh, n).size());
+          if (bytes <= allowed_bytes) lo = mid; else hi = mid - 1;
+        }
+        codec.bit_budget = std::max(lo, 1);
+      }
+      stream->heads[size_t(h)] = kvtc::fit_head(xh, n, D, pca.mean, pca.components, pca.eigenvalues, codec);
+    }
+  }
+  fitted_ = true;
+}
+
+void KvtcCache::encode_ready_blocks() {
+  const int D = config_.head_dim;
+  const int64_t heads = heads_total();
+  const int64_t B = options_.block;
+  std::vector<float> x(size_t(B) * size_t(D));
+  while (offset_ - options_.sinks - encoded_tokens() - options_.window >= B) {
+    // The oldest tail tokens: raw index sinks (they sit right after the sinks).
+    const int64_t sinks = sink_tokens();
+    for (Stream* stream : {&key_, &value_}) {
+      EncodedBlock block;
+      block.payload.resize(size_t(heads));
+#pragma omp parallel for num_threads(options_.threads) firstprivate(x) schedule(static)
+      for (int64_t h = 0; h < heads; ++h) {
+        auto& raw = stream->raw[size_t(h)];
+        raw_to_f32(raw, sinks, B, x.data());
+        block.payload[size_t(h)] = kvtc::encode_block(stream->heads[size_t(h)], x.data(), B);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        auto& raw = stream->raw[size_t(h)];
+        raw.erase(raw.begin() + sinks * D, raw.begin() + (sinks + B) * D);
+      }
+      stream->blocks.push_back(std::move(block));
+    }
+  }
+}
+
+void KvtcCache::for_each_block(const BlockVisitor& visit) const {
+  if (offset_ == 0) return;
+  const int64_t H = config_.n_kv_heads;
+  const int64_t D = config_.head_dim;
+  const int64_t heads = heads_total();
+  auto emit_raw = [&](int64_t raw_first, int64_t count, int64_t first_token) {
+    if (count <= 0) return;
+    Tensor k(DType::kF32, {batch_, H, count, D}), v(DType::kF32, {batch_, H, count, D});
+    for (int64_t h = 0; h < heads; ++h) {
+      raw_to_f32(key_.raw[size_t(h)], raw_first, count, k.data_as<float>() + h * count * D);
+      raw_to_f32(value_.raw[size_t(h)], raw_first, count, v.data_as<float>() + h * count * D);
+    }
+    visit(first_token, k.view(), v.view());
+  };
+  const int64_t sinks = sink_tokens();
+  emit_raw(0, sinks, 0);
+  const int64_t B = options_.block;
+  Tensor k(DType::kF32, {batch_, H, B, D}), v(DType::kF32, {batch_, H, B, D});
+  for (size_t j = 0; j < key_.blocks.size(); ++j) {
+#pragma omp parallel for num_threads(options_.threads) schedule(static)
+    for (int64_t h = 0; h < heads; ++h) {
+      const auto& kp = key_.blocks[j].payload[size_t(h)];
+      const auto& vp = value_.blocks[j].payload[size_t(h)];
+      kvtc::decode_block(key_.heads[size_t(h)], kp.data(), kp.size(), B, k.data_as<float>() + h * B * D);
+      kvtc::decode_block(value_.heads[size_t(h)], vp.data(), vp.size(), B, v.data_as<float>() + h * B * D);
+    }
+    visit(sinks + int64_t(j) * B, k.view(), v.view());
+  }
+  emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
+}
+
+int64_t KvtcCache::trim(int64_t n) {
+  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc: trim(" + std::to_string(n) + ")");
+  const int64_t dropped = std::min(n, offset_);
+  const int64_t D = config_.head_dim;
+  int64_t left = dropped;
+  while (left > 0) {
+    const int64_t tail = raw_tokens() - sink_tokens();
+    if (tail > 0 || key_.blocks.empty()) {
+      // Drop from the raw tail (or the sinks, once no block is left).
+      const int64_t cut = std::min(left, raw_tokens());
+      for (Stream* s : {&key_, &value_})
+        for (auto& raw : s->raw) raw.resize(raw.size() - size_t(cut * D));
+      offset_ -= cut;
+      left -= cut;
+      continue;
+    }
+    // The newest block must be cut: decode it back into the raw tail (its
+    // reconstruction, stored raw and counted as such), then drop from there.
+    const int64_t B = options_.block;
+    std::vector<float> x(size_t(B * D));
+    std::vector<uint16_t> row(size_t(B * D));
+    for (Stream* s : {&key_, &value_}) {
+      const EncodedBlock& blk = s->blocks.back();
+      for (int64_t h = 0; h < heads_total(); ++h) {
+        const auto& pl = blk.payload[size_t(h)];
+        kvtc::decode_block(s->heads[size_t(h)], pl.data(), pl.size(), B, x.data());
+        convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
+        auto& raw = s->raw[size_t(h)];
+        raw.insert(raw.end(), row.begin(), row.end());
+      }
+      s->blocks.pop_back();
+    }
+  }
+  if (offset_ == 0) reset();
+  return dropped;
+}
+
+CacheStats KvtcCache::stats() const {
+  CacheStats st;
+  st.method = "kvtc";
+  st.tokens = offset_;
+  const uint64_t fp16 = uint64_t(offset_) * uint64_t(heads_total()) * uint64_t(config_.head_dim) * 2;
+  st.fp16_key_bytes = fp16;
+  st.fp16_value_bytes = fp16;
+  for (const Stream* s : {&key_, &value_}) {
+    const std::string prefix = s == &key_ ? "key." : "value.";
+    uint64_t side = 0, payload = 0, pre_entropy = 0, raw = 0;
+    for (const auto& h : s->heads) side += h.serialized_size();
+    for (const auto& blk : s->blocks) {
+      payload += blk.serialized_size();
+      for (size_t h = 0; h < blk.payload.size(); ++h) {
+        uint64_t bits = 0;
+        for (uint8_t w : s->heads[h].fixed_widths) bits += w;
+        pre_entropy += (bits * uint64_t(options_.block) + 7) / 8;
+      }
+    }
+    for (const auto& r : s->raw) raw += r.size() * 2;
+    const uint64_t total = side + payload + raw;
+    (s == &key_ ? st.compressed_key_bytes : st.compressed_value_bytes) = total;
+    st.extras[prefix + "kvtc_bytes"] = double(side + payload);
+    st.extras[prefix + "side_bytes"] = double(side);
+    st.extras[prefix + "payload_bytes"] = double(payload);
+    st.extras[prefix + "pre_entropy_bytes"] = double(pre_entropy);
+    st.extras[prefix + "raw_bytes"] = double(raw);
+    st.extras[prefix + "entropy_coding_gain"] = payload ? double(pre_entropy) / double(payload) : 0.0;
+    for (size_t h = 0; h < s->heads.size(); ++h)
+      st.extras[prefix + "n_survived." + std::to_string(h)] = double(s->heads[h].n_kept());
+  }
+  st.extras["bit_budget"] = double(options_.codec.bit_budget > 0 ? options_.codec.bit_budget : 4 * config_.head_dim);
+  return st;
+}
+
+// --- persistence -------------------------------------------------------------
+//
+// Sections: "state" (shape, counters), then for K and V: "<t>.params" (every
+// head's HeadParams), "<t>.blocks" (per block, per head: varint length +
+// payload), "<t>.raw" (per head, raw tokens as 16-bit words). The byte
+// counters are exactly the sizes of the params, blocks and raw sections.
+
+std::vector<uint8_t> KvtcCache::save() const {
+  ContainerWriter w(ContainerKind::kCache);
+  w.set_meta("method", "kvtc");
+  w.set_meta("settings", encode_settings(settings_));
+  w.set_meta("config.layer", std::to_string(config_.layer));
+  w.set_meta("config.n_layers", std::to_string(config_.n_layers));
+  w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
+  w.set_meta("config.head_dim", std::to_string(config_.head_dim));
+  {
+    std::ostringstream theta;
+    theta.precision(17);
+    theta << config_.rope_theta;
+    w.set_meta("config.rope_theta", theta.str());
+  }
+  ByteWriter state;
+  state.u64(uint64_t(batch_));
+  state.u64(uint64_t(offset_));
+  state.u8(fitted_ ? 1 : 0);
+  state.u8(uint8_t(raw_dtype_));
+  state.u64(uint64_t(key_.blocks.size()));
+  w.add_section("state", state.take());
+  for (const Stream* s : {&key_, &value_}) {
+    const std::string prefix = s == &key_ ? "key." : "value.";
+    ByteWriter params;
+    for (const auto& h : s->heads) h.serialize(params);
+    w.add_section(prefix + "params", params.take());
+    std::vector<uint8_t> blocks;
+    for (const auto& blk : s->blocks)
+      for (const auto& p : blk.payload) {
+        append_varint(blocks, p.size());
+        blocks.insert(blocks.end(), p.begin(), p.end());
+      }
+    w.add_section(prefix + "blocks", std::move(blocks));
+    ByteWriter raw;
+    for (const auto& r : s->raw)
+      for (uint16_t word : r) raw.u16(word);
+    w.add_section(prefix + "raw", raw.take());
+  }
+  return w.finish();
+}
+
+void KvtcCache::load(const uint8_t* data, size_t size) {
+  const ContainerReader r = ContainerReader::parse(data, size);
+  if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
+    throw Error(ErrorCode::kFormat, "kvtc: not a saved kvtc cache");
+  auto expect = [&](const char* key, int value) {
+    if (r.meta_or_throw(key) != std::to_string(value))
+      throw Error(ErrorCode::kShapeMismatch, std::string("kvtc: saved cache has ") + key + " = " +
+                                                 r.meta_or_throw(key) + ", this cache " + std::to_string(value));
+  };
+  expect("config.n_kv_heads", config_.n_kv_heads);
+  expect("config.head_dim", config_.head_dim);
+  ByteReader state(r.section("state"));
+  KvtcCache fresh(config_, settings_);
+  fresh.batch_ = int64_t(state.u64());
+  fresh.offset_ = int64_t(state.u64());
+  fresh.fitted_ = state.u8() != 0;
+  const uint8_t raw_dtype = state.u8();
+  const uint64_t n_blocks = state.u64();
+  if (fresh.batch_ < 0 || fresh.batch_ > (1 << 20) || fresh.offset_ < 0 || raw_dtype > 2 ||
+      n_blocks > uint64_t(fresh.offset_) || (fresh.offset_ > 0 && fresh.batch_ == 0))
+    throw Error(ErrorCode::kFormat, "kvtc: inconsistent saved state");
+  fresh.raw_dtype_ = DType(raw_dtype);
+  const int64_t heads = fresh.heads_total();
+  const int64_t D = config_.head_dim;
+  const int64_t raw_tokens = fresh.offset_ - int64_t(n_blocks) * options_.block;
+  if (raw_tokens < 0 || (n_blocks > 0 && !fresh.fitted_))
+    throw Error(ErrorCode::kFormat, "kvtc: saved block count does not match the token count");
+  for (Stream* s : {&fresh.key_, &fresh.value_}) {
+    const std::string prefix = s == &fresh.key_ ? "key." : "value.";
+    ByteReader params(r.section(prefix + "params"));
+    if (fresh.fitted_)
+      for (int64_t h = 0; h < heads; ++h) s->heads.push_back(kvtc::HeadParams::deserialize(params, int(D)));
+    if (!params.at_end()) throw Error(ErrorCode::kFormat, "kvtc: trailing bytes in " + prefix + "params");
+    ByteReader blocks(r.section(prefix + "blocks"));
+    for (uint64_t j = 0; j < n_blocks; ++j) {
+      EncodedBlock blk;
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint64_t len = blocks.varint();
+        const uint8_t* p = blocks.bytes(size_t(len)).data();
+        blk.payload.emplace_back(p, p + len);
+      }
+      s->blocks.push_back(std::move(blk));
+    }
+    if (!blocks.at_end()) throw Error(ErrorCode::kFormat, "kvtc: trailing bytes in " + prefix + "blocks");
+    const auto raw_bytes = r.section(prefix + "raw");
+    if (raw_bytes.size() != size_t(heads * raw_tokens * D * 2))
+      throw Error(ErrorCode::kFormat, "kvtc: " + prefix + "raw holds " + std::to_string(raw_bytes.size()) +
+                                          " bytes, expected " + std::to_string(heads * raw_tokens * D * 2));
+    ByteReader raw(raw_bytes);
+    s->raw.assign(size_t(heads), {});
+    for (int64_t h = 0; h < heads; ++h) {
+      s->raw[size_t(h)].resize(size_t(raw_tokens * D));
+      for (auto& word : s->raw[size_t(h)]) word = raw.u16();
+    }
+  }
+  *this = std::move(fresh);
+}
+
+}  // namespace
+
+KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& config) {
+  const MethodInfo info = kvtc_method_info();
+  const SettingsReader r("kvtc", settings, info.fields);
+  const int D = config.head_dim;
+  KvtcSettings s;
+  s.mode = r.get_choice("mode", "local", {"local", "calibrated"});
+  if (s.mode == "calibrated") r.fail("mode", "local (calibrated mode is not available yet)");
+  if (r.find("calibration")) r.fail("calibration", "unset (calibrated mode is not available yet)");
+  if (r.find("rope_theta")) r.fail("rope_theta", "unset (only calibrated mode uses it)");
+  s.codec.bit_budget = int(r.get_int("bit_budget", 4 * D, 1, 16 * D));
+  std::vector<int64_t> choices = r.get_int_list("bit_choices", {0, 1, 2, 3, 4, 6, 8}, 0, 16);
+  std::vector<int64_t> sorted = choices;
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted.front() != 0 || std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    r.fail("bit_choices", "distinct widths in [0, 16] including 0, e.g. 0,1,2,3,4,6,8");
+  s.codec.bit_choices.assign(choices.begin(), choices.end());
+  s.codec.beta = r.get_double("beta", 3.5, 1.0, 1e6, /*lo_open=*/true);
+  s.codec.allocator = r.get_choice("allocator", "dp", {"dp", "rate"}) == "dp" ? kvtc::Allocator::kDp
+                                                                              : kvtc::Allocator::kRate;
+  const std::string coder = r.get_choice("coder", "rans", {"rans", "huffman", "fixed", "auto"});
+  s.codec.coder = coder == "rans"      ? kvtc::CoderChoice::kRans
+                  : coder == "huffman" ? kvtc::CoderChoice::kHuffman
+                  : coder == "fixed"   ? kvtc::CoderChoice::kFixed
+                                       : kvtc::CoderChoice::kAuto;
+  s.codec.basis_bits = int(r.get_int("basis_bits", 16, 8, 16));
+  if (s.codec.basis_bits != 8 && s.codec.basis_bits != 16) r.fail("basis_bits", "8 or 16");
+  const std::string* ratio = r.find("target_ratio");
+  s.target_ratio = (ratio && *ratio != "none") ? r.get_double("target_ratio", 0.0, 1.0, 1000.0) : 0.0;
+  s.min_fit_tokens = int(r.get_int("min_fit_tokens", 2 * int64_t(D), 1, 1 << 24));
+  s.block = int(r.get_int("block", 64, 1, 1 << 16));
+  s.sinks = int(r.get_int("sinks", 0, 0, 1 << 20));
+  s.window = int(r.get_int("window", 0, 0, 1 << 24));
+  s.threads = int(r.get_int("threads", 1, 1, 256));
+  return s;
+}
+
+MethodInfo kvtc_method_info() {
+  return {"kvtc",
+          "KV cache transform coding: PCA per head, DP bit allocation, uniform quantization, rANS",
+          {{"mode", "local", "local: basis fitted per (layer, head) at prefill"},
+           {"bit_budget", "", "payload bits per token per head (default 4*head_dim)"},
+           {"bit_choices", "0,1,2,3,4,6,8", "widths the DP may give a component (0 drops it)"},
+           {"beta", "3.5", "distortion model d(v,b) = v * beta^-b of the dp allocator"},
+           {"allocator", "dp", "dp (beta model) or rate (one step for all components, measured entropy)"},
+           {"target_ratio", "none", "pick the budget whose fit-token cost meets this compression ratio"},
+           {"min_fit_tokens", "", "tokens (sinks excluded) needed before the fit (default 2*head_dim)"},
+           {"block", "64", "tokens per encoded block"},
+           {"sinks", "0", "first tokens kept raw (counted)"},
+           {"window", "0", "newest tokens kept raw (counted)"},
+           {"coder", "rans", "rans, huffman, fixed or auto (strictly smallest on the fit tokens)"},
+           {"basis_bits", "16", "16: f16 basis rows; 8: int8 rows with an f16 scale"},
+           {"threads", "1", "OpenMP threads for fit, encode and decode"},
+           {"calibration", "", "calibration file (calibrated mode; not available yet)"},
+           {"rope_theta", "", "RoPE base for calibrated mode (default: the model's)"}}};
+}
+
+std::unique_ptr<KVCache> make_kvtc_cache(const CacheConfig& config, const Settings& settings) {
+  return std::make_unique<KvtcCache>(config, settings);
+}
+
+}  // namespace kvcodec

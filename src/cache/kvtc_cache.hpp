@@ -1,0 +1,36 @@
+// The KVTC streaming cache (DESIGN 3 and 4), local mode.
+//
+// Token layout along S for every head: [sinks raw][encoded blocks][raw tail].
+// The basis, allocation, quantizer ranges and entropy models of every
+// (batch, head) are fitted once, batched over B*H, at the first append that
+// brings at least min_fit_tokens (sinks excluded), then frozen. Tokens leave
+// the raw tail in blocks of `block` once `window` newer tokens follow them;
+// a block's codes are never rewritten.
+#pragma once
+
+#include <memory>
+
+#include "kvcodec/cache.hpp"
+#include "kvtc/codec.hpp"
+
+namespace kvcodec {
+
+struct KvtcSettings {
+  std::string mode = "local";
+  kvtc::CodecOptions codec;
+  int min_fit_tokens = 0;  // 0 -> 2 * D
+  int block = 64;
+  int sinks = 0;
+  int window = 0;
+  double target_ratio = 0.0;  // 0: none
+  int threads = 1;
+};
+
+// Parses and validates kvtc settings (errors name field, value and range).
+KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& config);
+// The fields and defaults of kvtc, for list_methods().
+MethodInfo kvtc_method_info();
+
+std::unique_ptr<KVCache> make_kvtc_cache(const CacheConfig& config, const Settings& settings);
+
+}  // namespace kvcodec
