@@ -65,6 +65,8 @@ class SafetensorsFile {
   TensorView view4(const std::string& name) const;
   // Any float dtype (F64/F32/F16/BF16), any rank, converted to f32, row-major.
   std::vector<float> read_f32(const std::string& name) const;
+  // An owning copy of view4(name) converted to `dtype` (outlives the file).
+  Tensor tensor(const std::string& name, DType dtype) const;
   // "__metadata__" (string -> string).
   const std::map<std::string, std::string>& metadata() const;
 
@@ -89,6 +91,7 @@ class SafetensorsModel {
   const uint8_t* raw(const std::string& name) const;
   TensorView view4(const std::string& name) const;
   std::vector<float> read_f32(const std::string& name) const;
+  Tensor tensor(const std::string& name, DType dtype) const;
   // The shard that holds `name` (throws kNotFound).
   const SafetensorsFile& file_of(const std::string& name) const;
   // Index "metadata" (values as JSON text when not strings) or the single file's __metadata__.

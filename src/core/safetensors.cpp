@@ -290,6 +290,10 @@ std::vector<float> SafetensorsFile::read_f32(const std::string& name) const {
   return out;
 }
 
+Tensor SafetensorsFile::tensor(const std::string& name, DType dtype) const {
+  return Tensor::from_view(view4(name), dtype);
+}
+
 const std::map<std::string, std::string>& SafetensorsFile::metadata() const {
   return impl_ ? impl_->metadata : kEmptyMeta;
 }
@@ -415,6 +419,10 @@ const uint8_t* SafetensorsModel::raw(const std::string& name) const { return fil
 TensorView SafetensorsModel::view4(const std::string& name) const { return file_of(name).view4(name); }
 std::vector<float> SafetensorsModel::read_f32(const std::string& name) const {
   return file_of(name).read_f32(name);
+}
+
+Tensor SafetensorsModel::tensor(const std::string& name, DType dtype) const {
+  return file_of(name).tensor(name, dtype);
 }
 
 // ---------------------------------------------------------------- writer

@@ -210,6 +210,9 @@ TEST(Safetensors, RealKvDump) {
   const std::vector<float> flat = f.read_f32("layers.0.key");
   ASSERT_EQ(flat.size(), size_t(2 * 2048 * 64));
   EXPECT_EQ(flat[2048 * 64 + 5 * 64 + 3], k.at(0, 1, 5, 3));
+  const Tensor owned = f.tensor("layers.0.key", DType::kF32);
+  EXPECT_EQ(owned.shape(), k.shape);
+  EXPECT_EQ(std::memcmp(owned.data(), flat.data(), owned.nbytes()), 0);
 }
 
 TEST(Safetensors, ShardedModel) {
@@ -311,4 +314,14 @@ TEST(Safetensors, GoldenSeedFiles) {
   EXPECT_EQ(mixed.view4("zero").shape, (Shape4{1, 1, 0, 5}));
   EXPECT_TRUE(mixed.read_f32("zero").empty());
   EXPECT_EQ(mixed.read_f32("scalar"), std::vector<float>{0.0f});
+}
+
+// Deeply nested JSON must fail cleanly (no recursion-depth stack overflow).
+TEST(Safetensors, DeeplyNestedHeaderIsRejectedWithoutCrash) {
+  const std::string open_only(100000, '[');
+  expect_format_error(blob(open_only, 0), "not valid JSON");
+  const std::string balanced = std::string(50000, '[') + std::string(50000, ']');
+  expect_format_error(blob(balanced, 0), "not an object");
+  const std::string in_shape = R"({"t":{"dtype":"F32","shape":)" + balanced + R"(,"data_offsets":[0,0]}})";
+  expect_format_error(blob(in_shape, 0), "t");
 }
