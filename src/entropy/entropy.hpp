@@ -127,15 +127,17 @@ inline constexpr size_t kRansLanes = 8;            // interleaved states
 inline constexpr uint32_t kRansLow = 1u << 23;     // states live in [kRansLow, kRansLow << 8)
 
 // slot -> symbol lookup, built once per frozen table and cached by the caller.
+// Two bytes per slot plus (freq, cum) per symbol: with one table per
+// component (64+ per tensor) the tables must stay small to stay in cache.
 struct RansDecodeTable {
-  struct Entry {
-    uint32_t freq;    // frequency of the symbol owning this slot
-    uint16_t bias;    // slot - cum[symbol] (< freq <= 65536)
-    uint16_t symbol;
+  struct Sym {
+    uint32_t freq;
+    uint32_t cum;
   };
   uint32_t alphabet_size = 0;
   uint32_t scale_bits = 0;
-  std::vector<Entry> slots;  // [1 << scale_bits]
+  std::vector<uint16_t> slot_symbol;  // [1 << scale_bits], entries < alphabet_size
+  std::vector<Sym> syms;              // [alphabet_size]
 
   RansDecodeTable() = default;
   explicit RansDecodeTable(const FrequencyTable& table);
@@ -165,13 +167,24 @@ void rans_decode_reference(const uint8_t* data, size_t size, size_t n_rows, size
 
 inline constexpr unsigned kHuffmanMaxLength = 15;
 inline constexpr uint32_t kHuffmanMaxAlphabet = 1u << kHuffmanMaxLength;
+inline constexpr unsigned kHuffmanLutBits = 11;
+inline constexpr uint32_t kHuffmanLongCode = 0x80000000u;
 
 struct HuffmanTable {
   uint32_t alphabet_size = 0;
   uint32_t max_length = 0;           // longest code (0 for a 1-symbol alphabet)
   std::vector<uint8_t> lengths;      // [alphabet_size], 1..15 (all 0 when alphabet is 1)
   std::vector<uint16_t> codes;       // bit-reversed canonical codes, ready for LSB-first output
-  std::vector<uint32_t> lut;         // [1 << max_length]: symbol | length << 16
+  // Decoding: one lookup of the next lut_bits (<= kHuffmanLutBits) bits gives
+  // symbol | length << 16, or kHuffmanLongCode for a prefix of a longer code,
+  // which is then decoded canonically (first code and count per length).
+  // Keeping the table at 2^11 entries keeps 64+ per-component tables in cache.
+  uint32_t lut_bits = 0;
+  std::vector<uint32_t> lut;         // [1 << lut_bits]
+  std::vector<uint16_t> sorted;      // symbols in canonical order
+  uint32_t first_code[kHuffmanMaxLength + 2] = {};  // MSB-first canonical code of the first symbol of each length
+  uint32_t count[kHuffmanMaxLength + 2] = {};       // symbols of each length
+  uint32_t offset[kHuffmanMaxLength + 2] = {};      // index in sorted of the first symbol of each length
 
   // Complete prefix code from lengths (Kraft sum exactly 1, or a single
   // symbol with length 0); throws Error(kInvalidArgument) otherwise.

@@ -1,6 +1,6 @@
 // Canonical Huffman: optimal length-limited lengths (package-merge),
 // canonical codes emitted bit-reversed so the LSB-first decoder indexes one
-// lookup table of 2^max_length entries with the next bits.
+// lookup table of 2^min(max_length, 11) entries with the next bits.
 #include <algorithm>
 #include <bit>
 #include <numeric>
@@ -30,7 +30,8 @@ std::vector<uint32_t> active_columns(size_t n_cols, const std::vector<const Huff
     if (!tables[c]) continue;
     const HuffmanTable& t = *tables[c];
     if (t.alphabet_size == 0 || t.max_length > kHuffmanMaxLength || t.lengths.size() != t.alphabet_size ||
-        t.codes.size() != t.alphabet_size || t.lut.size() != (size_t(1) << t.max_length))
+        t.codes.size() != t.alphabet_size || t.lut_bits > kHuffmanLutBits || t.lut_bits > t.max_length ||
+        t.lut.size() != (size_t(1) << t.lut_bits) || t.sorted.size() != t.alphabet_size)
       throw Error(ErrorCode::kInvalidArgument, std::string(who) + ": table of column " + std::to_string(c) +
                                                    " is not a valid HuffmanTable (build it with huffman_build/from_lengths)");
     cols.push_back(uint32_t(c));
@@ -51,6 +52,7 @@ HuffmanTable HuffmanTable::from_lengths(std::vector<uint8_t> lengths) {
     t.lengths = std::move(lengths);
     t.codes = {0};
     t.lut = {0};  // symbol 0, length 0: consumes no bits
+    t.sorted = {0};
     return t;
   }
   uint64_t kraft = 0;  // in units of 2^-15
@@ -71,20 +73,47 @@ HuffmanTable HuffmanTable::from_lengths(std::vector<uint8_t> lengths) {
   std::iota(order.begin(), order.end(), 0u);
   std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return t.lengths[a] < t.lengths[b]; });
   t.codes.assign(n, 0);
-  t.lut.assign(size_t(1) << max_len, 0);
+  t.lut_bits = std::min<uint32_t>(max_len, kHuffmanLutBits);
+  t.lut.assign(size_t(1) << t.lut_bits, kHuffmanLongCode);
+  t.sorted.resize(n);
   uint32_t code = 0;
   unsigned prev_len = t.lengths[order[0]];
-  for (uint32_t s : order) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t s = order[i];
     const unsigned l = t.lengths[s];
     code <<= (l - prev_len);
+    if (l != prev_len || i == 0) {
+      t.first_code[l] = code;
+      t.offset[l] = uint32_t(i);
+    }
     prev_len = l;
+    ++t.count[l];
+    t.sorted[i] = uint16_t(s);
     const uint16_t rc = reverse_bits(code, l);
     t.codes[s] = rc;
-    for (size_t j = rc; j < t.lut.size(); j += size_t(1) << l) t.lut[j] = s | (uint32_t(l) << 16);
+    if (l <= t.lut_bits)
+      for (size_t j = rc; j < t.lut.size(); j += size_t(1) << l) t.lut[j] = s | (uint32_t(l) << 16);
     ++code;
   }
   return t;
 }
+
+namespace {
+
+// Slow path for codes longer than lut_bits: walk the canonical code one bit
+// at a time (bits holds at least max_length upcoming stream bits). A complete
+// code always terminates within max_length bits.
+inline uint32_t decode_long(const HuffmanTable& t, uint64_t bits) {
+  uint32_t code = 0;
+  for (unsigned l = 1; l <= t.max_length; ++l) {
+    code = (code << 1) | uint32_t((bits >> (l - 1)) & 1);
+    const uint32_t k = code - t.first_code[l];
+    if (t.count[l] && code >= t.first_code[l] && k < t.count[l]) return t.sorted[t.offset[l] + k] | (uint32_t(l) << 16);
+  }
+  bad_format("invalid code (table is not a complete prefix code)");
+}
+
+}  // namespace
 
 HuffmanTable huffman_build(const std::vector<uint64_t>& counts) {
   const size_t n = counts.size();
@@ -250,7 +279,8 @@ void huffman_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_co
         if (in.consumed() > in.total_bits())
           bad_format("stream truncated at row " + std::to_string(r) + ", column " + std::to_string(c));
       }
-      const uint32_t e = t.lut[in.peek() & ((uint64_t(1) << t.max_length) - 1)];
+      uint32_t e = t.lut[in.peek() & ((uint64_t(1) << t.lut_bits) - 1)];
+      if (e & kHuffmanLongCode) e = decode_long(t, in.peek());
       row[c] = uint16_t(e);
       in.consume(e >> 16);
     }

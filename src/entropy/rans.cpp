@@ -80,7 +80,8 @@ void check_tables(const std::vector<uint32_t>& cols, const std::vector<const Fre
 void check_decode_tables(const std::vector<uint32_t>& cols, const std::vector<const RansDecodeTable*>& tables) {
   for (uint32_t c : cols) {
     const RansDecodeTable& t = *tables[c];
-    if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.slots.size() != (size_t(1) << t.scale_bits))
+    if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.slot_symbol.size() != (size_t(1) << t.scale_bits) ||
+        t.syms.size() != t.alphabet_size)
       throw Error(ErrorCode::kInvalidArgument,
                   "rans_decode: decode table of column " + std::to_string(c) + " is not built from a FrequencyTable");
   }
@@ -88,7 +89,8 @@ void check_decode_tables(const std::vector<uint32_t>& cols, const std::vector<co
 
 // Per-column data the decoder's inner loop needs, contiguous.
 struct DecCol {
-  const RansDecodeTable::Entry* slots;
+  const uint16_t* slot_symbol;
+  const RansDecodeTable::Sym* syms;
   uint32_t scale;
   uint32_t mask;
 };
@@ -96,17 +98,20 @@ struct DecCol {
 }  // namespace
 
 RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
-  if (t.freq.size() != t.alphabet_size || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits)
+  if (t.freq.size() != t.alphabet_size || t.alphabet_size == 0 || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits)
     throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: invalid frequency table");
-  slots.resize(size_t(1) << scale_bits);
+  slot_symbol.resize(size_t(1) << scale_bits);
+  syms.resize(alphabet_size);
   size_t slot = 0;
   for (uint32_t s = 0; s < alphabet_size; ++s) {
     const uint32_t f = t.freq[s];
-    if (f == 0 || slot + f > slots.size())
+    if (f == 0 || slot + f > slot_symbol.size())
       throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: frequencies do not sum to 2^scale_bits");
-    for (uint32_t b = 0; b < f; ++b) slots[slot++] = Entry{f, uint16_t(b), uint16_t(s)};
+    syms[s] = Sym{f, uint32_t(slot)};
+    std::fill(slot_symbol.begin() + long(slot), slot_symbol.begin() + long(slot + f), uint16_t(s));
+    slot += f;
   }
-  if (slot != slots.size())
+  if (slot != slot_symbol.size())
     throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: frequencies do not sum to 2^scale_bits");
 }
 
@@ -179,7 +184,7 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
   std::vector<DecCol> ext(n_active + kRansLanes);
   for (size_t k = 0; k < ext.size(); ++k) {
     const RansDecodeTable& t = *tables[cols[k % n_active]];
-    ext[k] = DecCol{t.slots.data(), t.scale_bits, (1u << t.scale_bits) - 1};
+    ext[k] = DecCol{t.slot_symbol.data(), t.syms.data(), t.scale_bits, (1u << t.scale_bits) - 1};
   }
   // With no skipped columns the coded order is the output order.
   const bool dense = n_active == n_cols;
@@ -199,12 +204,20 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
 #pragma GCC unroll 8
     for (size_t j = 0; j < kRansLanes; ++j) {
       uint32_t s = x[j];
-      const RansDecodeTable::Entry e = c[j].slots[s & c[j].mask];
-      dst[i + j] = e.symbol;
-      s = e.freq * (s >> c[j].scale) + e.bias;
-      if (s < kRansLow) {
-        s = (s << 8) | *p++;
-        if (s < kRansLow) s = (s << 8) | *p++;
+      const uint32_t slot = s & c[j].mask;
+      const uint16_t sym = c[j].slot_symbol[slot];
+      const RansDecodeTable::Sym e = c[j].syms[sym];
+      dst[i + j] = sym;
+      s = e.freq * (s >> c[j].scale) + slot - e.cum;
+      // Branchless renormalisation. The bytes to pull follow from s alone
+      // (s << 8 | b < 2^23 iff s < 2^15), so the shared stream pointer
+      // advances by a value computed off the loads: the lanes' only serial
+      // dependency is one add per symbol.
+      {
+        const uint32_t n = uint32_t(s < kRansLow) + uint32_t(s < (kRansLow >> 8));
+        const uint32_t v = (uint32_t(p[0]) << 8) | p[1];  // in bounds: >= 2 bytes left per symbol
+        s = (s << (8 * n)) | (v >> (16 - 8 * n));  // n = 0: v >> 16 == 0
+        p += n;
       }
       x[j] = s;
     }
@@ -216,9 +229,11 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
   for (; i < n_coded; ++i) {
     const DecCol& c = ext[k0];
     uint32_t& s = x[i % kRansLanes];
-    const RansDecodeTable::Entry e = c.slots[s & c.mask];
-    dst[i] = e.symbol;
-    s = e.freq * (s >> c.scale) + e.bias;
+    const uint32_t slot = s & c.mask;
+    const uint16_t sym = c.slot_symbol[slot];
+    const RansDecodeTable::Sym e = c.syms[sym];
+    dst[i] = sym;
+    s = e.freq * (s >> c.scale) + slot - e.cum;
     while (s < kRansLow) {
       if (p == end) bad_stream("truncated: ran out of bytes at symbol " + std::to_string(i) + " of " + std::to_string(n_coded));
       s = (s << 8) | *p++;
