@@ -41,7 +41,7 @@ fi
 
 echo "fuzz.sh: configuring $build with clang (targets: ${targets[*]})"
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_CXX_COMPILER=clang++ \
   -DKVCODEC_FUZZ=ON -DKVCODEC_TESTS=OFF -DKVCODEC_BENCH=OFF >/dev/null
 # Only the fuzz targets (and the libraries they link), not the whole tree.
 cmake --build "$build" -j"$jobs" --target "${targets[@]}"
