@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <variant>
 
 #include "core/mmap_file.hpp"
@@ -85,8 +86,19 @@ void parse_header(ParsedHeader* impl, const uint8_t* bytes, uint64_t n) {
                         std::to_string(SafetensorsFile::kMaxHeaderBytes) + " bytes");
   }
   const char* text = reinterpret_cast<const char*>(bytes + 8);
-  json header = json::parse(text, text + header_len, nullptr, /*allow_exceptions=*/false);
+  // nlohmann keeps the last of duplicate keys silently; a tensor defined
+  // twice is ambiguous, so the callback spots top-level duplicates.
+  std::set<std::string> keys;
+  std::string duplicate;
+  const json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 && parsed.is_string() && duplicate.empty()) {
+      if (!keys.insert(parsed.get<std::string>()).second) duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
+  json header = json::parse(text, text + header_len, on_event, /*allow_exceptions=*/false);
   if (header.is_discarded()) format_error(f, "header is not valid JSON");
+  if (!duplicate.empty()) tensor_error(f, duplicate, "defined twice in the header");
   if (!header.is_object()) format_error(f, "header JSON is not an object");
 
   impl->data_section = bytes + 8 + header_len;

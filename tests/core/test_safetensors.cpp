@@ -173,6 +173,11 @@ TEST(Safetensors, MalformedHeadersGiveNamedErrors) {
   expect_format_error(blob(R"({"t":{"shape":[2],"data_offsets":[0,8]}})", 8), "dtype");
   expect_format_error(blob(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[-1,7]}})", 8), "data_offsets");
   expect_format_error(blob(R"({"t":5})", 8), "not an object");
+  expect_format_error(
+      blob(R"({"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 8),
+      "defined twice");
+  // Nested duplicate keys are not tensors: the last wins, as in JSON at large.
+  EXPECT_EQ(SafetensorsFile::from_bytes(blob(R"({"__metadata__":{"a":"1","a":"2"}})", 0)).metadata().at("a"), "2");
   expect_format_error(blob(R"({"__metadata__":{"k":1}})", 0), "__metadata__");
   // The tensor is named in errors about it.
   expect_format_error(blob(R"({"layers.3.key":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
