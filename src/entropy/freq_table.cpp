@@ -26,50 +26,28 @@ double loss_down(uint64_t c, uint32_t f) {
   return c == 0 ? 0.0 : double(c) * std::log2(double(f) / double(f - 1));
 }
 
-// Adaptive Rice parameters for the serialised frequencies (LOCO-I style
-// running mean, halved every kRiceReset values so it follows the slope of the
-// distribution from tail to peak and back).
-constexpr uint32_t kRiceReset = 8;
-constexpr uint32_t kRiceEscape = 20;  // unary quotient at which the raw value follows
-constexpr uint32_t kRawBits = 17;     // raw freq-1 < 2^16 always fits
+// Serialised frequencies are floating point: exponent e = bit_width(f)
+// (delta-coded against the previous symbol's, zigzag + gamma: neighbours in
+// a quantized Gaussian have similar magnitudes) and the top p-1 bits below
+// the leading one, p being the table's precision (the fewest significant
+// bits that represent every stored frequency exactly). from_counts rounds
+// frequencies to a low precision when that costs < precision_loss of rate,
+// which roughly halves the table. Runs of frequency-1 symbols (flat tails)
+// are gamma-coded run lengths.
 
-struct RiceState {
-  uint64_t sum, n;
-  uint32_t k() const {
-    uint32_t k = 0;
-    while ((n << k) < sum && k < 16) ++k;
-    return k;
-  }
-  void update(uint32_t v) {
-    sum += v;
-    if (++n >= kRiceReset) {
-      sum = (sum + 1) / 2;
-      n /= 2;
-    }
-  }
-};
+unsigned significant_bits(uint32_t f) { return unsigned(std::bit_width(f)) - unsigned(std::countr_zero(f)); }
 
-RiceState initial_rice(uint32_t alphabet, uint32_t scale) {
-  return RiceState{std::max<uint64_t>(1, (uint64_t(1) << scale) / alphabet), 1};
+// f rounded to p significant bits (nearest; never below 1).
+uint32_t round_to_precision(uint32_t f, unsigned p) {
+  const unsigned e = unsigned(std::bit_width(f));
+  if (e <= p) return f;
+  const unsigned drop = e - p;
+  const uint32_t r = ((f + (1u << (drop - 1))) >> drop) << drop;
+  return std::max<uint32_t>(1, r);
 }
 
-void put_rice(BitWriter& out, uint32_t v, uint32_t k) {
-  const uint32_t q = v >> k;
-  if (q >= kRiceEscape) {
-    out.put((1u << kRiceEscape) - 1, kRiceEscape);
-    out.put(v, kRawBits);
-    return;
-  }
-  out.put((1u << q) - 1, q + 1);  // q ones then a zero
-  out.put(v & ((1u << k) - 1), k);
-}
-
-uint32_t get_rice(BitReader& in, uint32_t k) {
-  uint32_t q = 0;
-  while (q < kRiceEscape && in.get_bit()) ++q;
-  if (q == kRiceEscape) return in.get(kRawBits);
-  return (q << k) | in.get(k);
-}
+uint32_t zigzag(int v) { return v >= 0 ? uint32_t(2 * v) : uint32_t(-2 * v - 1); }
+int unzigzag(uint64_t z) { return (z & 1) ? -int((z + 1) / 2) : int(z / 2); }
 
 unsigned index_bits(uint32_t alphabet) { return alphabet <= 1 ? 0 : unsigned(std::bit_width(alphabet - 1)); }
 
@@ -100,7 +78,8 @@ FrequencyTable FrequencyTable::from_freqs(std::vector<uint32_t> freq, uint32_t s
   return t;
 }
 
-FrequencyTable FrequencyTable::from_counts(const std::vector<uint64_t>& counts_in, uint32_t scale_bits) {
+FrequencyTable FrequencyTable::from_counts(const std::vector<uint64_t>& counts_in, uint32_t scale_bits,
+                                           double precision_loss) {
   const size_t n = counts_in.size();
   if (n == 0 || n > kMaxAlphabet)
     invalid("alphabet size " + std::to_string(n) + " not in [1, " + std::to_string(kMaxAlphabet) + "]");
@@ -115,7 +94,7 @@ FrequencyTable FrequencyTable::from_counts(const std::vector<uint64_t>& counts_i
       if (c) ideal -= double(c) * std::log2(double(c) / n_total);
     uint32_t scale = default_scale_bits(uint32_t(n));
     for (;; ++scale) {
-      FrequencyTable t = from_counts(counts_in, scale);
+      FrequencyTable t = from_counts(counts_in, scale, precision_loss);
       if (scale >= kMaxScaleBits || t.cost_bits(counts_in) <= ideal * (1 + kMaxRateLoss) + 1e-9) return t;
     }
   }
@@ -191,7 +170,24 @@ FrequencyTable FrequencyTable::from_counts(const std::vector<uint64_t>& counts_i
     ++f[up];
     --f[down];
   }
-  return from_freqs(std::move(f), scale_bits);
+  FrequencyTable exact = from_freqs(std::move(f), scale_bits);
+  // Lower the precision of all but the largest frequency (which absorbs the
+  // rounding, being implied by the sum) while the rate stays within
+  // precision_loss of the exact optimum.
+  if (n < 3 || !(precision_loss > 0)) return exact;
+  const double exact_cost = exact.cost_bits(counts);
+  const uint32_t top = uint32_t(std::max_element(exact.freq.begin(), exact.freq.end()) - exact.freq.begin());
+  for (unsigned p = 2; p < scale_bits; ++p) {
+    std::vector<uint32_t> g = exact.freq;
+    uint64_t others = 0;
+    for (size_t s = 0; s < n; ++s)
+      if (s != top) others += (g[s] = round_to_precision(g[s], p));
+    if (others >= total) continue;
+    g[top] = uint32_t(total - others);
+    FrequencyTable t = from_freqs(std::move(g), scale_bits);
+    if (t.cost_bits(counts) <= exact_cost * (1 + precision_loss) + 1e-9) return t;
+  }
+  return exact;
 }
 
 void FrequencyTable::serialize(BitWriter& out) const {
@@ -200,25 +196,26 @@ void FrequencyTable::serialize(BitWriter& out) const {
   if (alphabet_size == 1) return;
   const uint32_t top = uint32_t(std::max_element(freq.begin(), freq.end()) - freq.begin());
   out.put(top, index_bits(alphabet_size));
-  RiceState rice = initial_rice(alphabet_size, scale_bits);
+  unsigned precision = 1;
+  for (uint32_t s = 0; s < alphabet_size; ++s)
+    if (s != top) precision = std::max(precision, significant_bits(freq[s]));
+  out.put(precision - 1, 4);  // freq < 2^16 for every non-top symbol, so p <= 16
+  int prev_e = 1;
   for (uint32_t s = 0; s < alphabet_size; ++s) {
     if (s == top) continue;
-    const uint32_t v = freq[s] - 1;
-    put_rice(out, v, rice.k());
-    rice.update(v);
-    if (v == 0) {
-      // Run of further frequency-1 symbols (flat tails), skipped by the Rice code.
-      uint32_t run = 0, t = s + 1;
-      while (t < alphabet_size && (t == top || freq[t] == 1)) {
+    const int e = int(std::bit_width(freq[s]));
+    out.put_gamma(uint64_t(zigzag(e - prev_e)) + 1);
+    prev_e = e;
+    const unsigned m = std::min<unsigned>(unsigned(e) - 1, precision - 1);
+    out.put((freq[s] >> (unsigned(e) - 1 - m)) & ((1u << m) - 1), m);
+    if (e == 1) {
+      // Run of further frequency-1 symbols (the top symbol is not counted).
+      uint32_t run = 0;
+      for (uint32_t t = s + 1; t < alphabet_size && (t == top || freq[t] == 1); ++t)
         if (t != top) ++run;
-        ++t;
-      }
       out.put_gamma(uint64_t(run) + 1);
-      uint32_t skipped = 0;
-      while (skipped < run) {
-        ++s;
-        if (s != top) ++skipped;
-      }
+      for (uint32_t skipped = 0; skipped < run;)
+        if (++s != top) ++skipped;
     }
   }
 }
@@ -246,26 +243,29 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
   }
   const uint32_t top = in.get(index_bits(a));
   if (top >= a) bad_format("largest-symbol index " + std::to_string(top) + " >= alphabet size " + std::to_string(a));
-  RiceState rice = initial_rice(a, scale);
+  const unsigned precision = in.get(4) + 1;
   uint64_t sum = 0;
   // Slots left for the implied 'top' must stay >= 1 after each symbol.
   auto add = [&](uint32_t s, uint64_t v) {
-    sum += v + 1;
+    sum += v;
     if (sum >= total) bad_format("frequencies exceed the total " + std::to_string(total) + " at symbol " + std::to_string(s));
-    f[s] = uint32_t(v + 1);
+    f[s] = uint32_t(v);
   };
+  int prev_e = 1;
   for (uint32_t s = 0; s < a; ++s) {
     if (s == top) continue;
-    const uint32_t v = get_rice(in, rice.k());
-    add(s, v);
-    rice.update(v);
-    if (v == 0) {
+    const int e = prev_e + unzigzag(in.get_gamma(6) - 1);
+    if (e < 1 || e > int(scale)) bad_format("symbol " + std::to_string(s) + ": frequency exponent " + std::to_string(e) + " outside 1.." + std::to_string(scale));
+    prev_e = e;
+    const unsigned m = std::min<unsigned>(unsigned(e) - 1, precision - 1);
+    const uint32_t mant = in.get(m);
+    add(s, ((uint64_t(1) << m) | mant) << (unsigned(e) - 1 - m));
+    if (e == 1) {
       const uint64_t run = in.get_gamma(17) - 1;
-      uint64_t done = 0;
-      while (done < run) {
+      for (uint64_t done = 0; done < run;) {
         if (++s >= a) bad_format("run of unit frequencies runs past the alphabet end");
         if (s == top) continue;
-        add(s, 0);
+        add(s, 1);
         ++done;
       }
     }
