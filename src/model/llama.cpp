@@ -136,6 +136,15 @@ Session::Session(const LlamaModel& model, const CacheFactory& factory) : model_(
     if (!cache) throw Error(ErrorCode::kInvalidArgument, "cache factory returned no cache for layer " + std::to_string(l));
     caches_.push_back(std::move(cache));
   }
+  // A factory may hand back caches that already hold tokens (a prefix loaded
+  // from a store); the session then continues after them. Every layer must
+  // hold the same number of tokens, or positions would disagree.
+  position_ = caches_.empty() ? 0 : caches_.front()->offset();
+  for (const auto& cache : caches_)
+    if (cache->offset() != position_)
+      throw Error(ErrorCode::kShapeMismatch, "cache factory returned caches holding different token counts (" +
+                                                 std::to_string(cache->offset()) + " vs " +
+                                                 std::to_string(position_) + ")");
 }
 
 CacheStats Session::cache_stats() const {
