@@ -19,29 +19,34 @@ using MutMat = Eigen::Map<RowMat>;
 using ConstStrided = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
 using MutStrided = Eigen::Map<RowMat, 0, Eigen::OuterStride<>>;
 
-// Y[n, out] (+)= X[n, in] * W[out, in]^T. One row: a GEMV split over rows of W
-// across threads (Eigen does not thread GEMV). Several rows: Eigen's GEMM,
-// which threads itself with OpenMP.
+// Y[n, out] (+)= X[n, in] * W[out, in]^T, split over rows of W (columns of
+// Y) across OpenMP threads; each piece is an Eigen GEMV (n = 1) or GEMM.
+// Eigen's own GEMM threading is off (EIGEN_DONT_PARALLELIZE, CMakeLists):
+// it spin-waits between its threads, which collapses on a shared, busy
+// machine; plain row splits need one barrier and give the same bits for any
+// thread count (no reduction is split).
 void matmul_wt(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y, bool accumulate) {
-  if (n == 1) {
-    Eigen::Map<const Eigen::VectorXf> xv(x, in);
-    constexpr int64_t kRows = 64;
-    const int64_t chunks = (out + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static) if (out * in >= (1 << 15))
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t r0 = c * kRows, rows = std::min(kRows, out - r0);
-      ConstMat wm(w + r0 * in, rows, in);
+  // Fixed 64-row pieces, whatever the thread count: the pieces' shapes pick
+  // Eigen's kernels, so a split that followed the thread count would change
+  // the last bits of the result with it.
+  constexpr int64_t kRows = 64;
+  const int64_t chunks = (out + kRows - 1) / kRows;
+  ConstMat xm(x, n, in);
+#pragma omp parallel for schedule(static) if (n * out * in >= (1 << 16))
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t r0 = c * kRows, rows = std::min(kRows, out - r0);
+    ConstMat wm(w + r0 * in, rows, in);
+    if (n == 1) {
+      Eigen::Map<const Eigen::VectorXf> xv(x, in);
       Eigen::Map<Eigen::VectorXf> yv(y + r0, rows);
       if (accumulate) yv.noalias() += wm * xv;
       else yv.noalias() = wm * xv;
+    } else {
+      MutStrided ym(y + r0, n, rows, Eigen::OuterStride<>(out));
+      if (accumulate) ym.noalias() += xm * wm.transpose();
+      else ym.noalias() = xm * wm.transpose();
     }
-    return;
   }
-  ConstMat xm(x, n, in);
-  ConstMat wm(w, out, in);
-  MutMat ym(y, n, out);
-  if (accumulate) ym.noalias() += xm * wm.transpose();
-  else ym.noalias() = xm * wm.transpose();
 }
 
 // Reference: the same product with plain loops (double accumulators keep the

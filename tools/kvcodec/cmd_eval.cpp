@@ -3,6 +3,8 @@
 // method's compression ratio and speed.
 #include <unistd.h>
 
+#include <omp.h>
+
 #include <cstdio>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -26,6 +28,7 @@ struct EvalArgs {
   std::vector<std::string> sets;
   model::EvalOptions options;
   bool json = false;
+  int threads = 0;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -141,7 +144,12 @@ void register_eval(CLI::App& app) {
                 "Score every position of each window from one prefill through the cache (W-1 predictions)");
   cmd->add_option("--set", args->sets, "Method setting <method>.<field>=<value> (repeatable)");
   cmd->add_flag("--json", args->json, "One JSON array on stdout");
-  cmd->callback([args] { run(*args); });
+  cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
+  cmd->callback([args] {
+    if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");
+    if (args->threads > 0) omp_set_num_threads(args->threads);
+    run(*args);
+  });
 }
 
 }  // namespace kvcodec::cli

@@ -1,6 +1,8 @@
 // kvcodec run: generate text with the model, every layer's KV going through
 // the chosen cache method; then report the cache's bytes and the speed.
 #include <chrono>
+#include <omp.h>
+
 #include <cstdio>
 #include <fmt/format.h>
 
@@ -26,6 +28,7 @@ struct RunArgs {
   uint64_t seed = 0;
   bool reference = false;
   int64_t compare_reference = 0;
+  int threads = 0;
 };
 
 std::string mib(uint64_t bytes) { return fmt::format("{:.2f} MiB", double(bytes) / (1024.0 * 1024.0)); }
@@ -111,7 +114,12 @@ void register_run(CLI::App& app) {
   cmd->add_flag("--reference", args->reference, "Use the plain-loop reference forward pass (slow; for checking)");
   cmd->add_option("--compare-reference", args->compare_reference,
                   "Afterwards, time N greedy decode steps with the fast and the plain-loop path and print both");
-  cmd->callback([args] { run(*args); });
+  cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
+  cmd->callback([args] {
+    if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");
+    if (args->threads > 0) omp_set_num_threads(args->threads);
+    run(*args);
+  });
 }
 
 }  // namespace kvcodec::cli
