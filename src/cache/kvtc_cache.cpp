@@ -1,4 +1,5 @@
 #include "cache/kvtc_cache.hpp"
+#include "cache/kvtc_calibrated.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -416,9 +417,23 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
   const SettingsReader r("kvtc", settings, info.fields);
   const int D = config.head_dim;
   KvtcSettings s;
-  s.mode = r.get_choice("mode", "local", {"local", "calibrated"});
-  if (s.mode == "calibrated") r.fail("mode", "local (calibrated mode is not available yet)");
-  if (r.find("calibration")) r.fail("calibration", "unset (calibrated mode is not available yet)");
+  s.mode = r.get_choice("mode", r.find("calibration") ? "calibrated" : "local", {"local", "calibrated"});
+  if (s.mode == "calibrated") {
+    // Calibrated mode (kvtc_calibrated.cpp): the codec parameters come from
+    // the calibration file, so the fitting fields would have no effect here.
+    const std::string* path = r.find("calibration");
+    if (!path || path->empty()) r.fail("calibration", "a calibration file path (required by mode=calibrated)");
+    s.calibration = *path;
+    for (const char* f : {"bit_budget", "bit_choices", "beta", "allocator", "target_ratio", "min_fit_tokens",
+                          "coder", "basis_bits"})
+      if (r.find(f)) r.fail(f, "unset in calibrated mode (fixed by the calibration file: pass it to kvcodec calibrate)");
+    s.rope_theta = r.get_double("rope_theta", config.rope_theta, 0.0, 1e12, /*lo_open=*/true);
+    s.block = int(r.get_int("block", 64, 1, 1 << 16));
+    s.sinks = int(r.get_int("sinks", 4, 0, 1 << 20));
+    s.window = int(r.get_int("window", 128, 0, 1 << 24));
+    s.threads = int(r.get_int("threads", 1, 1, 256));
+    return s;
+  }
   if (r.find("rope_theta")) r.fail("rope_theta", "unset (only calibrated mode uses it)");
   s.codec.bit_budget = int(r.get_int("bit_budget", 4 * D, 1, 16 * D));
   std::vector<int64_t> choices = r.get_int_list("bit_choices", {0, 1, 2, 3, 4, 6, 8}, 0, 16);
@@ -450,7 +465,7 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
 MethodInfo kvtc_method_info() {
   return {"kvtc",
           "KV cache transform coding: PCA per head, DP bit allocation, uniform quantization, rANS",
-          {{"mode", "local", "local: basis fitted per (layer, head) at prefill"},
+          {{"mode", "local", "local: basis fitted per (layer, head) at prefill; calibrated: per-layer parameters from a calibration file"},
            {"bit_budget", "", "payload bits per token per head (default 4*head_dim)"},
            {"bit_choices", "0,1,2,3,4,6,8", "widths the DP may give a component (0 drops it)"},
            {"beta", "3.5", "distortion model d(v,b) = v * beta^-b of the dp allocator"},
@@ -458,16 +473,18 @@ MethodInfo kvtc_method_info() {
            {"target_ratio", "none", "pick the budget whose fit-token cost meets this compression ratio"},
            {"min_fit_tokens", "", "tokens (sinks excluded) needed before the fit (default 2*head_dim)"},
            {"block", "64", "tokens per encoded block"},
-           {"sinks", "0", "first tokens kept raw (counted)"},
-           {"window", "0", "newest tokens kept raw (counted)"},
+           {"sinks", "", "first tokens kept raw (counted); default 0 local, 4 calibrated"},
+           {"window", "", "newest tokens kept raw (counted); default 0 local, 128 calibrated"},
            {"coder", "rans", "rans, huffman, fixed or auto (strictly smallest on the fit tokens)"},
            {"basis_bits", "16", "16: f16 basis rows; 8: int8 rows with an f16 scale"},
            {"threads", "1", "OpenMP threads for fit, encode and decode"},
-           {"calibration", "", "calibration file (calibrated mode; not available yet)"},
+           {"calibration", "", "calibration file from kvcodec calibrate (implies mode=calibrated)"},
            {"rope_theta", "", "RoPE base for calibrated mode (default: the model's)"}}};
 }
 
 std::unique_ptr<KVCache> make_kvtc_cache(const CacheConfig& config, const Settings& settings) {
+  const KvtcSettings parsed = parse_kvtc_settings(settings, config);
+  if (parsed.mode == "calibrated") return make_kvtc_calibrated_cache(config, settings, parsed);
   return std::make_unique<KvtcCache>(config, settings);
 }
 

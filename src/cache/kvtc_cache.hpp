@@ -24,6 +24,10 @@ struct KvtcSettings {
   int window = 0;
   double target_ratio = 0.0;  // 0: none
   int threads = 1;
+  // Calibrated mode (src/cache/kvtc_calibrated.hpp): the calibration file and
+  // the RoPE base used to remove/re-apply RoPE on keys (default: the model's).
+  std::string calibration;
+  double rope_theta = 0.0;
 };
 
 // Parses and validates kvtc settings (errors name field, value and range).

@@ -1,0 +1,635 @@
+#include "cache/kvtc_calibrated.hpp"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <mutex>
+#include <sstream>
+
+#include "cache/settings.hpp"
+#include "kvcodec/container.hpp"
+#include "kvcodec/error.hpp"
+
+namespace kvcodec {
+
+// --- calibration file ----------------------------------------------------------
+
+namespace {
+
+std::string format_double(double v) {
+  std::ostringstream s;
+  s.precision(17);
+  s << v;
+  return s.str();
+}
+
+int meta_int(const ContainerReader& r, const std::string& key, int lo, int hi) {
+  const std::string& v = r.meta_or_throw(key);
+  char* end = nullptr;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || end != v.c_str() + v.size() || x < lo || x > hi)
+    throw Error(ErrorCode::kFormat, "calibration " + r.label() + ": meta " + key + " = '" + v +
+                                        "' is not an integer in [" + std::to_string(lo) + ", " +
+                                        std::to_string(hi) + "]");
+  return int(x);
+}
+
+}  // namespace
+
+std::string hash_hex(const void* data, size_t size) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH3_64bits(data, size));
+  return buf;
+}
+
+std::string KvtcCalibration::shape_string() const {
+  return "n_layers=" + std::to_string(n_layers) + ", n_kv_heads=" + std::to_string(n_kv_heads) +
+         ", head_dim=" + std::to_string(head_dim) + ", rope_theta=" + format_double(rope_theta);
+}
+
+std::vector<uint8_t> KvtcCalibration::serialize() const {
+  if (int(keys.size()) != n_layers || int(values.size()) != n_layers)
+    throw Error(ErrorCode::kInternal, "calibration: params for " + std::to_string(keys.size()) + "/" +
+                                          std::to_string(values.size()) + " layers, expected " +
+                                          std::to_string(n_layers));
+  ContainerWriter w(ContainerKind::kCalibration);
+  w.set_meta("format", "kvtc-calibration");
+  w.set_meta("n_layers", std::to_string(n_layers));
+  w.set_meta("n_kv_heads", std::to_string(n_kv_heads));
+  w.set_meta("head_dim", std::to_string(head_dim));
+  w.set_meta("rope_theta", format_double(rope_theta));
+  w.set_meta("config_hash", config_hash);
+  for (const auto& [k, v] : info) w.set_meta("fit." + k, v);
+  for (int l = 0; l < n_layers; ++l) {
+    for (const bool is_key : {true, false}) {
+      ByteWriter b;
+      (is_key ? keys : values)[size_t(l)].serialize(b);
+      w.add_section("layer." + std::to_string(l) + (is_key ? ".key" : ".value"), b.take());
+    }
+  }
+  return w.finish();
+}
+
+void KvtcCalibration::write_file(const std::string& path) const {
+  // Through the container writer for its atomic temporary-file + rename.
+  const std::vector<uint8_t> bytes = serialize();
+  const ContainerReader r = ContainerReader::parse(bytes.data(), bytes.size());
+  ContainerWriter w(ContainerKind::kCalibration);
+  for (const auto& [k, v] : r.meta()) w.set_meta(k, v);
+  for (const auto& name : r.section_names()) {
+    const auto s = r.section(name);
+    w.add_section(name, std::vector<uint8_t>(s.begin(), s.end()));
+  }
+  w.write_file(path);
+}
+
+KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const std::string& label) {
+  const ContainerReader r = ContainerReader::parse(data, size, {}, label);
+  r.expect_kind(ContainerKind::kCalibration);
+  if (r.meta_or_throw("format") != "kvtc-calibration")
+    throw Error(ErrorCode::kFormat, "calibration " + label + ": format '" + r.meta_or_throw("format") +
+                                        "', expected 'kvtc-calibration'");
+  KvtcCalibration c;
+  c.n_layers = meta_int(r, "n_layers", 1, 4096);
+  c.n_kv_heads = meta_int(r, "n_kv_heads", 1, 4096);
+  c.head_dim = meta_int(r, "head_dim", 2, 4096);
+  if (int64_t(c.n_kv_heads) * c.head_dim > 65535)
+    throw Error(ErrorCode::kFormat, "calibration " + label + ": n_kv_heads * head_dim = " +
+                                        std::to_string(int64_t(c.n_kv_heads) * c.head_dim) + " exceeds 65535");
+  {
+    const std::string& v = r.meta_or_throw("rope_theta");
+    char* end = nullptr;
+    c.rope_theta = std::strtod(v.c_str(), &end);
+    if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(c.rope_theta) || c.rope_theta <= 0)
+      throw Error(ErrorCode::kFormat, "calibration " + label + ": rope_theta '" + v + "' is not a positive number");
+  }
+  c.config_hash = r.meta_or_throw("config_hash");
+  for (const auto& [k, v] : r.meta())
+    if (k.rfind("fit.", 0) == 0) c.info[k.substr(4)] = v;
+  const int dim = c.vector_dim();
+  for (int l = 0; l < c.n_layers; ++l)
+    for (const bool is_key : {true, false}) {
+      const std::string name = "layer." + std::to_string(l) + (is_key ? ".key" : ".value");
+      ByteReader in(r.section(name), "calibration " + name);
+      try {
+        (is_key ? c.keys : c.values).push_back(kvtc::HeadParams::deserialize(in, dim));
+      } catch (const Error& e) {
+        throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
+      }
+      if (!in.at_end()) throw Error(ErrorCode::kFormat, "calibration " + label + ": trailing bytes in " + name);
+    }
+  return c;
+}
+
+KvtcCalibration KvtcCalibration::read_file(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) throw Error(ErrorCode::kIo, "calibration: cannot open " + path);
+  std::fseek(f, 0, SEEK_END);
+  const long n = std::ftell(f);
+  std::fseek(f, 0, SEEK_SET);
+  // Calibration files are a few MB; refuse anything absurd before allocating.
+  if (n < 0 || n > (1l << 31)) {
+    std::fclose(f);
+    throw Error(ErrorCode::kFormat, "calibration: " + path + " has an unreadable or implausible size (" +
+                                        std::to_string(n) + " bytes)");
+  }
+  std::vector<uint8_t> bytes(static_cast<size_t>(n));
+  const size_t got = std::fread(bytes.data(), 1, bytes.size(), f);
+  std::fclose(f);
+  if (got != bytes.size()) throw Error(ErrorCode::kIo, "calibration: short read of " + path);
+  return parse(bytes.data(), bytes.size(), path);
+}
+
+std::shared_ptr<const KvtcCalibration> KvtcCalibration::load_shared(const std::string& path) {
+  // One parsed copy per file for the whole process: a model has one cache per
+  // layer per sequence, and each must not re-read and re-build the tables.
+  static std::mutex mutex;
+  static std::map<std::string, std::pair<std::string, std::shared_ptr<const KvtcCalibration>>> loaded;
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec) throw Error(ErrorCode::kNotFound, "calibration file " + path + ": " + ec.message());
+  const auto mtime = std::filesystem::last_write_time(path, ec).time_since_epoch().count();
+  const std::string stamp = std::to_string(size) + ":" + std::to_string(mtime);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = loaded.find(path);
+  if (it != loaded.end() && it->second.first == stamp) return it->second.second;
+  auto cal = std::make_shared<const KvtcCalibration>(read_file(path));
+  loaded[path] = {stamp, cal};
+  return cal;
+}
+
+uint64_t KvtcCalibration::params_bytes() const {
+  uint64_t n = 0;
+  for (const auto& p : keys) n += p.serialized_size();
+  for (const auto& p : values) n += p.serialized_size();
+  return n;
+}
+
+void check_calibration_matches(const KvtcCalibration& cal, const CacheConfig& config, double rope_theta,
+                               const std::string& path) {
+  const bool same = cal.n_layers == config.n_layers && cal.n_kv_heads == config.n_kv_heads &&
+                    cal.head_dim == config.head_dim && cal.rope_theta == rope_theta;
+  if (!same) {
+    KvtcCalibration model;
+    model.n_layers = config.n_layers;
+    model.n_kv_heads = config.n_kv_heads;
+    model.head_dim = config.head_dim;
+    model.rope_theta = rope_theta;
+    throw Error(ErrorCode::kShapeMismatch, "kvtc calibration " + path + " was fitted for a model with " +
+                                               cal.shape_string() + "; this cache has " + model.shape_string());
+  }
+}
+
+// --- RoPE --------------------------------------------------------------------------
+
+std::vector<double> rope_inv_freq(int head_dim, double theta) {
+  std::vector<double> f(static_cast<size_t>(head_dim / 2));
+  for (int i = 0; i < head_dim / 2; ++i) f[size_t(i)] = std::pow(theta, -2.0 * i / head_dim);
+  return f;
+}
+
+void rope_rotate_tokens(float* x, int64_t n, int n_heads, int head_dim, int64_t first_position,
+                        const std::vector<double>& inv_freq, bool inverse) {
+  const int half = head_dim / 2;
+  std::vector<double> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+  for (int64_t t = 0; t < n; ++t) {
+    const double pos = double(first_position + t);
+    for (int i = 0; i < half; ++i) {
+      // The model rounds cos/sin to f32 before rotating (llama.cpp, HF); do
+      // the same so the removal is the exact inverse of what it applied.
+      const double a = pos * inv_freq[size_t(i)];
+      c[size_t(i)] = double(float(std::cos(a)));
+      s[size_t(i)] = double(float(std::sin(a))) * (inverse ? -1.0 : 1.0);
+    }
+    for (int h = 0; h < n_heads; ++h) {
+      float* v = x + (t * n_heads + h) * head_dim;
+      for (int i = 0; i < half; ++i) {
+        const double a = v[i], b = v[i + half];
+        v[i] = float(a * c[size_t(i)] - b * s[size_t(i)]);
+        v[i + half] = float(b * c[size_t(i)] + a * s[size_t(i)]);
+      }
+    }
+  }
+}
+
+void rope_rotate_token(float* x, int n_heads, int head_dim, int64_t position, double theta, bool inverse) {
+  rope_rotate_tokens(x, 1, n_heads, head_dim, position, rope_inv_freq(head_dim, theta), inverse);
+}
+
+// --- the cache -------------------------------------------------------------------
+
+namespace {
+
+void append_varint(std::vector<uint8_t>& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(uint8_t(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(uint8_t(v));
+}
+
+size_t varint_size(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// One block of `block` tokens: one payload per batch row (all heads of the
+// layer coded together as one vector per token).
+struct Block {
+  std::vector<std::vector<uint8_t>> payload;  // [B]
+  size_t serialized_size() const {
+    size_t n = 0;
+    for (const auto& p : payload) n += varint_size(p.size()) + p.size();
+    return n;
+  }
+};
+
+struct Stream {
+  std::vector<Block> blocks;
+  // Raw tokens per batch row, token-major [t][h][d] in the raw dtype (keys
+  // post-RoPE, as given): sinks first, then the tail.
+  std::vector<std::vector<uint16_t>> raw;  // [B][tokens * H * D]
+};
+
+class CalibratedKvtcCache final : public KVCache {
+ public:
+  CalibratedKvtcCache(const CacheConfig& config, const Settings& settings, const KvtcSettings& options)
+      : config_(config), settings_(settings), options_(options) {
+    calibration_ = KvtcCalibration::load_shared(options_.calibration);
+    check_calibration_matches(*calibration_, config_, options_.rope_theta, options_.calibration);
+    if (config_.head_dim % 2 != 0)
+      throw Error(ErrorCode::kUnsupported, "kvtc calibrated: RoPE needs an even head_dim, got " +
+                                               std::to_string(config_.head_dim));
+    inv_freq_ = rope_inv_freq(config_.head_dim, options_.rope_theta);
+  }
+
+  std::string method() const override { return "kvtc"; }
+  const CacheConfig& config() const override { return config_; }
+  int64_t offset() const override { return offset_; }
+  bool is_trimmable() const override { return true; }
+  void append(const TensorView& keys, const TensorView& values) override;
+  void for_each_block(const BlockVisitor& visit) const override;
+  int64_t trim(int64_t n) override;
+  std::vector<uint8_t> save() const override;
+  void load(const uint8_t* data, size_t size) override;
+  CacheStats stats() const override;
+
+ private:
+  int64_t vdim() const { return int64_t(config_.n_kv_heads) * config_.head_dim; }
+  const kvtc::HeadParams& params(bool is_key) const {
+    return (is_key ? calibration_->keys : calibration_->values)[size_t(config_.layer)];
+  }
+  int64_t encoded_tokens() const { return int64_t(key_.blocks.size()) * options_.block; }
+  int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
+  int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
+  void encode_ready_blocks();
+  void decode(bool is_key, const Block& blk, int64_t first_position, int64_t b, float* out) const;
+  void reset() {
+    offset_ = 0;
+    key_ = Stream{};
+    value_ = Stream{};
+  }
+
+  CacheConfig config_;
+  Settings settings_;
+  KvtcSettings options_;
+  std::shared_ptr<const KvtcCalibration> calibration_;
+  std::vector<double> inv_freq_;
+  int64_t batch_ = 0;
+  DType raw_dtype_ = DType::kF16;
+  int64_t offset_ = 0;
+  Stream key_, value_;
+};
+
+void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& values) {
+  if (keys.shape != values.shape || keys.dtype != values.dtype)
+    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: keys " + shape_string(keys.shape) + " and values " +
+                                               shape_string(values.shape) + " differ");
+  if (keys.shape[1] != config_.n_kv_heads || keys.shape[3] != config_.head_dim)
+    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: got " + shape_string(keys.shape) +
+                                               ", cache holds H_kv=" + std::to_string(config_.n_kv_heads) +
+                                               ", D=" + std::to_string(config_.head_dim));
+  if (offset_ == 0) {
+    if (keys.shape[0] < 1) throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: batch must be >= 1");
+    batch_ = keys.shape[0];
+    raw_dtype_ = keys.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    key_.raw.assign(size_t(batch_), {});
+    value_.raw.assign(size_t(batch_), {});
+  } else if (keys.shape[0] != batch_) {
+    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: batch " + std::to_string(keys.shape[0]) +
+                                               " appended to a cache of batch " + std::to_string(batch_));
+  }
+  const int64_t S = keys.shape[2];
+  if (S == 0) return;
+  const int64_t H = config_.n_kv_heads, D = config_.head_dim;
+  std::vector<uint16_t> head(size_t(S * D));
+  for (Stream* stream : {&key_, &value_}) {
+    const TensorView& src = stream == &key_ ? keys : values;
+    for (int64_t b = 0; b < batch_; ++b) {
+      auto& raw = stream->raw[size_t(b)];
+      const size_t base = raw.size();
+      raw.resize(base + size_t(S * H * D));
+      for (int64_t h = 0; h < H; ++h) {
+        TensorView one = src;
+        one.data = static_cast<const uint8_t*>(src.data) +
+                   (b * src.strides[0] + h * src.strides[1]) * int64_t(dtype_size(src.dtype));
+        one.shape = {1, 1, S, D};
+        copy_to_contiguous(one, head.data(), raw_dtype_);
+        // [h][s][d] -> token-major [s][h][d]
+        for (int64_t s = 0; s < S; ++s)
+          std::copy_n(head.data() + s * D, D, raw.data() + base + size_t((s * H + h) * D));
+      }
+    }
+  }
+  offset_ += S;
+  encode_ready_blocks();
+}
+
+void CalibratedKvtcCache::encode_ready_blocks() {
+  const int64_t n = options_.block;
+  const int64_t V = vdim();
+  std::vector<float> x(size_t(n * V));
+  // A token leaves the raw tail once `window` newer tokens follow it, in
+  // whole blocks; sinks never leave.
+  while (offset_ - options_.sinks - encoded_tokens() - options_.window >= n) {
+    const int64_t sinks = sink_tokens();
+    const int64_t first_position = sinks + encoded_tokens();
+    for (Stream* stream : {&key_, &value_}) {
+      const bool is_key = stream == &key_;
+      Block blk;
+      blk.payload.resize(size_t(batch_));
+#pragma omp parallel for num_threads(options_.threads) firstprivate(x) schedule(static)
+      for (int64_t b = 0; b < batch_; ++b) {
+        const auto& raw = stream->raw[size_t(b)];
+        convert(raw.data() + size_t(sinks * V), raw_dtype_, x.data(), DType::kF32, size_t(n * V));
+        if (is_key)
+          rope_rotate_tokens(x.data(), n, config_.n_kv_heads, config_.head_dim, first_position, inv_freq_, true);
+        blk.payload[size_t(b)] = kvtc::encode_block(params(is_key), x.data(), n);
+      }
+      for (auto& raw : stream->raw) raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + n) * V);
+      stream->blocks.push_back(std::move(blk));
+    }
+  }
+}
+
+// Decodes batch row b of a block into out [n, H*D] (keys post-RoPE again).
+void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_position, int64_t b,
+                                 float* out) const {
+  const auto& p = blk.payload[size_t(b)];
+  kvtc::decode_block(params(is_key), p.data(), p.size(), options_.block, out);
+  if (is_key)
+    rope_rotate_tokens(out, options_.block, config_.n_kv_heads, config_.head_dim, first_position, inv_freq_, false);
+}
+
+void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
+  if (offset_ == 0) return;
+  const int64_t H = config_.n_kv_heads, D = config_.head_dim, V = vdim();
+  // token-major [n][h][d] of row b -> [B, H, n, D]
+  auto scatter = [&](const float* tok, int64_t b, int64_t n, float* dst) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        std::copy_n(tok + (t * H + h) * D, D, dst + ((b * H + h) * n + t) * D);
+  };
+  std::vector<float> tmp;
+  auto emit_raw = [&](int64_t raw_first, int64_t count, int64_t first_token) {
+    if (count <= 0) return;
+    Tensor k(DType::kF32, {batch_, H, count, D}), v(DType::kF32, {batch_, H, count, D});
+    tmp.resize(size_t(count * V));
+    for (int64_t b = 0; b < batch_; ++b) {
+      convert(key_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_, tmp.data(), DType::kF32, tmp.size());
+      scatter(tmp.data(), b, count, k.data_as<float>());
+      convert(value_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_, tmp.data(), DType::kF32, tmp.size());
+      scatter(tmp.data(), b, count, v.data_as<float>());
+    }
+    visit(first_token, k.view(), v.view());
+  };
+  const int64_t sinks = sink_tokens();
+  emit_raw(0, sinks, 0);
+  const int64_t n = options_.block;
+  Tensor k(DType::kF32, {batch_, H, n, D}), v(DType::kF32, {batch_, H, n, D});
+  std::vector<float> tk(size_t(n * V)), tv(size_t(n * V));
+  for (size_t j = 0; j < key_.blocks.size(); ++j) {
+    const int64_t first = sinks + int64_t(j) * n;
+    for (int64_t b = 0; b < batch_; ++b) {
+      decode(true, key_.blocks[j], first, b, tk.data());
+      decode(false, value_.blocks[j], first, b, tv.data());
+      scatter(tk.data(), b, n, k.data_as<float>());
+      scatter(tv.data(), b, n, v.data_as<float>());
+    }
+    visit(first, k.view(), v.view());
+  }
+  emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
+}
+
+int64_t CalibratedKvtcCache::trim(int64_t n) {
+  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc calibrated: trim(" + std::to_string(n) + ")");
+  const int64_t dropped = std::min(n, offset_);
+  const int64_t V = vdim();
+  int64_t left = dropped;
+  while (left > 0) {
+    if (raw_tokens() - sink_tokens() > 0 || key_.blocks.empty()) {
+      const int64_t cut = std::min(left, raw_tokens());
+      for (Stream* s : {&key_, &value_})
+        for (auto& raw : s->raw) raw.resize(raw.size() - size_t(cut * V));
+      offset_ -= cut;
+      left -= cut;
+      continue;
+    }
+    // The newest block must be cut: its reconstruction goes back to the raw
+    // tail (stored raw and counted as such), then the tail is cut.
+    const int64_t bn = options_.block;
+    const int64_t first = sink_tokens() + encoded_tokens() - bn;
+    std::vector<float> x(size_t(bn * V));
+    std::vector<uint16_t> row(size_t(bn * V));
+    for (Stream* s : {&key_, &value_}) {
+      for (int64_t b = 0; b < batch_; ++b) {
+        decode(s == &key_, s->blocks.back(), first, b, x.data());
+        convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
+        auto& raw = s->raw[size_t(b)];
+        raw.insert(raw.end(), row.begin(), row.end());
+      }
+      s->blocks.pop_back();
+    }
+  }
+  if (offset_ == 0) reset();
+  return dropped;
+}
+
+CacheStats CalibratedKvtcCache::stats() const {
+  CacheStats st;
+  st.method = "kvtc";
+  st.tokens = offset_;
+  const uint64_t fp16 = uint64_t(offset_) * uint64_t(batch_) * uint64_t(vdim()) * 2;
+  st.fp16_key_bytes = fp16;
+  st.fp16_value_bytes = fp16;
+  for (const Stream* s : {&key_, &value_}) {
+    const bool is_key = s == &key_;
+    const std::string prefix = is_key ? "key." : "value.";
+    const kvtc::HeadParams& p = params(is_key);
+    uint64_t bits_per_token = 0;
+    for (uint8_t w : p.fixed_widths) bits_per_token += w;
+    uint64_t payload = 0, pre_entropy = 0, raw = 0;
+    for (const auto& blk : s->blocks) {
+      payload += blk.serialized_size();
+      pre_entropy += blk.payload.size() * ((bits_per_token * uint64_t(options_.block) + 7) / 8);
+    }
+    for (const auto& r : s->raw) raw += r.size() * 2;
+    (is_key ? st.compressed_key_bytes : st.compressed_value_bytes) = payload + raw;
+    st.extras[prefix + "kvtc_bytes"] = double(payload);
+    st.extras[prefix + "side_bytes"] = 0.0;  // no per-sequence side information
+    st.extras[prefix + "payload_bytes"] = double(payload);
+    st.extras[prefix + "pre_entropy_bytes"] = double(pre_entropy);
+    st.extras[prefix + "raw_bytes"] = double(raw);
+    st.extras[prefix + "entropy_coding_gain"] = payload ? double(pre_entropy) / double(payload) : 0.0;
+    st.extras[prefix + "n_survived.0"] = double(p.n_kept());
+    // This layer's share of the shared calibration file: not per sequence,
+    // so not in compressed_*_bytes (summed over layers it is the whole file's
+    // parameters).
+    st.extras[prefix + "calibration_bytes"] = double(p.serialized_size());
+  }
+  uint64_t key_bits = 0;
+  for (uint8_t w : params(true).fixed_widths) key_bits += w;
+  st.extras["bit_budget"] = double(key_bits);  // fixed-width bits per token of the layer's key vector
+  return st;
+}
+
+// --- persistence ---------------------------------------------------------------
+//
+// Sections: "state" (batch, offset, raw dtype, block count), then for K and V
+// "<t>.blocks" (per block, per batch row: varint length + payload) and
+// "<t>.raw" (per batch row, raw tokens as 16-bit words). The calibration is
+// referenced by path in the settings and identified by its parameters' hash,
+// checked at load.
+
+std::string params_hash(const KvtcCalibration& c, int layer) {
+  ByteWriter w;
+  c.keys[size_t(layer)].serialize(w);
+  c.values[size_t(layer)].serialize(w);
+  return hash_hex(w.data().data(), w.size());
+}
+
+std::vector<uint8_t> CalibratedKvtcCache::save() const {
+  ContainerWriter w(ContainerKind::kCache);
+  w.set_meta("method", "kvtc");
+  w.set_meta("settings", encode_settings(settings_));
+  w.set_meta("config.layer", std::to_string(config_.layer));
+  w.set_meta("config.n_layers", std::to_string(config_.n_layers));
+  w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
+  w.set_meta("config.head_dim", std::to_string(config_.head_dim));
+  w.set_meta("config.rope_theta", format_double(config_.rope_theta));
+  w.set_meta("calibration.params_hash", params_hash(*calibration_, config_.layer));
+  ByteWriter state;
+  state.u64(uint64_t(batch_));
+  state.u64(uint64_t(offset_));
+  state.u8(uint8_t(raw_dtype_));
+  state.u64(uint64_t(key_.blocks.size()));
+  w.add_section("state", state.take());
+  for (const Stream* s : {&key_, &value_}) {
+    const std::string prefix = s == &key_ ? "key." : "value.";
+    std::vector<uint8_t> blocks;
+    for (const auto& blk : s->blocks)
+      for (const auto& p : blk.payload) {
+        append_varint(blocks, p.size());
+        blocks.insert(blocks.end(), p.begin(), p.end());
+      }
+    w.add_section(prefix + "blocks", std::move(blocks));
+    ByteWriter raw;
+    for (const auto& r : s->raw) raw.u16s(r.data(), r.size());
+    w.add_section(prefix + "raw", raw.take());
+  }
+  return w.finish();
+}
+
+void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
+  const ContainerReader r = ContainerReader::parse(data, size);
+  if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
+    throw Error(ErrorCode::kFormat, "kvtc calibrated: not a saved kvtc cache");
+  if (!r.meta().count("calibration.params_hash"))
+    throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache is not a calibrated kvtc cache");
+  if (r.meta_or_throw("calibration.params_hash") != params_hash(*calibration_, config_.layer))
+    throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache was written with other calibration "
+                                    "parameters than those of " + options_.calibration);
+  for (const auto& [key, value] : {std::pair<const char*, int>{"config.layer", config_.layer},
+                                   {"config.n_kv_heads", config_.n_kv_heads},
+                                   {"config.head_dim", config_.head_dim}})
+    if (r.meta_or_throw(key) != std::to_string(value))
+      throw Error(ErrorCode::kShapeMismatch, std::string("kvtc calibrated: saved cache has ") + key + " = " +
+                                                 r.meta_or_throw(key) + ", this cache " + std::to_string(value));
+  ByteReader state(r.section("state"), "kvtc state");
+  const uint64_t batch = state.u64();
+  const uint64_t offset = state.u64();
+  const uint8_t dtype = state.u8();
+  const uint64_t n_blocks = state.u64();
+  if (!state.at_end()) throw Error(ErrorCode::kFormat, "kvtc calibrated: trailing bytes in state");
+  if (dtype != uint8_t(DType::kF16) && dtype != uint8_t(DType::kBF16))
+    throw Error(ErrorCode::kFormat, "kvtc calibrated: raw dtype id " + std::to_string(dtype) + " is not f16/bf16");
+  const int64_t V = vdim();
+  // Bounds before anything is sized by them: every raw token costs 2*V bytes
+  // per batch row and every block at least one byte per row.
+  if (offset > (uint64_t(1) << 40) || batch > (uint64_t(1) << 20) || (offset > 0 && batch == 0) ||
+      n_blocks > offset / uint64_t(options_.block) || (offset == 0 && batch != 0))
+    throw Error(ErrorCode::kFormat, "kvtc calibrated: inconsistent state (batch " + std::to_string(batch) +
+                                        ", offset " + std::to_string(offset) + ", blocks " +
+                                        std::to_string(n_blocks) + ")");
+  const int64_t raw_tokens = int64_t(offset) - int64_t(n_blocks) * options_.block;
+  const int64_t sinks = std::min<int64_t>(options_.sinks, int64_t(offset));
+  if (n_blocks > 0 && raw_tokens < sinks)
+    throw Error(ErrorCode::kFormat, "kvtc calibrated: blocks without their sink tokens");
+  CalibratedKvtcCache fresh(*this);
+  fresh.reset();
+  fresh.batch_ = int64_t(batch);
+  fresh.offset_ = int64_t(offset);
+  fresh.raw_dtype_ = DType(dtype);
+  for (Stream* s : {&fresh.key_, &fresh.value_}) {
+    const std::string prefix = s == &fresh.key_ ? "key." : "value.";
+    const auto raw_bytes = r.section(prefix + "raw");
+    if (raw_bytes.size() != size_t(batch) * size_t(raw_tokens) * size_t(V) * 2)
+      throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "raw holds " + std::to_string(raw_bytes.size()) +
+                                          " bytes, expected " +
+                                          std::to_string(size_t(batch) * size_t(raw_tokens) * size_t(V) * 2));
+    const auto block_bytes = r.section(prefix + "blocks");
+    if (n_blocks * batch > block_bytes.size())
+      throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "blocks too short for " +
+                                          std::to_string(n_blocks) + " blocks");
+    ByteReader blocks(block_bytes, "kvtc " + prefix + "blocks");
+    for (uint64_t j = 0; j < n_blocks; ++j) {
+      Block blk;
+      for (uint64_t b = 0; b < batch; ++b) {
+        const uint64_t len = blocks.varint();
+        const auto bytes = blocks.bytes(size_t(len));
+        blk.payload.emplace_back(bytes.begin(), bytes.end());
+      }
+      s->blocks.push_back(std::move(blk));
+    }
+    if (!blocks.at_end()) throw Error(ErrorCode::kFormat, "kvtc calibrated: trailing bytes in " + prefix + "blocks");
+    ByteReader raw(raw_bytes, "kvtc " + prefix + "raw");
+    s->raw.assign(size_t(batch), {});
+    for (auto& row : s->raw) {
+      row.resize(size_t(raw_tokens * V));
+      for (auto& word : row) word = raw.u16();
+    }
+  }
+  // Every payload must decode: a corrupted block is refused now, not at fetch.
+  std::vector<float> x(size_t(options_.block * V));
+  for (const Stream* s : {&fresh.key_, &fresh.value_})
+    for (const auto& blk : s->blocks)
+      for (const auto& p : blk.payload)
+        kvtc::decode_block(fresh.params(s == &fresh.key_), p.data(), p.size(), options_.block, x.data());
+  *this = std::move(fresh);
+}
+
+}  // namespace
+
+std::unique_ptr<KVCache> make_kvtc_calibrated_cache(const CacheConfig& config, const Settings& settings,
+                                                    const KvtcSettings& options) {
+  return std::make_unique<CalibratedKvtcCache>(config, settings, options);
+}
+
+}  // namespace kvcodec

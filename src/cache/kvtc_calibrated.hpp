@@ -1,0 +1,82 @@
+// Calibrated KVTC (DESIGN 4, the KVTC paper's mode).
+//
+// A calibration holds, per transformer layer, one kvtc::HeadParams for keys
+// and one for values over the layer's heads concatenated: a token of layer l
+// is ONE vector of H_kv * D values ([h][d] order), keys with RoPE removed.
+// The parameters are fitted offline over many sequences (src/model/calibrate)
+// and shared by every sequence, so a calibrated cache stores no per-sequence
+// side information: its bytes are encoded blocks plus the raw sinks and
+// window. The calibration file itself is reported as the extra
+// `calibration_bytes` (once per model, not per sequence) and never counted in
+// compressed_*_bytes.
+//
+// Calibration file (container kind "calibration"):
+//   meta   format=kvtc-calibration, n_layers, n_kv_heads, head_dim,
+//          rope_theta, config_hash (XXH3-64 hex of config.json), plus the
+//          fitting settings as free text (fit.*)
+//   sections layer.<i>.key / layer.<i>.value: serialised HeadParams with
+//          dim = n_kv_heads * head_dim.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache/kvtc_cache.hpp"
+#include "kvcodec/cache.hpp"
+#include "kvtc/codec.hpp"
+
+namespace kvcodec {
+
+struct KvtcCalibration {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  double rope_theta = 10000.0;
+  std::string config_hash;                   // hex XXH3-64 of the model's config.json ("" if unknown)
+  std::map<std::string, std::string> info;   // how it was fitted (written as meta "fit.<key>")
+  std::vector<kvtc::HeadParams> keys;        // [n_layers], dim = n_kv_heads * head_dim
+  std::vector<kvtc::HeadParams> values;      // [n_layers]
+
+  int vector_dim() const { return n_kv_heads * head_dim; }
+  std::string shape_string() const;          // "n_layers=6, n_kv_heads=2, head_dim=64, rope_theta=10000"
+
+  std::vector<uint8_t> serialize() const;
+  void write_file(const std::string& path) const;  // atomic (temporary file + rename)
+  // Throws Error(kFormat / kChecksum) for malformed or corrupted bytes.
+  static KvtcCalibration parse(const uint8_t* data, size_t size, const std::string& label = "<memory>");
+  static KvtcCalibration read_file(const std::string& path);
+  // read_file() shared by every cache of a process (one copy per file path,
+  // reloaded when the file's size or modification time changes).
+  static std::shared_ptr<const KvtcCalibration> load_shared(const std::string& path);
+  // Bytes of the parameters as serialised (sum of the sections).
+  uint64_t params_bytes() const;
+};
+
+// XXH3-64 of bytes, as 16 lowercase hex digits (the model identity hash).
+std::string hash_hex(const void* data, size_t size);
+
+// RoPE (HF rotate-half convention, as the model runtime applies it) on one
+// token vector of n_heads * head_dim values ([h][d]) at `position`.
+// inverse = true undoes it (rotation by the negative angle). Angles and
+// products in double so apply(remove(x)) reproduces x to f32 rounding.
+void rope_rotate_token(float* x, int n_heads, int head_dim, int64_t position, double theta, bool inverse);
+
+// Same over n tokens [n, n_heads * head_dim] at positions first_position + i,
+// using precomputed inverse frequencies (inv_freq [head_dim / 2]).
+void rope_rotate_tokens(float* x, int64_t n, int n_heads, int head_dim, int64_t first_position,
+                        const std::vector<double>& inv_freq, bool inverse);
+std::vector<double> rope_inv_freq(int head_dim, double theta);
+
+// Checks that the calibration fits a cache of this shape; throws
+// Error(kShapeMismatch) naming both shapes.
+void check_calibration_matches(const KvtcCalibration& cal, const CacheConfig& config, double rope_theta,
+                               const std::string& path);
+
+// The calibrated cache (settings already parsed: mode == "calibrated").
+std::unique_ptr<KVCache> make_kvtc_calibrated_cache(const CacheConfig& config, const Settings& settings,
+                                                    const KvtcSettings& options);
+
+}  // namespace kvcodec
