@@ -1,0 +1,64 @@
+// kvcodec GPU codec: KVTC encode/decode of a batch of KV blocks resident on
+// an NVIDIA GPU, in the "kvtc-gpu/1" variant of the payload (see
+// docs/gpu.md; the CPU reads and writes it too, src/gpu/kvtc_variant.hpp).
+//
+// Built with -DKVCODEC_CUDA=ON; otherwise cuda_compiled() is false,
+// device_count() is 0 and constructing a codec throws Error(kUnsupported).
+// No CUDA types here: a stream is passed as void* (a cudaStream_t, nullptr =
+// the default stream).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace kvcodec::kvtc {
+struct HeadParams;
+}
+
+namespace kvcodec::gpu {
+
+bool cuda_compiled() noexcept;
+int device_count() noexcept;  // 0 when not compiled or no usable device
+
+// Codes KV laid out [NH, S, D] bf16 (NH heads, e.g. layers x batch x kv heads
+// flattened, each with its own fitted parameters; D in {64, 128}) as one
+// independent rANS stream per (head, block of 64 tokens), stream index
+// h * ceil(S / 64) + b.
+class KvtcGpuCodec {
+ public:
+  // Uploads the heads' frozen parameters (rANS coder) and sizes the scratch
+  // for up to max_tokens tokens per head.
+  KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, int64_t max_tokens);
+  ~KvtcGpuCodec();
+  KvtcGpuCodec(const KvtcGpuCodec&) = delete;
+  KvtcGpuCodec& operator=(const KvtcGpuCodec&) = delete;
+
+  static constexpr int kBlockTokens = 64;
+  int n_heads() const;
+  int head_dim() const;
+  int64_t n_streams(int64_t tokens) const;
+  uint64_t max_encoded_bytes(int64_t tokens) const;
+
+  // x: device pointer (16-byte aligned) to [NH, tokens, D] bf16. out (capacity
+  // bytes) and offsets ([n_streams + 1], u64) may be device or pinned-host
+  // memory. Returns the payload size. Waits on the stream once (to learn the
+  // total before packing the streams); throws Error(kInvalidArgument) when
+  // capacity is too small.
+  uint64_t encode(const uint16_t* x, int64_t tokens, uint8_t* out, uint64_t capacity, uint64_t* offsets,
+                  void* stream = nullptr);
+
+  // Inverse of encode, asynchronous on the stream: in (in_size bytes) and
+  // offsets as encode wrote them, y: device [NH, tokens, D] bf16 (16-byte
+  // aligned). Malformed streams are flagged on the device: check_errors()
+  // waits for the stream and throws Error(kFormat) naming the first bad one.
+  void decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
+              void* stream = nullptr);
+  void check_errors(void* stream = nullptr);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvcodec::gpu

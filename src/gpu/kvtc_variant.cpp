@@ -1,0 +1,267 @@
+#include "gpu/kvtc_variant.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "kvcodec/error.hpp"
+#include "kvtc/codec.hpp"
+
+namespace kvcodec::gpu {
+namespace {
+
+[[noreturn]] void bad_stream(int h, const std::string& what) {
+  throw Error(ErrorCode::kFormat, "kvtc-gpu stream of head " + std::to_string(h) + ": " + what);
+}
+
+void check_head(const FlatKvtcTables& t, int h) {
+  if (h < 0 || h >= t.n_heads)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: head " + std::to_string(h) + " outside [0, " +
+                                                 std::to_string(t.n_heads) + ")");
+}
+
+}  // namespace
+
+uint16_t f32_to_bf16_rne(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+float bf16_bits_to_f32(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) {
+  FlatKvtcTables t;
+  if (heads.empty()) throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: no heads given");
+  t.n_heads = int(heads.size());
+  t.dim = heads[0]->dim;
+  if (t.dim != 64 && t.dim != 128)
+    throw Error(ErrorCode::kUnsupported, "kvtc-gpu: head_dim " + std::to_string(t.dim) + " (supported: 64, 128)");
+  int kmax = 0;
+  for (size_t h = 0; h < heads.size(); ++h) {
+    const kvtc::HeadParams& p = *heads[h];
+    const std::string who = "kvtc-gpu: head " + std::to_string(h);
+    if (p.dim != t.dim)
+      throw Error(ErrorCode::kShapeMismatch, who + " has head_dim " + std::to_string(p.dim) + ", head 0 has " +
+                                                 std::to_string(t.dim));
+    if (p.n_kept() > 0 && p.coder != kvtc::CoderChoice::kRans)
+      throw Error(ErrorCode::kUnsupported, who + " uses coder " + kvtc::coder_name(p.coder) + " (the GPU variant needs rans)");
+    if (p.basis.size() != size_t(p.n_kept()) * size_t(p.dim) || p.mean.size() != size_t(p.dim) ||
+        p.quant.size() != size_t(p.n_kept()) || (p.n_kept() > 0 && p.rans_tables.size() != size_t(p.n_kept())))
+      throw Error(ErrorCode::kInvalidArgument, who + ": inconsistent parameter sizes");
+    kmax = std::max(kmax, p.n_kept());
+  }
+  t.k_pad = std::max(8, (kmax + 7) / 8 * 8);
+  const size_t NH = heads.size(), D = size_t(t.dim), KP = size_t(t.k_pad);
+  t.kept.resize(NH);
+  t.mean.assign(NH * D, 0.0f);
+  t.basis.assign(NH * KP * D, 0.0f);
+  t.basis_t.assign(NH * D * KP, 0.0f);
+  t.inv_step.assign(NH * KP, 1.0f);
+  t.code_offset.assign(NH * KP, 0.0f);
+  t.max_code.assign(NH * KP, 0.0f);
+  t.step.assign(NH * KP, 0.0f);
+  t.recon_offset.assign(NH * KP, 0.0f);
+  t.scale_bits.assign(NH * KP, 0);
+  t.sym_base.assign(NH * KP, 0);
+  t.slot_base.assign(NH * KP, 0);
+  for (size_t h = 0; h < NH; ++h) {
+    const kvtc::HeadParams& p = *heads[h];
+    const int K = p.n_kept();
+    t.kept[h] = K;
+    std::copy(p.mean.begin(), p.mean.end(), t.mean.begin() + long(h * D));
+    for (int k = 0; k < K; ++k) {
+      const size_t i = t.idx(int(h), k);
+      for (size_t d = 0; d < D; ++d) {
+        const float b = p.basis[size_t(k) * D + d];
+        t.basis[(h * KP + size_t(k)) * D + d] = b;
+        t.basis_t[(h * D + d) * KP + size_t(k)] = b;
+      }
+      const kvtc::ComponentQuantizer& q = p.quant[size_t(k)];
+      const entropy::FrequencyTable& ft = p.rans_tables[size_t(k)];
+      if (!(q.step > 0.0f) || q.levels == 0 || ft.alphabet_size != q.levels || ft.freq.size() != q.levels ||
+          ft.cum.size() != size_t(q.levels) + 1 || ft.scale_bits < 1 || ft.scale_bits > 16 ||
+          ft.cum[q.levels] != (1u << ft.scale_bits))
+        throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: head " + std::to_string(h) + " component " +
+                                                     std::to_string(k) + ": quantizer and rANS table disagree");
+      // Same formulas as the CPU codec (code_offset / recon_offset there).
+      t.inv_step[i] = 1.0f / q.step;
+      t.code_offset[i] = q.half_offset ? float(q.levels / 2) : float(q.zero) + 0.5f;
+      t.recon_offset[i] = q.half_offset ? float(q.levels / 2) - 0.5f : float(q.zero);
+      t.max_code[i] = float(q.levels - 1);
+      t.step[i] = q.step;
+      t.scale_bits[i] = ft.scale_bits;
+      t.sym_base[i] = uint32_t(t.sym_freq.size());
+      for (uint32_t s = 0; s < q.levels; ++s) {
+        t.sym_freq.push_back(ft.freq[s]);
+        t.sym_cum.push_back(ft.cum[s]);
+      }
+      t.slot_base[i] = t.slot_symbol.size();
+      for (uint32_t s = 0; s < q.levels; ++s) t.slot_symbol.insert(t.slot_symbol.end(), ft.freq[s], uint16_t(s));
+    }
+  }
+  return t;
+}
+
+void quantize_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, uint16_t* codes) {
+  check_head(t, h);
+  const int D = t.dim, K = t.kept[size_t(h)];
+  const float* mean = t.mean.data() + size_t(h) * size_t(D);
+  std::vector<float> xc(static_cast<size_t>(D));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int d = 0; d < D; ++d) xc[size_t(d)] = bf16_bits_to_f32(x[i * D + d]) - mean[d];
+    for (int k = 0; k < K; ++k) {
+      const float* b = t.basis.data() + (size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D);
+      float acc = 0.0f;
+      for (int d = 0; d < D; ++d) acc = std::fma(xc[size_t(d)], b[d], acc);
+      const size_t q = t.idx(h, k);
+      const float v = std::floor(std::fma(acc, t.inv_step[q], t.code_offset[q]));
+      // fmax first: a NaN input lands on code 0 instead of an undefined cast.
+      codes[i * K + k] = uint16_t(std::fmin(std::fmax(v, 0.0f), t.max_code[q]));
+    }
+  }
+}
+
+void dequantize_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y) {
+  check_head(t, h);
+  const int D = t.dim, K = t.kept[size_t(h)];
+  const float* mean = t.mean.data() + size_t(h) * size_t(D);
+  std::vector<float> v(size_t(std::max(K, 1)));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int k = 0; k < K; ++k) {
+      const size_t q = t.idx(h, k);
+      v[size_t(k)] = (float(codes[i * K + k]) - t.recon_offset[q]) * t.step[q];
+    }
+    for (int d = 0; d < D; ++d) {
+      float acc = 0.0f;
+      for (int k = 0; k < K; ++k)
+        acc = std::fma(v[size_t(k)], t.basis[(size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D) + size_t(d)], acc);
+      y[i * D + d] = f32_to_bf16_rne(acc + mean[d]);
+    }
+  }
+}
+
+std::vector<uint8_t> rans_warp_encode(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n) {
+  check_head(t, h);
+  const int K = t.kept[size_t(h)];
+  if (K == 0 || n <= 0) return {};
+  const int64_t nsym = n * K;
+  const int64_t steps = (nsym + kWarpLanes - 1) / kWarpLanes;
+  uint32_t x[kWarpLanes];
+  std::fill(x, x + kWarpLanes, kVariantRansLow);
+  // Built backwards: step s's bytes (in decoder order) are prepended.
+  std::vector<uint8_t> rev;  // reversed output: reversed chunks, last step first
+  for (int64_t s = steps - 1; s >= 0; --s) {
+    std::vector<uint8_t> chunk;
+    for (int j = 0; j < kWarpLanes; ++j) {
+      const int64_t i = s * kWarpLanes + j;
+      if (i >= nsym) break;
+      const int k = int(i % K);
+      const size_t q = t.idx(h, k);
+      const uint16_t sym = codes[i];
+      if (float(sym) > t.max_code[q])
+        throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu encode: code " + std::to_string(sym) + " of component " +
+                                                     std::to_string(k) + " is outside its alphabet");
+      const uint32_t f = t.sym_freq[t.sym_base[q] + sym], c = t.sym_cum[t.sym_base[q] + sym];
+      const uint32_t scale = t.scale_bits[q];
+      const uint32_t x_max = ((kVariantRansLow >> scale) << 8) * f;
+      uint8_t emitted[4];
+      int ne = 0;
+      while (x[j] >= x_max) {
+        emitted[ne++] = uint8_t(x[j]);
+        x[j] >>= 8;
+      }
+      for (int e = ne - 1; e >= 0; --e) chunk.push_back(emitted[e]);  // decoder reads the last emitted first
+      x[j] = ((x[j] / f) << scale) + (x[j] % f) + c;
+    }
+    rev.insert(rev.end(), chunk.rbegin(), chunk.rend());
+  }
+  std::vector<uint8_t> out(kStateBytes + rev.size());
+  for (int j = 0; j < kWarpLanes; ++j)
+    for (int b = 0; b < 4; ++b) out[size_t(4 * j + b)] = uint8_t(x[j] >> (8 * b));
+  std::copy(rev.rbegin(), rev.rend(), out.begin() + long(kStateBytes));
+  return out;
+}
+
+void rans_warp_decode(const FlatKvtcTables& t, int h, const uint8_t* data, size_t size, int64_t n, uint16_t* codes) {
+  check_head(t, h);
+  const int K = t.kept[size_t(h)];
+  if (K == 0 || n <= 0) {
+    if (size != 0) bad_stream(h, std::to_string(size) + " bytes where nothing is coded");
+    return;
+  }
+  if (size < kStateBytes) bad_stream(h, "truncated: " + std::to_string(size) + " bytes, the lane states need 128");
+  uint32_t x[kWarpLanes];
+  for (int j = 0; j < kWarpLanes; ++j) {
+    x[j] = uint32_t(data[4 * j]) | uint32_t(data[4 * j + 1]) << 8 | uint32_t(data[4 * j + 2]) << 16 |
+           uint32_t(data[4 * j + 3]) << 24;
+    if (x[j] < kVariantRansLow) bad_stream(h, "lane " + std::to_string(j) + " starts in an invalid state");
+  }
+  size_t pos = kStateBytes;
+  const int64_t nsym = n * K;
+  for (int64_t i = 0; i < nsym; ++i) {
+    const int j = int(i % kWarpLanes);
+    const size_t q = t.idx(h, int(i % K));
+    const uint32_t scale = t.scale_bits[q];
+    const uint32_t slot = x[j] & ((1u << scale) - 1u);
+    const uint16_t sym = t.slot_symbol[t.slot_base[q] + slot];
+    const uint32_t f = t.sym_freq[t.sym_base[q] + sym], c = t.sym_cum[t.sym_base[q] + sym];
+    x[j] = f * (x[j] >> scale) + slot - c;
+    while (x[j] < kVariantRansLow) {
+      if (pos >= size) bad_stream(h, "truncated at symbol " + std::to_string(i));
+      x[j] = x[j] << 8 | data[pos++];
+    }
+    codes[i] = sym;
+  }
+  if (pos != size) bad_stream(h, std::to_string(size - pos) + " trailing bytes");
+  for (int j = 0; j < kWarpLanes; ++j)
+    if (x[j] != kVariantRansLow) bad_stream(h, "lane " + std::to_string(j) + " does not end in the initial state");
+}
+
+int64_t n_blocks(int64_t tokens, int block_tokens) {
+  if (block_tokens <= 0) throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: block_tokens must be positive");
+  if (tokens < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: negative token count");
+  return (tokens + block_tokens - 1) / block_tokens;
+}
+
+EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, int64_t tokens, int block_tokens) {
+  const int64_t nb = n_blocks(tokens, block_tokens);
+  EncodedBatch out;
+  out.offsets.push_back(0);
+  std::vector<uint16_t> codes(size_t(block_tokens) * size_t(t.k_pad));
+  for (int h = 0; h < t.n_heads; ++h)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t t0 = b * block_tokens, n = std::min<int64_t>(block_tokens, tokens - t0);
+      quantize_reference(t, h, x + (size_t(h) * size_t(tokens) + size_t(t0)) * size_t(t.dim), n, codes.data());
+      const std::vector<uint8_t> s = rans_warp_encode(t, h, codes.data(), n);
+      out.payload.insert(out.payload.end(), s.begin(), s.end());
+      out.offsets.push_back(out.payload.size());
+    }
+  return out;
+}
+
+void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, size_t payload_size,
+                            const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y) {
+  const int64_t nb = n_blocks(tokens, block_tokens);
+  std::vector<uint16_t> codes(size_t(block_tokens) * size_t(t.k_pad));
+  if (offsets[0] != 0) throw Error(ErrorCode::kFormat, "kvtc-gpu batch: offsets[0] is not 0");
+  for (int h = 0; h < t.n_heads; ++h)
+    for (int64_t b = 0; b < nb; ++b) {
+      const size_t i = size_t(h) * size_t(nb) + size_t(b);
+      if (offsets[i + 1] < offsets[i] || offsets[i + 1] > payload_size)
+        throw Error(ErrorCode::kFormat, "kvtc-gpu batch: stream " + std::to_string(i) + " has bad offsets");
+      const int64_t t0 = b * block_tokens, n = std::min<int64_t>(block_tokens, tokens - t0);
+      rans_warp_decode(t, h, payload + offsets[i], size_t(offsets[i + 1] - offsets[i]), n, codes.data());
+      dequantize_reference(t, h, codes.data(), n, y + (size_t(h) * size_t(tokens) + size_t(t0)) * size_t(t.dim));
+    }
+}
+
+}  // namespace kvcodec::gpu

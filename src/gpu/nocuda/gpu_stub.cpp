@@ -1,0 +1,28 @@
+// CPU-only build: the GPU API exists and says plainly that it is absent.
+#include "kvcodec/error.hpp"
+#include "kvcodec/gpu.hpp"
+
+namespace kvcodec::gpu {
+
+bool cuda_compiled() noexcept { return false; }
+int device_count() noexcept { return 0; }
+
+struct KvtcGpuCodec::Impl {};
+
+namespace {
+[[noreturn]] void absent() {
+  throw Error(ErrorCode::kUnsupported, "kvcodec was built without CUDA (configure with -DKVCODEC_CUDA=ON)");
+}
+}  // namespace
+
+KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>&, int64_t) { absent(); }
+KvtcGpuCodec::~KvtcGpuCodec() = default;
+int KvtcGpuCodec::n_heads() const { absent(); }
+int KvtcGpuCodec::head_dim() const { absent(); }
+int64_t KvtcGpuCodec::n_streams(int64_t) const { absent(); }
+uint64_t KvtcGpuCodec::max_encoded_bytes(int64_t) const { absent(); }
+uint64_t KvtcGpuCodec::encode(const uint16_t*, int64_t, uint8_t*, uint64_t, uint64_t*, void*) { absent(); }
+void KvtcGpuCodec::decode(const uint8_t*, uint64_t, const uint64_t*, int64_t, uint16_t*, void*) { absent(); }
+void KvtcGpuCodec::check_errors(void*) { absent(); }
+
+}  // namespace kvcodec::gpu

@@ -1,0 +1,331 @@
+// kvtc-gpu/1: the CPU reference of the variant (runs everywhere, CI included)
+// and the CUDA kernels against it (skipped without a GPU or without CUDA).
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+
+#include "gpu/kvtc_variant.hpp"
+#include "kvcodec/error.hpp"
+#include "kvcodec/gpu.hpp"
+#include "kvcodec/safetensors.hpp"
+#include "kvtc/codec.hpp"
+#include "linalg/pca.hpp"
+
+#ifdef KVCODEC_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace kvcodec::gpu {
+namespace {
+
+// The GPU tests draw fresh inputs when KVCODEC_GPU_TEST_SEED is set (the
+// bench script sets it to a new value each run); CI stays deterministic.
+[[maybe_unused]] uint32_t test_seed(uint32_t fallback) {
+  const char* s = std::getenv("KVCODEC_GPU_TEST_SEED");
+  return s ? uint32_t(std::strtoul(s, nullptr, 10)) : fallback;
+}
+
+// Correlated Gaussian tokens [n, D] with a decaying spectrum, rounded to bf16.
+std::vector<uint16_t> synth_bf16(int64_t n, int dim, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g;
+  std::vector<float> mix(size_t(dim * dim));
+  for (auto& m : mix) m = g(rng) / std::sqrt(float(dim));
+  std::vector<uint16_t> x(size_t(n * dim));
+  std::vector<float> z(static_cast<size_t>(dim));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int k = 0; k < dim; ++k) z[size_t(k)] = g(rng) * 4.0f * std::exp(-0.08f * float(k));
+    for (int d = 0; d < dim; ++d) {
+      float acc = 0.5f * float(d % 7) - 1.0f;
+      for (int k = 0; k < dim; ++k) acc += mix[size_t(d * dim + k)] * z[size_t(k)];
+      x[size_t(i * dim + d)] = f32_to_bf16_rne(acc);
+    }
+  }
+  return x;
+}
+
+std::vector<float> to_f32(const uint16_t* x, size_t n) {
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) f[i] = bf16_bits_to_f32(x[i]);
+  return f;
+}
+
+kvtc::HeadParams fit(const uint16_t* x, int64_t n, int dim, int bit_budget = 0) {
+  const std::vector<float> xf = to_f32(x, size_t(n * dim));
+  const linalg::PcaBasis pca = linalg::fit_pca(xf.data(), n, dim);
+  kvtc::CodecOptions o;
+  o.coder = kvtc::CoderChoice::kRans;
+  o.bit_budget = bit_budget;
+  return kvtc::fit_head(xf.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
+}
+
+// A batch: NH heads of `tokens` tokens, each head fitted on its own tokens.
+struct Batch {
+  int dim = 0;
+  int64_t tokens = 0;
+  std::vector<kvtc::HeadParams> params;
+  std::vector<uint16_t> x;  // [NH, tokens, D]
+  std::vector<const kvtc::HeadParams*> ptrs() const {
+    std::vector<const kvtc::HeadParams*> p;
+    for (const auto& h : params) p.push_back(&h);
+    return p;
+  }
+};
+
+Batch synth_batch(int n_heads, int64_t tokens, int dim, uint32_t seed) {
+  Batch b;
+  b.dim = dim;
+  b.tokens = tokens;
+  for (int h = 0; h < n_heads; ++h) {
+    std::vector<uint16_t> xh = synth_bf16(tokens, dim, seed + uint32_t(h));
+    b.params.push_back(fit(xh.data(), tokens, dim, h % 2 ? 2 * dim : 0));  // two budgets: two K
+    b.x.insert(b.x.end(), xh.begin(), xh.end());
+  }
+  return b;
+}
+
+TEST(KvtcVariant, Bf16RoundingIsNearestEven) {
+  EXPECT_EQ(f32_to_bf16_rne(1.0f), 0x3f80);
+  EXPECT_EQ(f32_to_bf16_rne(bf16_bits_to_f32(0x3f81)), 0x3f81);
+  // Halfway between 0x3f80 and 0x3f81 rounds to the even one, just above goes up.
+  EXPECT_EQ(f32_to_bf16_rne(std::bit_cast<float>(0x3f808000u)), 0x3f80);
+  EXPECT_EQ(f32_to_bf16_rne(std::bit_cast<float>(0x3f818000u)), 0x3f82);
+  EXPECT_EQ(f32_to_bf16_rne(std::bit_cast<float>(0x3f808001u)), 0x3f81);
+  EXPECT_TRUE(std::isnan(bf16_bits_to_f32(f32_to_bf16_rne(NAN))));
+}
+
+TEST(KvtcVariant, CodesAgreeWithTheCpuCodecUpToBoundaryTies) {
+  const int dim = 64;
+  const int64_t n = 512;
+  const std::vector<uint16_t> x = synth_bf16(n, dim, 11);
+  const kvtc::HeadParams p = fit(x.data(), n, dim);
+  const FlatKvtcTables t = flatten_heads({&p});
+  const int K = p.n_kept();
+  ASSERT_GT(K, 8);
+  std::vector<uint16_t> mine(size_t(n * K)), cpu(size_t(n * K));
+  quantize_reference(t, 0, x.data(), n, mine.data());
+  const std::vector<float> xf = to_f32(x.data(), x.size());
+  kvtc::quantize_block(p, xf.data(), n, cpu.data());
+  // Different summation orders may put a coefficient on the other side of a
+  // quantizer boundary: never more than one step, and rarely.
+  size_t differ = 0;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    ASSERT_LE(std::abs(int(mine[i]) - int(cpu[i])), 1) << "at " << i;
+    differ += mine[i] != cpu[i];
+  }
+  EXPECT_LT(double(differ), 1e-3 * double(mine.size()));
+
+  // Reconstruction: the CPU codec's float result, rounded to bf16.
+  std::vector<uint16_t> y(size_t(n * dim));
+  std::vector<float> yc(size_t(n * dim));
+  dequantize_reference(t, 0, mine.data(), n, y.data());
+  kvtc::dequantize_block(p, mine.data(), n, yc.data());
+  for (size_t i = 0; i < y.size(); ++i)
+    ASSERT_NEAR(bf16_bits_to_f32(y[i]), yc[i], 1e-4f + std::abs(yc[i]) * (1.0f / 128)) << "at " << i;
+}
+
+TEST(KvtcVariant, StreamRoundTripIsExactForEveryBlockLength) {
+  const int dim = 64;
+  const std::vector<uint16_t> x = synth_bf16(600, dim, 5);
+  const kvtc::HeadParams p = fit(x.data(), 600, dim);
+  const FlatKvtcTables t = flatten_heads({&p});
+  const int K = p.n_kept();
+  for (int64_t n : {1, 2, 7, 31, 64}) {
+    std::vector<uint16_t> codes(size_t(n * K)), back(size_t(n * K), 0xffff);
+    quantize_reference(t, 0, x.data() + 100 * dim, n, codes.data());
+    const std::vector<uint8_t> s = rans_warp_encode(t, 0, codes.data(), n);
+    ASSERT_GE(s.size(), kStateBytes);
+    rans_warp_decode(t, 0, s.data(), s.size(), n, back.data());
+    EXPECT_EQ(back, codes) << "n = " << n;
+  }
+}
+
+TEST(KvtcVariant, EntropyCodingIsCloseToTheCpuCoder) {
+  const int dim = 128;
+  const std::vector<uint16_t> x = synth_bf16(640, dim, 9);
+  const kvtc::HeadParams p = fit(x.data(), 640, dim);
+  const FlatKvtcTables t = flatten_heads({&p});
+  const int K = p.n_kept();
+  std::vector<uint16_t> codes(size_t(64 * K));
+  quantize_reference(t, 0, x.data() + 64 * dim * 3, 64, codes.data());
+  const std::vector<uint8_t> mine = rans_warp_encode(t, 0, codes.data(), 64);
+  std::vector<const entropy::FrequencyTable*> tabs;
+  for (const auto& ft : p.rans_tables) tabs.push_back(&ft);
+  const std::vector<uint8_t> cpu = entropy::rans_encode(codes.data(), 64, size_t(K), tabs);
+  // Same models: only the 32 lane states (vs 8) cost more.
+  EXPECT_LE(mine.size(), cpu.size() + 24 * 4 + 16);
+  EXPECT_GE(mine.size() + 16, cpu.size());
+}
+
+TEST(KvtcVariant, BatchRoundTripWithRaggedTailAndEmptyHead) {
+  const int dim = 64;
+  Batch b = synth_batch(3, 200, dim, 21);  // 200 tokens: blocks of 64, 64, 64, 8
+  // Head 2 keeps nothing: its streams are empty and it decodes to its mean.
+  b.params[2].kept.clear(), b.params[2].basis.clear(), b.params[2].quant.clear(), b.params[2].rans_tables.clear();
+  const FlatKvtcTables t = flatten_heads(b.ptrs());
+  const EncodedBatch e = encode_batch_reference(t, b.x.data(), b.tokens, 64);
+  ASSERT_EQ(e.offsets.size(), 3u * 4u + 1u);
+  for (size_t i = 8; i < 12; ++i) EXPECT_EQ(e.offsets[i + 1], e.offsets[i]);
+  std::vector<uint16_t> y(b.x.size());
+  decode_batch_reference(t, e.payload.data(), e.payload.size(), e.offsets.data(), b.tokens, 64, y.data());
+  for (int h = 0; h < 2; ++h) {
+    std::vector<uint16_t> codes(size_t(b.tokens) * size_t(b.params[size_t(h)].n_kept())), yh(size_t(b.tokens * dim));
+    quantize_reference(t, h, b.x.data() + size_t(h) * size_t(b.tokens * dim), b.tokens, codes.data());
+    dequantize_reference(t, h, codes.data(), b.tokens, yh.data());
+    EXPECT_TRUE(std::equal(yh.begin(), yh.end(), y.begin() + long(size_t(h) * size_t(b.tokens * dim))));
+  }
+  for (int64_t i = 0; i < b.tokens * dim; ++i)
+    ASSERT_EQ(y[size_t(2 * b.tokens * dim + i)], f32_to_bf16_rne(b.params[2].mean[size_t(i % dim)]));
+}
+
+TEST(KvtcVariant, MalformedStreamsAreRejected) {
+  const int dim = 64;
+  const std::vector<uint16_t> x = synth_bf16(256, dim, 3);
+  const kvtc::HeadParams p = fit(x.data(), 256, dim);
+  const FlatKvtcTables t = flatten_heads({&p});
+  const int K = p.n_kept();
+  std::vector<uint16_t> codes(size_t(64 * K)), back(size_t(64 * K));
+  quantize_reference(t, 0, x.data(), 64, codes.data());
+  const std::vector<uint8_t> s = rans_warp_encode(t, 0, codes.data(), 64);
+  auto decode = [&](const std::vector<uint8_t>& bytes) {
+    rans_warp_decode(t, 0, bytes.data(), bytes.size(), 64, back.data());
+  };
+  std::vector<uint8_t> cut(s.begin(), s.end() - 1);
+  EXPECT_THROW(decode(cut), Error);
+  std::vector<uint8_t> longer = s;
+  longer.push_back(0);
+  EXPECT_THROW(decode(longer), Error);
+  EXPECT_THROW(decode(std::vector<uint8_t>(s.begin(), s.begin() + 100)), Error);
+  std::vector<uint8_t> bad_state = s;
+  bad_state[0] = bad_state[1] = bad_state[2] = bad_state[3] = 0;  // lane 0 state below 2^23
+  EXPECT_THROW(decode(bad_state), Error);
+  // Every single-byte flip either throws a format error or decodes to valid
+  // codes (never a crash or out-of-range read: ASan watches).
+  int thrown = 0;
+  for (size_t i = 0; i < s.size(); i += 3) {
+    std::vector<uint8_t> f = s;
+    f[i] ^= 0x5a;
+    try {
+      decode(f);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kFormat);
+      ++thrown;
+    }
+  }
+  EXPECT_GT(thrown, 0);
+  std::vector<uint64_t> offsets{0, s.size() + 5};
+  std::vector<uint16_t> y(64 * dim);
+  EXPECT_THROW(decode_batch_reference(t, s.data(), s.size(), offsets.data(), 64, 64, y.data()), Error);
+}
+
+TEST(KvtcVariant, RejectsUnsupportedHeads) {
+  const std::vector<uint16_t> x = synth_bf16(128, 32, 1);
+  const kvtc::HeadParams p32 = fit(x.data(), 128, 32);
+  try {
+    flatten_heads({&p32});
+    FAIL() << "head_dim 32 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("head_dim 32"), std::string::npos);
+  }
+  EXPECT_THROW(flatten_heads({}), Error);
+}
+
+// --- GPU against the CPU reference -------------------------------------------------
+
+bool have_gpu() { return device_count() > 0; }
+
+#ifdef KVCODEC_HAVE_CUDA
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  explicit DevBuf(size_t n) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess); }
+  ~DevBuf() { cudaFree(p); }
+};
+
+void gpu_matches_cpu(const Batch& b) {
+  const FlatKvtcTables t = flatten_heads(b.ptrs());
+  const EncodedBatch ref = encode_batch_reference(t, b.x.data(), b.tokens, 64);
+  std::vector<uint16_t> y_ref(b.x.size());
+  decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), b.tokens, 64, y_ref.data());
+
+  KvtcGpuCodec codec(b.ptrs(), b.tokens);
+  const int64_t ns = codec.n_streams(b.tokens);
+  DevBuf<uint16_t> dx(b.x.size()), dy(b.x.size());
+  DevBuf<uint8_t> dout(codec.max_encoded_bytes(b.tokens));
+  DevBuf<uint64_t> doff(size_t(ns + 1));
+  ASSERT_EQ(cudaMemcpy(dx.p, b.x.data(), b.x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  const uint64_t total = codec.encode(dx.p, b.tokens, dout.p, codec.max_encoded_bytes(b.tokens), doff.p);
+  ASSERT_EQ(total, ref.payload.size());
+  std::vector<uint8_t> payload(total);
+  std::vector<uint64_t> offsets(size_t(ns + 1));
+  ASSERT_EQ(cudaMemcpy(payload.data(), dout.p, total, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(offsets.data(), doff.p, offsets.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(offsets, ref.offsets);
+  EXPECT_TRUE(payload == ref.payload) << "GPU bytes differ from the CPU reference";
+
+  // GPU decode of the CPU's bytes equals the CPU decode, bit for bit.
+  ASSERT_EQ(cudaMemcpy(dout.p, ref.payload.data(), ref.payload.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(doff.p, ref.offsets.data(), ref.offsets.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  codec.decode(dout.p, ref.payload.size(), doff.p, b.tokens, dy.p);
+  codec.check_errors();
+  std::vector<uint16_t> y(b.x.size());
+  ASSERT_EQ(cudaMemcpy(y.data(), dy.p, y.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  size_t bad = 0;
+  for (size_t i = 0; i < y.size(); ++i) bad += y[i] != y_ref[i];
+  EXPECT_EQ(bad, 0u) << "of " << y.size() << " reconstructed values";
+
+  // A truncated stream is reported, not decoded.
+  if (ns > 1 && ref.offsets[2] > ref.offsets[1] + 1) {
+    std::vector<uint64_t> cut = ref.offsets;
+    cut[1] -= 1;  // stream 0 loses its last byte, stream 1 gains a leading one
+    ASSERT_EQ(cudaMemcpy(doff.p, cut.data(), cut.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+    codec.decode(dout.p, ref.payload.size(), doff.p, b.tokens, dy.p);
+    EXPECT_THROW(codec.check_errors(), Error);
+  }
+}
+#endif
+
+TEST(KvtcGpu, MatchesCpuReferenceOnRandomInput) {
+  if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+#ifdef KVCODEC_HAVE_CUDA
+  const uint32_t seed = test_seed(1234);
+  std::printf("seed %u\n", seed);
+  for (int dim : {64, 128}) gpu_matches_cpu(synth_batch(4, 64 * 5 + 17, dim, seed + uint32_t(dim)));
+#endif
+}
+
+TEST(KvtcGpu, MatchesCpuReferenceOnTheKvDump) {
+  if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::string path = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
+  if (const char* p = std::getenv("KVCODEC_KV_DUMP")) path = p;
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent";
+#ifdef KVCODEC_HAVE_CUDA
+  const SafetensorsFile f = SafetensorsFile::open(path);
+  // Layer picked by the seed (a fresh one each bench run); K and V of each
+  // kv head, fitted on the first half of the window, coded whole.
+  const int layer = int(test_seed(0) % 6);
+  Batch b;
+  for (const char* kind : {"key", "value"}) {
+    const Tensor tt = f.tensor("layers." + std::to_string(layer) + "." + kind, DType::kBF16);
+    const Shape4 s = tt.shape();  // [B, H, S, D]
+    b.dim = int(s[3]);
+    b.tokens = s[2];
+    for (int64_t h = 0; h < s[0] * s[1]; ++h) {
+      const uint16_t* xh = tt.data_as<uint16_t>() + h * s[2] * s[3];
+      b.params.push_back(fit(xh, s[2] / 2, b.dim));
+      b.x.insert(b.x.end(), xh, xh + s[2] * s[3]);
+    }
+  }
+  gpu_matches_cpu(b);
+#endif
+}
+
+}  // namespace
+}  // namespace kvcodec::gpu
