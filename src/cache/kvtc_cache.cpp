@@ -450,6 +450,10 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
                   : coder == "huffman" ? kvtc::CoderChoice::kHuffman
                   : coder == "fixed"   ? kvtc::CoderChoice::kFixed
                                        : kvtc::CoderChoice::kAuto;
+  if (r.find("target_rel_mse")) {
+    s.codec.target_rel_mse = r.get_double("target_rel_mse", 0.0, 0.0, 1.0, /*lo_open=*/true);
+    if (s.codec.allocator != kvtc::Allocator::kRate) r.fail("target_rel_mse", "set only with allocator=rate");
+  }
   s.codec.basis_bits = int(r.get_int("basis_bits", 16, 8, 16));
   if (s.codec.basis_bits != 8 && s.codec.basis_bits != 16) r.fail("basis_bits", "8 or 16");
   const std::string* ratio = r.find("target_ratio");
@@ -471,6 +475,7 @@ MethodInfo kvtc_method_info() {
            {"beta", "3.5", "distortion model d(v,b) = v * beta^-b of the dp allocator"},
            {"allocator", "dp", "dp (beta model) or rate (one step for all components, measured entropy)"},
            {"target_ratio", "none", "pick the budget whose fit-token cost meets this compression ratio"},
+           {"target_rel_mse", "none", "allocator=rate: pick the step reaching this ||x-x_hat||^2/||x||^2 on the fit tokens"},
            {"min_fit_tokens", "", "tokens (sinks excluded) needed before the fit (default 2*head_dim)"},
            {"block", "64", "tokens per encoded block"},
            {"sinks", "", "first tokens kept raw (counted); default 0 local, 4 calibrated"},

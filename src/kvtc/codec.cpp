@@ -155,9 +155,32 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
     if (max_abs == 0.0) max_abs = 1.0;
     // Steps finer than max_abs / 2047 would need more than 4096 levels.
     double lo = std::log2(max_abs / 2047.0), hi = std::log2(max_abs * 4.0);
-    for (int it = 0; it < 40; ++it) {
-      const double mid = 0.5 * (lo + hi);
-      if (rate_at(std::exp2(mid)) > budget) lo = mid; else hi = mid;
+    if (options.target_rel_mse > 0.0) {
+      // Distortion target instead of a rate budget: the coarsest step whose
+      // squared error on the fit tokens stays within target * ||x||^2 (the
+      // energy of the uncentred vectors, as rel_mse is reported).
+      double energy = 0.0;
+      for (int64_t i = 0; i < n * dim; ++i) energy += double(x[i]) * x[i];
+      const double allowed = options.target_rel_mse * energy;
+      auto distortion_at = [&](double step) {
+        double err = 0.0;
+        for (int64_t i = 0; i < coeffs.size(); ++i) {
+          const double c = coeffs.data()[i];
+          const double r = c - step * std::floor(c / step + 0.5);
+          err += r * r;
+        }
+        return err;
+      };
+      for (int it = 0; it < 40; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        if (distortion_at(std::exp2(mid)) > allowed) hi = mid; else lo = mid;
+      }
+      std::swap(lo, hi);  // hi: the step used below; lo side meets the target
+    } else {
+      for (int it = 0; it < 40; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        if (rate_at(std::exp2(mid)) > budget) lo = mid; else hi = mid;
+      }
     }
     const double step = std::exp2(hi);
     for (int k = 0; k < dim; ++k) {
@@ -203,7 +226,13 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
 
   CoderChoice coder = options.coder;
   if (coder == CoderChoice::kRans || coder == CoderChoice::kAuto) {
-    for (int k = 0; k < kept; ++k) p.rans_tables.push_back(entropy::FrequencyTable::from_counts(counts[size_t(k)]));
+    // 12-bit models (13 for the largest alphabets): the decoder's slot tables
+    // of all components then stay in L2. Wider scales only help symbols the
+    // fit never saw, and cost a cache miss on every decoded symbol.
+    for (int k = 0; k < kept; ++k) {
+      const uint32_t scale = std::clamp<uint32_t>(uint32_t(ceil_log2(p.quant[size_t(k)].levels)) + 1, 12, 13);
+      p.rans_tables.push_back(entropy::FrequencyTable::from_counts(counts[size_t(k)], scale));
+    }
   }
   if (coder == CoderChoice::kHuffman || coder == CoderChoice::kAuto) {
     for (int k = 0; k < kept; ++k) p.huffman_tables.push_back(entropy::huffman_build(counts[size_t(k)]));

@@ -36,6 +36,9 @@ struct CodecOptions {
   Allocator allocator = Allocator::kDp;
   CoderChoice coder = CoderChoice::kRans;
   int basis_bits = 16;                         // 16: f16 basis; 8: int8 rows with an f16 scale
+  // rate allocator only: > 0 picks the step by the relative squared error it
+  // reaches on the fit tokens (||x - x_hat||^2 / ||x||^2) instead of the budget.
+  double target_rel_mse = 0.0;
 };
 
 // One kept principal component: its uniform quantizer. code = clamp(round(c /
