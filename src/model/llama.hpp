@@ -110,6 +110,13 @@ class Session {
   std::vector<std::vector<float>> score_scratch_;  // per OpenMP thread
 };
 
+// OpenMP threads worth using now: the cores not already busy (1-minute load
+// average), at least 1. Fork-join threading with a barrier per matmul
+// collapses when cores are oversubscribed (a preempted thread stalls every
+// barrier: 10-20x slower decode measured on a shared 2-core machine), so the
+// CLI uses this unless --threads is given. Results do not depend on it.
+int auto_thread_count();
+
 // RMSNorm of one row: out = x / sqrt(mean(x^2) + eps) * w (in f32 sums of
 // double precision accumulators, as HF computes in f32; see llama.cpp).
 void rms_norm_row(const float* x, const float* w, int n, double eps, float* out);

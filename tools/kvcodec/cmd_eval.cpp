@@ -144,10 +144,10 @@ void register_eval(CLI::App& app) {
                 "Score every position of each window from one prefill through the cache (W-1 predictions)");
   cmd->add_option("--set", args->sets, "Method setting <method>.<field>=<value> (repeatable)");
   cmd->add_flag("--json", args->json, "One JSON array on stdout");
-  cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
+  cmd->add_option("--threads", args->threads, "OpenMP threads (0: the cores not busy now, from the load average)")->capture_default_str();
   cmd->callback([args] {
-    if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");
-    if (args->threads > 0) omp_set_num_threads(args->threads);
+    if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: automatic)");
+    omp_set_num_threads(args->threads > 0 ? args->threads : model::auto_thread_count());
     run(*args);
   });
 }

@@ -114,10 +114,10 @@ void register_run(CLI::App& app) {
   cmd->add_flag("--reference", args->reference, "Use the plain-loop reference forward pass (slow; for checking)");
   cmd->add_option("--compare-reference", args->compare_reference,
                   "Afterwards, time N greedy decode steps with the fast and the plain-loop path and print both");
-  cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
+  cmd->add_option("--threads", args->threads, "OpenMP threads (0: the cores not busy now, from the load average)")->capture_default_str();
   cmd->callback([args] {
-    if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");
-    if (args->threads > 0) omp_set_num_threads(args->threads);
+    if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: automatic)");
+    omp_set_num_threads(args->threads > 0 ? args->threads : model::auto_thread_count());
     run(*args);
   });
 }

@@ -1,0 +1,65 @@
+// Offline calibration of KVTC's calibrated mode (DESIGN 4; issue 5).
+//
+// collect_calibration_samples() runs the model over calibration windows with
+// an fp16 cache and gathers, per layer, every non-sink token as ONE vector of
+// H_kv * D values (heads concatenated, [h][d]): keys with RoPE removed (exact
+// inverse rotation at the token's position), values as they are.
+// fit_calibration() fits, per layer and tensor, the mean and PCA basis over
+// those vectors and the codec parameters (bit allocation, quantizer ranges,
+// entropy models) with kvtc::fit_head, either for a fixed bit budget or for a
+// target compression ratio of the encoded tokens, and returns a
+// KvtcCalibration (write it with KvtcCalibration::write_file).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cache/kvtc_calibrated.hpp"
+#include "kvtc/codec.hpp"
+#include "model/llama.hpp"
+
+namespace kvcodec::model {
+
+struct CalibrateOptions {
+  int64_t first_window = 16;      // windows of window_length tokens in the token file
+  int64_t windows = 16;
+  int64_t window_length = 2048;
+  int64_t tokens_per_window = 0;  // 0: the whole window
+  int sinks = 4;                  // first tokens of each window left out of the fit (kept raw by the cache)
+  kvtc::CodecOptions codec;       // bit_budget 0 -> 4 * H_kv * D bits per token vector
+  // > 0: per layer and tensor, the largest bit budget whose entropy-coded
+  // payload on the calibration tokens is at most f16 / target_ratio (raw
+  // sinks and window come on top at run time).
+  double target_ratio = 0.0;
+};
+
+struct CalibrationSamples {
+  int n_layers = 0, n_kv_heads = 0, head_dim = 0;
+  int64_t tokens = 0;                      // vectors per layer
+  std::vector<std::vector<float>> keys;    // [n_layers][tokens, H_kv * D], RoPE removed
+  std::vector<std::vector<float>> values;  // [n_layers][tokens, H_kv * D]
+};
+
+// (done, total, what) for progress output.
+using CalibrationProgress = std::function<void(int64_t done, int64_t total, const std::string& what)>;
+
+// Throws Error(kConfig) naming the window range when it does not fit the tokens.
+CalibrationSamples collect_calibration_samples(const LlamaModel& model, const std::vector<int32_t>& tokens,
+                                               const CalibrateOptions& options,
+                                               const CalibrationProgress& progress = {});
+
+KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& config_hash,
+                                const CalibrationSamples& samples, const CalibrateOptions& options,
+                                const CalibrationProgress& progress = {});
+
+// Hex XXH3-64 of DIR/config.json: the model identity stored in calibrations.
+std::string model_config_hash(const std::string& model_dir);
+
+// Refuses a calibration made for another model: Error(kShapeMismatch) naming
+// both shapes, or Error(kConfig) when the config hashes differ.
+void check_calibration_for_model(const KvtcCalibration& calibration, const ModelConfig& config,
+                                 const std::string& config_hash);
+
+}  // namespace kvcodec::model
