@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(DeviceTables tb, const
   const int64_t stream = blockIdx.x;
   const int h = int(stream / nb);
   const int64_t t0 = (stream % nb) * kT;
-  const int n = int(min<int64_t>(kT, tokens - t0));
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
   if (K == 0) {
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DeviceTables tb, const
   const int64_t stream = blockIdx.x;
   const int h = int(stream / nb);
   const int64_t t0 = (stream % nb) * kT;
-  const int n = int(min<int64_t>(kT, tokens - t0));
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
   if (threadIdx.x == 0) bad = 0;
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DeviceTables tb, const
     if (__any_sync(0xffffffffu, fail) && lane == 0) {
       bad = 1;
       atomicExch(err, 1);
-      atomicMin(err + 1, int(min<int64_t>(stream, 0x7fffffff)));
+      atomicMin(err + 1, stream < 0x7fffffff ? int(stream) : 0x7fffffff);
     }
   }
   __syncthreads();

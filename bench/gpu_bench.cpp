@@ -1,0 +1,152 @@
+// GPU kvtc-gpu/1 throughput on a realistic batch: NH heads x S tokens x D
+// bf16 on the device, encode and decode timed with CUDA events, against the
+// device-to-device copy bandwidth measured in the same run. Checks the GPU
+// bytes against the CPU reference on a slice first. Prints one JSON line.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/kvtc_variant.hpp"
+#include "kvcodec/gpu.hpp"
+#include "kvcodec/safetensors.hpp"
+#include "kvcodec/tensor.hpp"
+#include "kvtc/codec.hpp"
+#include "linalg/pca.hpp"
+
+using namespace kvcodec;
+
+#define CK(x)                                                            \
+  do {                                                                   \
+    cudaError_t e_ = (x);                                                \
+    if (e_ != cudaSuccess) {                                             \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));     \
+      std::exit(1);                                                      \
+    }                                                                    \
+  } while (0)
+
+int main(int argc, char** argv) {
+  const int layers = argc > 1 ? std::atoi(argv[1]) : 32;
+  const int kv_heads = argc > 2 ? std::atoi(argv[2]) : 8;
+  const int64_t S = argc > 3 ? std::atoll(argv[3]) : 16384;
+  const char* dump = argc > 4 ? argv[4] : nullptr;
+  const int D = 128;
+  const int NH = layers * kv_heads;
+  // Base heads: real KV rows (the dump's head_dim 64 tiled twice along D, so
+  // the spectrum is the dump's) when a dump is given, else correlated Gaussian.
+  const int n_base = 8;
+  const int64_t base_tokens = 2048;
+  std::vector<std::vector<uint16_t>> base(n_base);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> g;
+  if (dump) {
+    const SafetensorsFile f = SafetensorsFile::open(dump);
+    for (int b = 0; b < n_base; ++b) {
+      const Tensor t = f.tensor("layers." + std::to_string(b % 6) + (b % 2 ? ".value" : ".key"), DType::kF32);
+      const Shape4 s = t.shape();
+      const float* p = t.data_as<float>() + (b / 6 % s[1]) * s[2] * s[3];
+      for (int64_t i = 0; i < base_tokens; ++i)
+        for (int d = 0; d < D; ++d)
+          base[size_t(b)].push_back(gpu::f32_to_bf16_rne(p[(i % s[2]) * s[3] + d % s[3]] * (d < s[3] ? 1.0f : -0.5f) +
+                                                         0.01f * g(rng)));
+    }
+  } else {
+    for (int b = 0; b < n_base; ++b) {
+      std::vector<float> mix(size_t(D * D));
+      for (auto& m : mix) m = g(rng) / std::sqrt(float(D));
+      std::vector<float> z(static_cast<size_t>(D));
+      for (int64_t i = 0; i < base_tokens; ++i) {
+        for (int k = 0; k < D; ++k) z[size_t(k)] = g(rng) * 4.0f * std::exp(-0.05f * float(k));
+        for (int d = 0; d < D; ++d) {
+          float acc = 0.2f * float(d % 5);
+          for (int k = 0; k < D; ++k) acc += mix[size_t(d * D + k)] * z[size_t(k)];
+          base[size_t(b)].push_back(gpu::f32_to_bf16_rne(acc));
+        }
+      }
+    }
+  }
+  std::vector<kvtc::HeadParams> params;
+  for (int b = 0; b < n_base; ++b) {
+    std::vector<float> xf(base[size_t(b)].size());
+    for (size_t i = 0; i < xf.size(); ++i) xf[i] = gpu::bf16_bits_to_f32(base[size_t(b)][i]);
+    const linalg::PcaBasis pca = linalg::fit_pca(xf.data(), base_tokens, D);
+    kvtc::CodecOptions o;  // default budget 4*D bits per token, rANS
+    params.push_back(kvtc::fit_head(xf.data(), base_tokens, D, pca.mean, pca.components, pca.eigenvalues, o));
+  }
+  std::vector<const kvtc::HeadParams*> ptrs;
+  for (int h = 0; h < NH; ++h) ptrs.push_back(&params[size_t(h % n_base)]);
+
+  const size_t elems = size_t(NH) * size_t(S) * D, bytes = elems * 2;
+  std::vector<uint16_t> x(elems);
+  for (int h = 0; h < NH; ++h)
+    for (int64_t t = 0; t < S; ++t)
+      std::copy_n(base[size_t(h % n_base)].data() + size_t((t + 131 * h) % base_tokens) * D, D,
+                  x.data() + (size_t(h) * size_t(S) + size_t(t)) * D);
+
+  gpu::KvtcGpuCodec codec(ptrs, S);
+  uint16_t *dx, *dy, *dcopy;
+  uint8_t* dout;
+  uint64_t* doff;
+  const uint64_t cap = codec.max_encoded_bytes(S);
+  const int64_t ns = codec.n_streams(S);
+  CK(cudaMalloc(&dx, bytes));
+  CK(cudaMalloc(&dy, bytes));
+  CK(cudaMalloc(&dcopy, bytes));
+  CK(cudaMalloc(&dout, cap));
+  CK(cudaMalloc(&doff, size_t(ns + 1) * 8));
+  CK(cudaMemcpy(dx, x.data(), bytes, cudaMemcpyHostToDevice));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  auto time_ms = [&](auto&& fn, int reps) {
+    fn();
+    CK(cudaDeviceSynchronize());
+    CK(cudaEventRecord(e0));
+    for (int r = 0; r < reps; ++r) fn();
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    return double(ms) / reps;
+  };
+  const double copy_ms = time_ms([&] { CK(cudaMemcpyAsync(dcopy, dx, bytes, cudaMemcpyDeviceToDevice)); }, 10);
+  uint64_t total = 0;
+  const double enc_ms = time_ms([&] { total = codec.encode(dx, S, dout, cap, doff); }, 5);
+  const double dec_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 10);
+  codec.check_errors();
+
+  // Check: the first 4 heads' bytes and reconstructions against the CPU reference.
+  const int check_heads = 4;
+  const gpu::FlatKvtcTables t = gpu::flatten_heads(std::vector<const kvtc::HeadParams*>(ptrs.begin(), ptrs.begin() + check_heads));
+  const gpu::EncodedBatch ref = gpu::encode_batch_reference(t, x.data(), S, 64);
+  std::vector<uint64_t> off(size_t(ns + 1));
+  CK(cudaMemcpy(off.data(), doff, off.size() * 8, cudaMemcpyDeviceToHost));
+  std::vector<uint8_t> got(ref.payload.size());
+  CK(cudaMemcpy(got.data(), dout, got.size(), cudaMemcpyDeviceToHost));
+  const bool bytes_equal = got == ref.payload && std::equal(ref.offsets.begin(), ref.offsets.end(), off.begin());
+  std::vector<uint16_t> yref(size_t(check_heads) * size_t(S) * D), y(yref.size());
+  gpu::decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), S, 64, yref.data());
+  CK(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));
+  const bool recon_equal = y == yref;
+  double err = 0, nrm = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    const double a = gpu::bf16_bits_to_f32(x[i]), b = gpu::bf16_bits_to_f32(y[i]);
+    err += (a - b) * (a - b), nrm += a * a;
+  }
+  const double gbs = 1e-6;  // bytes per ms -> GB/s
+  std::printf(
+      "{\"layers\": %d, \"kv_heads\": %d, \"tokens\": %lld, \"head_dim\": %d, \"bf16_bytes\": %zu, "
+      "\"compressed_bytes\": %llu, \"ratio\": %.3f, \"rel_mse\": %.3g, \"copy_ms\": %.3f, \"copy_gb_s\": %.1f, "
+      "\"encode_ms\": %.3f, \"encode_gb_s\": %.1f, \"encode_frac_copy\": %.3f, \"decode_ms\": %.3f, "
+      "\"decode_gb_s\": %.1f, \"decode_frac_copy\": %.3f, \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s}\n",
+      layers, kv_heads, (long long)S, D, bytes, (unsigned long long)total, double(bytes) / double(total), err / nrm,
+      copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms, bytes * gbs / dec_ms,
+      copy_ms / dec_ms, bytes_equal ? "true" : "false", recon_equal ? "true" : "false");
+  return bytes_equal && recon_equal ? 0 : 2;
+}
