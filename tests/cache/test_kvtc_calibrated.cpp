@@ -1,0 +1,317 @@
+// Calibrated KVTC: RoPE removal, calibration files, and the cache contract
+// on a small calibration fitted here from synthetic low-rank KV.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <cstring>
+#include <unistd.h>
+
+#include "cache/kvtc_calibrated.hpp"
+#include "kvcodec/cache.hpp"
+#include "kvcodec/error.hpp"
+#include "linalg/pca.hpp"
+
+namespace kvcodec {
+namespace {
+
+constexpr int kLayers = 2, kHeads = 2, kDim = 16;
+constexpr double kTheta = 10000.0;
+
+// Pre-RoPE token vectors [n, H*D] from a fixed rank-6 model plus small noise:
+// the structure a calibrated basis should capture.
+std::vector<float> synthetic_vectors(int64_t n, uint32_t seed, int layer, bool is_key) {
+  const int V = kHeads * kDim;
+  std::mt19937 basis_rng(1234 + layer * 2 + (is_key ? 1 : 0));  // same basis for every seed
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> A(size_t(6 * V)), mean(size_t(V));
+  for (auto& a : A) a = g(basis_rng);
+  for (auto& m : mean) m = 0.5f * g(basis_rng);
+  std::mt19937 rng(seed);
+  std::vector<float> x(size_t(n * V));
+  for (int64_t t = 0; t < n; ++t) {
+    float z[6];
+    for (int r = 0; r < 6; ++r) z[r] = g(rng) / float(1 + r);
+    for (int v = 0; v < V; ++v) {
+      float s = mean[size_t(v)] + 0.01f * g(rng);
+      for (int r = 0; r < 6; ++r) s += z[r] * A[size_t(r * V + v)];
+      x[size_t(t * V + v)] = s;
+    }
+  }
+  return x;
+}
+
+std::string calibration_path() {
+  static const std::string path = [] {
+    KvtcCalibration cal;
+    cal.n_layers = kLayers;
+    cal.n_kv_heads = kHeads;
+    cal.head_dim = kDim;
+    cal.rope_theta = kTheta;
+    cal.config_hash = "test";
+    const int V = kHeads * kDim;
+    kvtc::CodecOptions o;
+    o.bit_budget = 3 * V;
+    for (int l = 0; l < kLayers; ++l)
+      for (bool is_key : {true, false}) {
+        const auto x = synthetic_vectors(2048, 77 + l, l, is_key);
+        const auto pca = linalg::fit_pca(x.data(), 2048, V);
+        (is_key ? cal.keys : cal.values)
+            .push_back(kvtc::fit_head(x.data(), 2048, V, pca.mean, pca.components, pca.eigenvalues, o));
+      }
+    const std::string p = (std::filesystem::temp_directory_path() /
+                           ("kvcodec_test_calib_" + std::to_string(::getpid()) + ".kvcal")).string();
+    cal.write_file(p);
+    return p;
+  }();
+  return path;
+}
+
+CacheConfig layer_config(int layer) {
+  CacheConfig c;
+  c.layer = layer;
+  c.n_layers = kLayers;
+  c.n_kv_heads = kHeads;
+  c.head_dim = kDim;
+  c.rope_theta = kTheta;
+  return c;
+}
+
+// A sequence [B, H, S, D] f32: keys post-RoPE at positions 0..S-1.
+struct Sequence {
+  Tensor keys, values;
+};
+Sequence make_sequence(int64_t B, int64_t S, int layer, uint32_t seed) {
+  Sequence s{Tensor(DType::kF32, {B, kHeads, S, kDim}), Tensor(DType::kF32, {B, kHeads, S, kDim})};
+  const int V = kHeads * kDim;
+  for (int64_t b = 0; b < B; ++b) {
+    auto k = synthetic_vectors(S, seed + uint32_t(b), layer, true);
+    auto v = synthetic_vectors(S, seed + 100 + uint32_t(b), layer, false);
+    for (int64_t t = 0; t < S; ++t) rope_rotate_token(&k[size_t(t * V)], kHeads, kDim, t, kTheta, false);
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t t = 0; t < S; ++t)
+        for (int64_t d = 0; d < kDim; ++d) {
+          s.keys.data_as<float>()[((b * kHeads + h) * S + t) * kDim + d] = k[size_t(t * V + h * kDim + d)];
+          s.values.data_as<float>()[((b * kHeads + h) * S + t) * kDim + d] = v[size_t(t * V + h * kDim + d)];
+        }
+  }
+  return s;
+}
+
+// Tokens [first, first + n) of a [B, H, S, D] tensor as a strided view.
+TensorView slice(const Tensor& t, int64_t first, int64_t n) {
+  TensorView v = t.view();
+  v.data = static_cast<const uint8_t*>(v.data) + first * v.strides[2] * int64_t(dtype_size(v.dtype));
+  v.shape[2] = n;
+  return v;
+}
+
+double rel_mse(const Tensor& a, const Tensor& b) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < numel(a.shape()); ++i) {
+    const double d = double(a.data_as<float>()[i]) - double(b.data_as<float>()[i]);
+    num += d * d;
+    den += double(a.data_as<float>()[i]) * double(a.data_as<float>()[i]);
+  }
+  return num / den;
+}
+
+bool bit_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), size_t(numel(a.shape())) * dtype_size(a.dtype())) == 0;
+}
+
+Settings calibrated(int sinks, int window, int block = 16) {
+  return {{"calibration", calibration_path()},
+          {"sinks", std::to_string(sinks)},
+          {"window", std::to_string(window)},
+          {"block", std::to_string(block)}};
+}
+
+TEST(RopeRemoval, RemoveThenApplyIsExactToF32Rounding) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> g(0.0f, 3.0f);
+  for (int D : {16, 64, 128})
+    for (int64_t pos : {0, 1, 17, 1023, 4095, 131071}) {
+      std::vector<float> x(size_t(4 * D));
+      for (auto& v : x) v = g(rng);
+      std::vector<float> y = x;
+      rope_rotate_token(y.data(), 4, D, pos, 500000.0, /*inverse=*/true);
+      rope_rotate_token(y.data(), 4, D, pos, 500000.0, /*inverse=*/false);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < x.size(); ++i) {
+        num += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
+        den += double(x[i]) * x[i];
+      }
+      EXPECT_LT(std::sqrt(num / den), 1e-6) << "D=" << D << " pos=" << pos;
+    }
+}
+
+TEST(RopeRemoval, ForwardMatchesRotateHalfReference) {
+  // HF rotate-half: (x_i, x_{i+D/2}) -> (x_i c - x_{i+D/2} s, x_{i+D/2} c + x_i s).
+  const int D = 8;
+  std::vector<float> x = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<float> y = x;
+  rope_rotate_token(y.data(), 1, D, 3, 100.0, false);
+  for (int i = 0; i < D / 2; ++i) {
+    const double a = 3.0 * std::pow(100.0, -2.0 * i / D);
+    EXPECT_NEAR(y[size_t(i)], x[size_t(i)] * std::cos(a) - x[size_t(i + 4)] * std::sin(a), 1e-5);
+    EXPECT_NEAR(y[size_t(i + 4)], x[size_t(i + 4)] * std::cos(a) + x[size_t(i)] * std::sin(a), 1e-5);
+  }
+  // Position 0 is the identity.
+  std::vector<float> z = x;
+  rope_rotate_token(z.data(), 1, D, 0, 100.0, true);
+  EXPECT_EQ(z, x);
+}
+
+TEST(CalibrationFile, RoundTripsAndRefusesCorruption) {
+  const KvtcCalibration cal = KvtcCalibration::read_file(calibration_path());
+  EXPECT_EQ(cal.n_layers, kLayers);
+  EXPECT_EQ(cal.vector_dim(), kHeads * kDim);
+  const std::vector<uint8_t> bytes = cal.serialize();
+  const KvtcCalibration again = KvtcCalibration::parse(bytes.data(), bytes.size());
+  EXPECT_EQ(again.serialize(), bytes);
+  // Every truncation and a flip in every 7th byte are refused with an Error.
+  for (size_t n = 0; n < bytes.size(); n += 13)
+    EXPECT_THROW(KvtcCalibration::parse(bytes.data(), n), Error) << n;
+  for (size_t i = 0; i < bytes.size(); i += 7) {
+    std::vector<uint8_t> bad = bytes;
+    bad[i] ^= 0x20;
+    EXPECT_THROW(KvtcCalibration::parse(bad.data(), bad.size()), Error) << i;
+  }
+  // A corrupted file is refused by the cache too.
+  const std::string path = calibration_path() + ".bad";
+  {
+    std::vector<uint8_t> bad = bytes;
+    bad[bad.size() / 2] ^= 1;
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bad.data()), std::streamsize(bad.size()));
+  }
+  EXPECT_THROW(make_cache("kvtc", layer_config(0), {{"calibration", path}}), Error);
+  EXPECT_THROW(make_cache("kvtc", layer_config(0), {{"calibration", path + ".missing"}}), Error);
+  std::filesystem::remove(path);
+}
+
+TEST(CalibratedCache, RefusesAnotherShapeNamingBoth) {
+  CacheConfig other = layer_config(0);
+  other.head_dim = 32;
+  try {
+    make_cache("kvtc", other, {{"calibration", calibration_path()}});
+    FAIL() << "a cache of another shape accepted the calibration";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kShapeMismatch);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("head_dim=16"), std::string::npos) << m;
+    EXPECT_NE(m.find("head_dim=32"), std::string::npos) << m;
+  }
+  CacheConfig layers = layer_config(0);
+  layers.n_layers = 3;
+  EXPECT_THROW(make_cache("kvtc", layers, {{"calibration", calibration_path()}}), Error);
+  EXPECT_THROW(make_cache("kvtc", layer_config(0), {{"calibration", calibration_path()}, {"rope_theta", "500000"}}),
+               Error);
+}
+
+TEST(CalibratedCache, SettingsAreValidated) {
+  EXPECT_THROW(make_cache("kvtc", layer_config(0), {{"mode", "calibrated"}}), Error);
+  EXPECT_THROW(make_cache("kvtc", layer_config(0), {{"calibration", calibration_path()}, {"bit_budget", "64"}}),
+               Error);
+  EXPECT_THROW(make_cache("kvtc", layer_config(0), {{"calibration", calibration_path()}, {"window", "-1"}}), Error);
+  EXPECT_NO_THROW(make_cache("kvtc", layer_config(1), {{"mode", "calibrated"}, {"calibration", calibration_path()}}));
+}
+
+TEST(CalibratedCache, ReconstructsWithRopeReappliedAndCountsBytes) {
+  for (int layer = 0; layer < kLayers; ++layer) {
+    const Sequence seq = make_sequence(2, 200, layer, 900);
+    auto cache = make_cache("kvtc", layer_config(layer), calibrated(4, 8));
+    const KVPair out = cache->update_and_fetch(seq.keys.view(), seq.values.view());
+    // The calibration fits these (rank 6) vectors: small error only if RoPE
+    // was removed before projecting and re-applied after decoding.
+    EXPECT_LT(rel_mse(seq.keys, out.keys), 1e-3);
+    EXPECT_LT(rel_mse(seq.values, out.values), 1e-3);
+    const CacheStats st = cache->stats();
+    EXPECT_EQ(st.tokens, 200);
+    EXPECT_EQ(st.extras.at("key.side_bytes"), 0.0);
+    // 200 = 4 sinks + 11 blocks of 16 + 20 raw (>= window 8): everything counted.
+    const double raw = 2.0 * 24 * kHeads * kDim * 2;
+    EXPECT_EQ(st.extras.at("key.raw_bytes"), raw);
+    EXPECT_EQ(double(st.compressed_key_bytes), st.extras.at("key.payload_bytes") + raw);
+    EXPECT_GT(st.compression_ratio(), 2.0);
+    EXPECT_GT(st.extras.at("key.calibration_bytes"), 0.0);
+  }
+}
+
+TEST(CalibratedCache, StreamingEqualsOneShotAndSaveLoadIsExact) {
+  for (auto [sinks, window] : {std::pair{4, 8}, std::pair{0, 0}, std::pair{4, 128}}) {
+    const Sequence seq = make_sequence(2, 300, 1, 4242);
+    auto whole = make_cache("kvtc", layer_config(1), calibrated(sinks, window));
+    whole->append(seq.keys.view(), seq.values.view());
+    auto steps = make_cache("kvtc", layer_config(1), calibrated(sinks, window));
+    steps->append(slice(seq.keys, 0, 37), slice(seq.values, 0, 37));
+    for (int64_t t = 37; t < 300; ++t) steps->append(slice(seq.keys, t, 1), slice(seq.values, t, 1));
+    const KVPair a = whole->fetch(DType::kF32), b = steps->fetch(DType::kF32);
+    EXPECT_TRUE(bit_equal(a.keys, b.keys));
+    EXPECT_TRUE(bit_equal(a.values, b.values));
+    EXPECT_EQ(whole->stats().compressed_bytes(), steps->stats().compressed_bytes());
+    // Block-wise read covers the history in order.
+    int64_t next = 0;
+    whole->for_each_block([&](int64_t first, const TensorView& k, const TensorView&) {
+      EXPECT_EQ(first, next);
+      next += k.shape[2];
+    });
+    EXPECT_EQ(next, 300);
+
+    const std::vector<uint8_t> saved = whole->save();
+    auto loaded = load_cache(saved.data(), saved.size());
+    const KVPair c = loaded->fetch(DType::kF32);
+    EXPECT_TRUE(bit_equal(a.keys, c.keys));
+    EXPECT_TRUE(bit_equal(a.values, c.values));
+    EXPECT_EQ(loaded->stats().compressed_key_bytes, whole->stats().compressed_key_bytes);
+    EXPECT_EQ(loaded->stats().compressed_value_bytes, whole->stats().compressed_value_bytes);
+    for (size_t i = 0; i < saved.size(); i += 97) {
+      std::vector<uint8_t> bad = saved;
+      bad[i] ^= 0x41;
+      EXPECT_THROW(loaded->load(bad.data(), bad.size()), Error) << i;
+    }
+  }
+}
+
+TEST(CalibratedCache, TrimRollsBackAndReappendMatches) {
+  const Sequence seq = make_sequence(1, 260, 0, 31);
+  auto cache = make_cache("kvtc", layer_config(0), calibrated(4, 8));
+  cache->append(slice(seq.keys, 0, 200), slice(seq.values, 0, 200));
+  const CacheStats before = cache->stats();
+  const KVPair ref = cache->fetch(DType::kF32);
+  // 3 more tokens stay in the raw tail (no block leaves): trimming them
+  // restores the counters and reconstruction exactly.
+  cache->append(slice(seq.keys, 200, 3), slice(seq.values, 200, 3));
+  EXPECT_GT(cache->stats().compressed_bytes(), before.compressed_bytes());
+  EXPECT_EQ(cache->trim(3), 3);
+  EXPECT_EQ(cache->offset(), 200);
+  EXPECT_EQ(cache->stats().compressed_bytes(), before.compressed_bytes());
+  EXPECT_TRUE(bit_equal(cache->fetch(DType::kF32).keys, ref.keys));
+  // Cutting into encoded blocks keeps the reconstruction of what is left.
+  EXPECT_EQ(cache->trim(100), 100);
+  const KVPair cut = cache->fetch(DType::kF32);
+  for (int64_t h = 0; h < kHeads; ++h)
+    for (int64_t i = 0; i < 100 * kDim; ++i)
+      EXPECT_NEAR(cut.keys.data_as<float>()[h * 100 * kDim + i], ref.keys.data_as<float>()[h * 200 * kDim + i], 2e-2);
+  EXPECT_EQ(cache->trim(1000), 100);
+  EXPECT_EQ(cache->offset(), 0);
+  EXPECT_EQ(cache->stats().compressed_bytes(), 0u);
+}
+
+TEST(CalibratedCache, Bf16InBf16Out) {
+  const Sequence seq = make_sequence(1, 100, 0, 8);
+  Tensor kb(DType::kBF16, seq.keys.shape()), vb(DType::kBF16, seq.values.shape());
+  convert(seq.keys.data(), DType::kF32, kb.data(), DType::kBF16, size_t(numel(seq.keys.shape())));
+  convert(seq.values.data(), DType::kF32, vb.data(), DType::kBF16, size_t(numel(seq.values.shape())));
+  auto cache = make_cache("kvtc", layer_config(0), calibrated(4, 8));
+  const KVPair out = cache->update_and_fetch(kb.view(), vb.view());
+  EXPECT_EQ(out.keys.dtype(), DType::kBF16);
+  EXPECT_EQ(out.keys.shape(), kb.shape());
+}
+
+}  // namespace
+}  // namespace kvcodec

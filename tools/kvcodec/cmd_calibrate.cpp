@@ -1,0 +1,104 @@
+// kvcodec calibrate: fit calibrated-KVTC parameters offline (DESIGN 4, issue 5)
+// and write them to a calibration file for kvtc.calibration=FILE.
+#include <omp.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "cache/kvtc_cache.hpp"
+#include "commands.hpp"
+#include "kvcodec/cache.hpp"
+#include "kvcodec/error.hpp"
+#include "model/calibrate.hpp"
+#include "model/eval.hpp"
+#include "model/paths.hpp"
+
+namespace kvcodec::cli {
+namespace {
+
+struct CalibrateArgs {
+  std::string model_dir;
+  std::string tokens;
+  std::string windows = "16-31";
+  std::string output;
+  std::vector<std::string> sets;
+  int64_t window_length = 2048;
+  int64_t tokens_per_window = 0;
+  int sinks = 4;
+  int threads = 0;
+};
+
+void run_calibrate(const CalibrateArgs& a) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string dir = a.model_dir.empty() ? model::default_model_dir() : a.model_dir;
+  const std::string token_path = a.tokens.empty() ? model::default_eval_tokens(dir) : a.tokens;
+  if (token_path.empty()) throw Error(ErrorCode::kNotFound, "no --tokens given and no eval_tokens.u16 found");
+  model::CalibrateOptions o;
+  {
+    const auto dash = a.windows.find('-');
+    try {
+      size_t used = 0;
+      const long first = std::stol(a.windows.substr(0, dash), &used);
+      const long last = dash == std::string::npos ? first : std::stol(a.windows.substr(dash + 1));
+      if (last < first || first < 0) throw std::invalid_argument("order");
+      o.first_window = first;
+      o.windows = last - first + 1;
+    } catch (const std::exception&) {
+      throw_config_error("--windows", a.windows, "a window range a-b with 0 <= a <= b, e.g. 16-31");
+    }
+  }
+  o.window_length = a.window_length;
+  o.tokens_per_window = a.tokens_per_window;
+  o.sinks = a.sinks;
+  const model::LlamaModel m = model::LlamaModel::load(dir);
+  // Codec fields through the same validation as the cache (local-mode parse:
+  // bit_budget scales with the vector, so it is re-read for H_kv * D).
+  Settings s = settings_for_method(a.sets, "kvtc");
+  CacheConfig probe;
+  probe.n_layers = m.config().n_layers;
+  probe.n_kv_heads = 1;
+  probe.head_dim = m.config().kv_dim();
+  probe.rope_theta = m.config().rope_theta;
+  for (const char* f : {"mode", "calibration", "sinks", "window", "block", "rope_theta", "min_fit_tokens"})
+    if (s.count(f)) throw_config_error(std::string("kvtc.") + f, s.at(f), "unset for calibrate (a cache setting)");
+  const KvtcSettings ks = parse_kvtc_settings(s, probe);
+  o.codec = ks.codec;
+  o.target_ratio = ks.target_ratio;
+  const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
+  auto progress = [&](int64_t done, int64_t total, const std::string& what) {
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, "[%6.1fs] %lld/%lld %s\n", sec, (long long)done, (long long)total, what.c_str());
+  };
+  const model::CalibrationSamples samples = model::collect_calibration_samples(m, tokens, o, progress);
+  const KvtcCalibration cal = model::fit_calibration(m.config(), model::model_config_hash(dir), samples, o, progress);
+  cal.write_file(a.output);
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("wrote %s: %s, %llu parameter bytes, %lld tokens per layer, %.1f s\n", a.output.c_str(),
+              cal.shape_string().c_str(), (unsigned long long)cal.params_bytes(), (long long)samples.tokens, sec);
+}
+
+}  // namespace
+
+void register_calibrate(CLI::App& app) {
+  auto args = std::make_shared<CalibrateArgs>();
+  auto* cmd = app.add_subcommand("calibrate", "Fit calibrated-KVTC parameters (per-layer PCA, allocation, entropy models)");
+  cmd->add_option("--model", args->model_dir, "HF Llama checkpoint folder (default: the shipped models/tinycode)");
+  cmd->add_option("--tokens", args->tokens, "uint16 token windows (default: eval_tokens.u16 of the model)");
+  cmd->add_option("--windows", args->windows, "Window range a-b used for calibration")->capture_default_str();
+  cmd->add_option("--window-length", args->window_length, "Tokens per window in the file")->capture_default_str();
+  cmd->add_option("--tokens-per-window", args->tokens_per_window, "Tokens of each window run (0: all)")
+      ->capture_default_str();
+  cmd->add_option("--sinks", args->sinks, "First tokens of each window left out of the fit")->capture_default_str();
+  cmd->add_option("-o,--output", args->output, "Calibration file to write")->required();
+  cmd->add_option("--set", args->sets, "kvtc.<field>=<value>: bit_budget, target_ratio, allocator, bit_choices, beta, coder, basis_bits");
+  cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
+  cmd->callback([args] {
+    if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");
+    if (args->threads > 0) omp_set_num_threads(args->threads);
+    run_calibrate(*args);
+  });
+}
+
+}  // namespace kvcodec::cli
