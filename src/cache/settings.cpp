@@ -11,7 +11,10 @@ namespace kvcodec {
 
 SettingsReader::SettingsReader(std::string method, const Settings& settings, const std::vector<FieldInfo>& fields)
     : method_(std::move(method)), settings_(settings) {
-  for (const auto& [name, value] : settings) {
+  for (const auto& entry : settings) {
+    // Plain references, not a structured binding: clang 14 cannot capture those in a lambda.
+    const std::string& name = entry.first;
+    const std::string& value = entry.second;
     const bool known = std::any_of(fields.begin(), fields.end(), [&](const FieldInfo& f) { return f.name == name; });
     if (!known) {
       std::string valid;

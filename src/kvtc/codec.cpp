@@ -171,11 +171,30 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
         }
         return err;
       };
-      for (int it = 0; it < 40; ++it) {
-        const double mid = 0.5 * (lo + hi);
-        if (distortion_at(std::exp2(mid)) > allowed) hi = mid; else lo = mid;
+      auto coarsest_step = [&](double target, double a, double b) {
+        for (int it = 0; it < 40; ++it) {
+          const double mid = 0.5 * (a + b);
+          if (distortion_at(std::exp2(mid)) > target) b = mid; else a = mid;
+        }
+        return a;  // log2 of the coarsest step meeting the target
+      };
+      const double lo0 = lo, hi0 = hi;
+      double log_step = coarsest_step(allowed, lo0, hi0);
+      // The rounded basis is not exactly orthonormal: measure the error it
+      // adds in the signal domain at that step and tighten the target once.
+      {
+        const double step = std::exp2(log_step);
+        RowMatrix q = coeffs;
+        for (int64_t i = 0; i < q.size(); ++i) q.data()[i] = float(step * std::floor(q.data()[i] / step + 0.5));
+        ConstRowMap axes(stored_axes.data(), dim, dim);
+        Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
+        RowMatrix rec = q * axes;
+        rec.rowwise() += mu;
+        const double signal_err = (rec - ConstRowMap(x, n, dim)).cast<double>().squaredNorm();
+        const double extra = signal_err - distortion_at(step);
+        if (extra > 0.0 && extra < allowed) log_step = coarsest_step(allowed - extra, lo0, hi0);
       }
-      std::swap(lo, hi);  // hi: the step used below; lo side meets the target
+      hi = log_step;
     } else {
       for (int it = 0; it < 40; ++it) {
         const double mid = 0.5 * (lo + hi);

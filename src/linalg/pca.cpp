@@ -3,7 +3,9 @@
 // Eigen is told not to parallelise its products in this file: fit_pca must
 // give the same bits whether it runs alone or inside fit_pca_batched's
 // OpenMP loop, and project/reconstruct run inside callers' threads.
+#ifndef EIGEN_DONT_PARALLELIZE
 #define EIGEN_DONT_PARALLELIZE
+#endif
 #include "linalg/pca.hpp"
 
 #include <Eigen/Dense>
