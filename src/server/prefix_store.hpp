@@ -1,0 +1,179 @@
+// Compressed prefix store of the server (DESIGN 10, issue 6).
+//
+// After a request, the server saves its per-layer caches (KVCache::save(),
+// so the bytes are as compressed as the method makes them) in one entry: a
+// container of kind kPrefix with the token ids and one section per layer.
+// Entries are found by hashes of token prefixes at block boundaries
+// (tokens[0 .. k*block) for every k), so a later prompt that shares only the
+// first part of a stored prefix still finds it: the server loads the entry
+// and trims the caches back to the shared length. Hash hits are confirmed by
+// comparing the stored token ids, so a hash collision can never serve a
+// wrong cache.
+//
+// The store is bounded by a byte budget (the entry bytes as stored) with LRU
+// eviction. Two back ends share the index and the policy:
+//   MemoryPrefixStore  entries in memory;
+//   DiskPrefixStore    one file per entry in a folder, written atomically;
+//                      the index is rebuilt from the folder at start-up, so
+//                      entries survive a restart. Every read re-checks the
+//                      container checksums; an entry that fails is dropped
+//                      (file removed) and reported as a miss, so it is
+//                      recomputed, never served.
+// Thread-safe (one mutex): the HTTP threads read stats while the model
+// thread looks up and stores.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvcodec/cache.hpp"
+
+namespace kvcodec::server {
+
+// Byte telemetry of the caches in an entry (summed over layers), kept in
+// the index for stats.
+struct PrefixBytes {
+  uint64_t compressed_key = 0, compressed_value = 0, fp16_key = 0, fp16_value = 0;
+};
+
+// What an entry holds, decoded.
+struct PrefixEntry {
+  std::string scope;                         // method + settings the caches were made with
+  std::vector<int32_t> tokens;               // the prefix, token ids
+  std::vector<std::vector<uint8_t>> layers;  // KVCache::save() of each layer
+  PrefixBytes bytes;
+};
+
+// Container kind kPrefix: meta "scope", "n_tokens", "n_layers", "bytes"
+// ("<ck>,<cv>,<fk>,<fv>"); sections "tokens" (u32 LE ids) and "layer.<i>".
+std::vector<uint8_t> encode_prefix_entry(const PrefixEntry& entry);
+// Throws Error(kFormat / kChecksum) for any malformed or corrupted input.
+PrefixEntry decode_prefix_entry(const uint8_t* data, size_t size, const std::string& label = "<prefix entry>");
+
+struct PrefixStoreStats {
+  std::string kind;          // "memory", "disk" or "off"
+  uint64_t entries = 0;
+  uint64_t bytes = 0;        // entry bytes as stored
+  uint64_t budget_bytes = 0;
+  uint64_t tokens = 0;       // tokens held over all entries
+  PrefixBytes cache_bytes;   // summed telemetry of the stored caches
+  uint64_t lookups = 0, hits = 0, reused_tokens = 0;
+  uint64_t stores = 0, evictions = 0, rejected_too_large = 0, corrupt_dropped = 0;
+  double hit_rate() const { return lookups ? double(hits) / double(lookups) : 0.0; }
+};
+
+struct PrefixMatch {
+  int64_t matched_tokens = 0;   // shared prefix length, a multiple of the block
+  PrefixEntry entry;            // entry.tokens.size() >= matched_tokens
+};
+
+class PrefixStore {
+ public:
+  // block: the boundary spacing of the index (tokens); budget_bytes: 0 disables storing.
+  PrefixStore(std::string scope, int64_t block, uint64_t budget_bytes);
+  virtual ~PrefixStore() = default;
+  PrefixStore(const PrefixStore&) = delete;
+  PrefixStore& operator=(const PrefixStore&) = delete;
+
+  // Stores the entry (its tokens must be a non-zero multiple of block long);
+  // evicts least recently used entries to stay within the budget. An entry
+  // larger than the whole budget is not stored. Replaces an entry for the
+  // same tokens. Returns whether it was stored.
+  bool put(const PrefixEntry& entry);
+
+  // The longest stored prefix of tokens[0 .. n) that is at most max_tokens
+  // long, at a block boundary. Counts a lookup (and a hit). A corrupted
+  // entry is dropped and the search goes on with shorter prefixes.
+  std::optional<PrefixMatch> lookup(const int32_t* tokens, int64_t n, int64_t max_tokens);
+
+  PrefixStoreStats stats() const;
+  int64_t block() const { return block_; }
+  const std::string& scope() const { return scope_; }
+
+ protected:
+  // Back end: bytes of entry `id` (a hash of its full token list).
+  virtual void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) = 0;
+  // nullopt when the bytes are gone or unreadable.
+  virtual std::optional<std::vector<uint8_t>> read_blob(uint64_t id) = 0;
+  virtual void erase_blob(uint64_t id) = 0;
+  virtual const char* kind() const = 0;
+
+  // For back ends that find entries at start-up (disk): adds an entry to the
+  // index as least recently used so far. Caller holds no lock (constructor).
+  void index_existing(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size, const PrefixBytes& bytes);
+  void drop_locked(uint64_t id);  // removes from index and back end
+  void count_corrupt() { ++stats_.corrupt_dropped; }
+
+ private:
+  struct Entry {
+    std::vector<int32_t> tokens;
+    uint64_t size = 0;
+    PrefixBytes bytes;
+    std::list<uint64_t>::iterator lru;  // position in lru_ (front = most recent)
+  };
+  void evict_to_fit_locked(uint64_t incoming);
+  void insert_locked(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size, const PrefixBytes& bytes,
+                     bool most_recent);
+  // One pass of lookup(); sets `retry` when it dropped a corrupted entry.
+  std::optional<PrefixMatch> lookup_once_locked(const int32_t* tokens, const std::vector<uint64_t>& hashes, bool& retry);
+
+  std::string scope_;
+  int64_t block_;
+  uint64_t budget_;
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, Entry> entries_;
+  std::list<uint64_t> lru_;
+  // hash of tokens[0 .. k*block) -> ids of entries holding that prefix.
+  std::unordered_map<uint64_t, std::vector<uint64_t>> boundary_index_;
+  PrefixStoreStats stats_;
+};
+
+// Hashes of tokens[0 .. k*block) for k = 1 .. n/block (XXH3-64, streamed).
+std::vector<uint64_t> prefix_boundary_hashes(const int32_t* tokens, int64_t n, int64_t block);
+
+class MemoryPrefixStore final : public PrefixStore {
+ public:
+  using PrefixStore::PrefixStore;
+
+ protected:
+  void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) override { blobs_[id] = bytes; }
+  std::optional<std::vector<uint8_t>> read_blob(uint64_t id) override;
+  void erase_blob(uint64_t id) override { blobs_.erase(id); }
+  const char* kind() const override { return "memory"; }
+
+ private:
+  std::unordered_map<uint64_t, std::vector<uint8_t>> blobs_;
+};
+
+class DiskPrefixStore final : public PrefixStore {
+ public:
+  // Creates dir when missing; indexes the entries found there (files
+  // "<16 hex>.kvprefix" of the same scope; unreadable or corrupted ones are
+  // removed, those of another scope are left alone). Entries beyond the
+  // budget are evicted at once.
+  DiskPrefixStore(std::string scope, int64_t block, uint64_t budget_bytes, std::string dir);
+
+ protected:
+  void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) override;
+  std::optional<std::vector<uint8_t>> read_blob(uint64_t id) override;
+  void erase_blob(uint64_t id) override;
+  const char* kind() const override { return "disk"; }
+
+ private:
+  std::string path_of(uint64_t id) const;
+  std::string dir_;
+};
+
+// Makes the store the server options ask for: budget 0 -> nullptr (off);
+// dir empty -> memory, else disk.
+std::unique_ptr<PrefixStore> make_prefix_store(const std::string& scope, int64_t block, uint64_t budget_bytes,
+                                               const std::string& dir);
+
+}  // namespace kvcodec::server

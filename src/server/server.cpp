@@ -1,0 +1,818 @@
+#include "server/server.hpp"
+
+#include <httplib.h>
+#include <omp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "kvcodec/cache.hpp"
+#include "kvcodec/error.hpp"
+#include "model/generate.hpp"
+#include "model/llama.hpp"
+#include "model/paths.hpp"
+#include "model/tokenizer.hpp"
+#include "server/prefix_store.hpp"
+
+namespace kvcodec::server {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+const char kDashboardHtml[] =
+#include "dashboard_html.inc"
+    ;
+
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// A request the client got wrong: answered with `status` and a JSON error.
+struct HttpError {
+  int status;
+  std::string message;
+  std::string type = "invalid_request_error";
+};
+
+json error_body(const std::string& message, const std::string& type, int status) {
+  return {{"error", {{"message", message}, {"type", type}, {"code", status}}}};
+}
+
+void send_error(httplib::Response& res, int status, const std::string& message,
+                const std::string& type = "invalid_request_error") {
+  res.status = status;
+  res.set_content(dump(error_body(message, type, status)), "application/json");
+}
+
+// Thrown from the token callback to end generation early.
+struct StopGeneration {};
+
+// One generation request, shared by the HTTP thread that owns the client
+// and the model thread.
+struct Job {
+  bool chat = false;
+  bool stream = false;
+  bool include_usage = false;
+  std::vector<int32_t> prompt;
+  model::GenerateOptions gen;
+  std::vector<std::string> stop;
+  std::string id;
+  int64_t created = 0;
+  Clock::time_point arrived = Clock::now();
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::string> pieces;  // text not yet sent (streaming)
+  std::string text;                // all text so far
+  bool done = false;
+  std::optional<std::string> error;
+  std::string finish_reason = "length";
+  int64_t completion_tokens = 0;
+  int64_t reused_tokens = 0;
+  double ttft_ms = 0.0;
+  std::atomic<bool> cancelled{false};
+};
+
+struct ServerState {
+  ServeOptions opt;
+  std::string model_name;
+  std::unique_ptr<model::LlamaModel> model;
+  std::unique_ptr<model::Tokenizer> tok;
+  Settings settings;
+  std::string scope;
+  std::unique_ptr<PrefixStore> store;
+  int64_t max_prompt = 0;
+  Clock::time_point started = Clock::now();
+
+  std::mutex mu;  // guards everything below
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Job>> queue;
+  bool busy = false;
+  bool draining = false;
+  bool stopping = false;
+  uint64_t served = 0, rejected_full = 0, cancelled = 0, failed = 0, next_id = 1;
+  uint64_t tokens_seen = 0;
+  CacheStats last;  // caches of the last finished request
+  std::deque<double> ttft_ms;  // recent requests, newest last
+  std::deque<int64_t> ttft_reused;
+};
+
+// --- request parsing -----------------------------------------------------------
+
+json parse_body(const std::string& body) {
+  if (body.empty()) throw HttpError{400, "request body is empty; expected a JSON object"};
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    throw HttpError{400, std::string("invalid JSON: ") + e.what()};
+  }
+  if (!j.is_object()) throw HttpError{400, std::string("request body must be a JSON object, got ") + j.type_name()};
+  return j;
+}
+
+double number_field(const json& j, const char* name, double def, double lo, double hi) {
+  if (!j.contains(name) || j[name].is_null()) return def;
+  if (!j[name].is_number()) throw HttpError{400, std::string("field '") + name + "' must be a number"};
+  const double v = j[name].get<double>();
+  if (!(v >= lo && v <= hi))
+    throw HttpError{400, std::string("field '") + name + "' = " + std::to_string(v) + " is outside [" +
+                             std::to_string(lo) + ", " + std::to_string(hi) + "]"};
+  return v;
+}
+
+int64_t int_field(const json& j, const char* name, int64_t def, int64_t lo, int64_t hi) {
+  if (!j.contains(name) || j[name].is_null()) return def;
+  if (!j[name].is_number_integer() && !j[name].is_number_unsigned())
+    throw HttpError{400, std::string("field '") + name + "' must be an integer"};
+  const int64_t v = j[name].get<int64_t>();
+  if (v < lo || v > hi)
+    throw HttpError{400, std::string("field '") + name + "' = " + std::to_string(v) + " is outside [" +
+                             std::to_string(lo) + ", " + std::to_string(hi) + "]"};
+  return v;
+}
+
+std::string text_of(const json& v, const std::string& what) {
+  if (v.is_string()) return v.get<std::string>();
+  // OpenAI content parts: [{"type": "text", "text": "..."}]
+  if (v.is_array()) {
+    std::string out;
+    for (const auto& part : v) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+        throw HttpError{400, what + ": only text content parts are supported"};
+      out += part["text"].get<std::string>();
+    }
+    return out;
+  }
+  throw HttpError{400, what + " must be a string"};
+}
+
+// Builds the job from an OpenAI request body; throws HttpError for anything wrong.
+std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
+  static const std::set<std::string> common = {"model", "max_tokens", "max_completion_tokens", "temperature",
+                                               "top_p", "seed", "stream", "stream_options", "stop", "n", "user"};
+  for (const auto& [key, value] : j.items()) {
+    (void)value;
+    if (common.count(key)) continue;
+    if (chat && key == "messages") continue;
+    if (!chat && key == "prompt") continue;
+    throw HttpError{400, "unknown or unsupported field '" + key + "'"};
+  }
+  if (j.contains("model") && !j["model"].is_null()) {
+    if (!j["model"].is_string()) throw HttpError{400, "field 'model' must be a string"};
+    const std::string m = j["model"].get<std::string>();
+    if (m != s.model_name) throw HttpError{404, "model '" + m + "' is not served here (this server serves '" + s.model_name + "')", "model_not_found"};
+  }
+  if (int_field(j, "n", 1, 1, 1) != 1) throw HttpError{400, "field 'n' must be 1"};
+  auto job = std::make_shared<Job>();
+  job->chat = chat;
+  std::string text;
+  if (chat) {
+    if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
+      throw HttpError{400, "field 'messages' must be a non-empty array"};
+    // A plain transcript: the shipped model has no chat template. Each turn
+    // is "<role>: <content>\n"; the prompt ends with "assistant:" for the reply.
+    for (size_t i = 0; i < j["messages"].size(); ++i) {
+      const json& m = j["messages"][i];
+      const std::string where = "messages[" + std::to_string(i) + "]";
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
+        throw HttpError{400, where + " must be an object with 'role' and 'content'"};
+      const std::string role = m["role"].get<std::string>();
+      if (role != "system" && role != "user" && role != "assistant")
+        throw HttpError{400, where + ".role '" + role + "' is not one of system, user, assistant"};
+      text += role + ": " + text_of(m["content"], where + ".content") + "\n";
+    }
+    text += "assistant:";
+  } else {
+    if (!j.contains("prompt")) throw HttpError{400, "field 'prompt' is required"};
+    const json& p = j["prompt"];
+    if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
+      // Token ids, as OpenAI allows.
+      for (const auto& t : p) {
+        if (!t.is_number_integer()) throw HttpError{400, "field 'prompt': a token array must hold only integers"};
+        const int64_t id = t.get<int64_t>();
+        if (id < 0 || id >= s.model->config().vocab_size)
+          throw HttpError{400, "field 'prompt': token " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                   std::to_string(s.model->config().vocab_size) + ")"};
+        job->prompt.push_back(int32_t(id));
+      }
+    } else if (p.is_string()) {
+      text = p.get<std::string>();
+    } else {
+      throw HttpError{400, "field 'prompt' must be a string or an array of token ids"};
+    }
+  }
+  if (job->prompt.empty()) {
+    if (text.size() > s.opt.max_body_bytes) throw HttpError{413, "prompt is longer than the body limit"};
+    job->prompt = s.tok->encode(text);
+  }
+  if (job->prompt.empty()) {
+    const auto& c = s.model->config();
+    job->prompt.push_back(c.bos_token_id >= 0 ? c.bos_token_id : std::max(0, c.eos_token_id));
+  }
+  if (int64_t(job->prompt.size()) > s.max_prompt)
+    throw HttpError{400, "prompt is " + std::to_string(job->prompt.size()) + " tokens; this server takes at most " +
+                             std::to_string(s.max_prompt)};
+  const char* max_name = j.contains("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  job->gen.max_tokens = int_field(j, max_name, s.opt.default_max_tokens, 0, s.opt.max_tokens_limit);
+  const int64_t context = s.model->config().max_position_embeddings;
+  if (context > 0 && int64_t(job->prompt.size()) + job->gen.max_tokens > context)
+    job->gen.max_tokens = std::max<int64_t>(0, context - int64_t(job->prompt.size()));
+  job->gen.sampling.temperature = number_field(j, "temperature", 0.0, 0.0, 100.0);
+  job->gen.sampling.top_p = number_field(j, "top_p", 1.0, 1e-9, 1.0);
+  job->gen.sampling.seed = uint64_t(int_field(j, "seed", 0, 0, INT64_MAX));
+  job->gen.eos_token = s.model->config().eos_token_id;
+  if (j.contains("stream") && !j["stream"].is_null()) {
+    if (!j["stream"].is_boolean()) throw HttpError{400, "field 'stream' must be a boolean"};
+    job->stream = j["stream"].get<bool>();
+  }
+  if (j.contains("stream_options") && j["stream_options"].is_object())
+    job->include_usage = j["stream_options"].value("include_usage", false);
+  if (j.contains("stop") && !j["stop"].is_null()) {
+    const json& st = j["stop"];
+    if (st.is_string()) job->stop.push_back(st.get<std::string>());
+    else if (st.is_array() && st.size() <= 4) {
+      for (const auto& x : st) {
+        if (!x.is_string()) throw HttpError{400, "field 'stop' must hold strings"};
+        job->stop.push_back(x.get<std::string>());
+      }
+    } else {
+      throw HttpError{400, "field 'stop' must be a string or an array of at most 4 strings"};
+    }
+    for (const auto& x : job->stop)
+      if (x.empty()) throw HttpError{400, "field 'stop' must not hold an empty string"};
+  }
+  return job;
+}
+
+// --- the model thread ------------------------------------------------------------
+
+void push_piece(Job& job, const std::string& piece) {
+  if (piece.empty()) return;
+  std::lock_guard<std::mutex> lock(job.mu);
+  job.pieces.push_back(piece);
+  job.cv.notify_all();
+}
+
+void run_job(ServerState& s, Job& job) {
+  const auto& cfg = s.model->config();
+  const int64_t n = int64_t(job.prompt.size());
+  // Reuse: the longest stored block prefix, leaving at least one prompt
+  // token to prefill (its logits give the first generated token).
+  std::optional<PrefixMatch> match;
+  if (s.store) match = s.store->lookup(job.prompt.data(), n, n - 1);
+  model::CacheFactory factory;
+  if (match) {
+    const auto& entry = match->entry;
+    if (int64_t(entry.layers.size()) != cfg.n_layers) match.reset();
+  }
+  if (match) {
+    const PrefixEntry* entry = &match->entry;
+    const int64_t drop = int64_t(entry->tokens.size()) - match->matched_tokens;
+    factory = [entry, drop](const CacheConfig& cc) {
+      const auto& bytes = entry->layers[size_t(cc.layer)];
+      std::unique_ptr<KVCache> cache = load_cache(bytes.data(), bytes.size());
+      if (cache->config().n_kv_heads != cc.n_kv_heads || cache->config().head_dim != cc.head_dim)
+        throw Error(ErrorCode::kShapeMismatch, "prefix entry layer " + std::to_string(cc.layer) + " has another shape");
+      if (drop > 0 && cache->trim(drop) != drop)
+        throw Error(ErrorCode::kFormat, "prefix entry layer " + std::to_string(cc.layer) + " could not be trimmed");
+      return cache;
+    };
+  } else {
+    factory = model::method_cache_factory(s.opt.method, s.settings);
+  }
+  std::unique_ptr<model::Session> session;
+  try {
+    session = std::make_unique<model::Session>(*s.model, factory);
+  } catch (const Error&) {
+    if (!match) throw;
+    // A stored entry that does not load is not served: start from scratch.
+    match.reset();
+    session = std::make_unique<model::Session>(*s.model, model::method_cache_factory(s.opt.method, s.settings));
+  }
+  const int64_t reused = session->position();
+  job.reused_tokens = reused;
+  std::vector<int32_t> rest(job.prompt.begin() + reused, job.prompt.end());
+
+  std::string held;  // bytes waiting for the rest of a UTF-8 character or a possible stop string
+  size_t max_stop = 0;
+  for (const auto& x : job.stop) max_stop = std::max(max_stop, x.size());
+  std::vector<int32_t> generated;
+  auto emit = [&](bool final) {
+    // Hold back what could still become a stop string, and partial characters.
+    size_t keep = final ? 0 : std::min(held.size(), max_stop > 0 ? max_stop - 1 : 0);
+    size_t cut = held.size() - keep;
+    cut = utf8_complete_prefix(held.substr(0, cut));
+    if (final) cut = held.size();
+    const std::string piece = held.substr(0, cut);
+    held.erase(0, cut);
+    {
+      std::lock_guard<std::mutex> lock(job.mu);
+      job.text += piece;
+    }
+    if (job.stream) push_piece(job, piece);
+  };
+  bool stopped = false;
+  try {
+    model::generate(*session, rest, job.gen, [&](int32_t t) {
+      if (generated.empty()) job.ttft_ms = ms_since(job.arrived);
+      generated.push_back(t);
+      if (job.cancelled.load()) throw StopGeneration{};
+      if (t == job.gen.eos_token) return;
+      held += s.tok->token_bytes(t);
+      for (const auto& x : job.stop) {
+        const size_t at = held.find(x);
+        if (at != std::string::npos) {
+          held.erase(at);
+          stopped = true;
+          throw StopGeneration{};
+        }
+      }
+      emit(false);
+    });
+  } catch (const StopGeneration&) {
+  }
+  emit(true);
+  job.completion_tokens = int64_t(generated.size());
+  if (stopped || (!generated.empty() && generated.back() == job.gen.eos_token)) job.finish_reason = "stop";
+
+  // Telemetry of this request's caches, then keep them in the store.
+  const CacheStats st = session->cache_stats();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.last = st;
+    s.tokens_seen += uint64_t(session->position());
+  }
+  if (s.store && !job.cancelled.load()) {
+    const int64_t pos = session->position();
+    const int64_t aligned = pos / s.store->block() * s.store->block();
+    if (aligned > reused) {
+      std::vector<int32_t> fed(job.prompt);
+      fed.insert(fed.end(), generated.begin(), generated.end());
+      fed.resize(size_t(pos));
+      bool ok = true;
+      for (const auto& c : session->caches())
+        if (pos > aligned && (!c->is_trimmable() || c->trim(pos - aligned) != pos - aligned)) ok = false;
+      if (ok) {
+        PrefixEntry e;
+        e.scope = s.scope;
+        e.tokens.assign(fed.begin(), fed.begin() + aligned);
+        const CacheStats kept = session->cache_stats();
+        e.bytes = {kept.compressed_key_bytes, kept.compressed_value_bytes, kept.fp16_key_bytes, kept.fp16_value_bytes};
+        for (const auto& c : session->caches()) e.layers.push_back(c->save());
+        s.store->put(e);
+      }
+    }
+  }
+}
+
+void worker_loop(ServerState& s) {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(s.mu);
+      s.cv.wait(lock, [&] { return s.stopping || !s.queue.empty(); });
+      if (s.queue.empty()) return;  // stopping and nothing left
+      job = s.queue.front();
+      s.queue.pop_front();
+      s.busy = true;
+    }
+    bool ok = false;
+    if (!job->cancelled.load()) {
+      try {
+        run_job(s, *job);
+        ok = true;
+      } catch (const Error& e) {
+        std::lock_guard<std::mutex> lock(job->mu);
+        job->error = std::string(e.what());
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(job->mu);
+        job->error = std::string("internal error: ") + e.what();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.busy = false;
+      if (job->cancelled.load()) ++s.cancelled;
+      else if (ok) {
+        ++s.served;
+        s.ttft_ms.push_back(job->ttft_ms);
+        s.ttft_reused.push_back(job->reused_tokens);
+        while (s.ttft_ms.size() > 64) {
+          s.ttft_ms.pop_front();
+          s.ttft_reused.pop_front();
+        }
+      } else {
+        ++s.failed;
+      }
+      s.cv.notify_all();
+    }
+    {
+      std::lock_guard<std::mutex> lock(job->mu);
+      job->done = true;
+      job->cv.notify_all();
+    }
+  }
+}
+
+// --- responses ------------------------------------------------------------------------
+
+json usage_of(const Job& job) {
+  return {{"prompt_tokens", job.prompt.size()},
+          {"completion_tokens", job.completion_tokens},
+          {"total_tokens", int64_t(job.prompt.size()) + job.completion_tokens}};
+}
+
+json kvcodec_extra(const Job& job) {
+  return {{"reused_prompt_tokens", job.reused_tokens}, {"ttft_ms", job.ttft_ms}};
+}
+
+json final_response(const ServerState& s, const Job& job) {
+  json choice = {{"index", 0}, {"finish_reason", job.finish_reason}};
+  if (job.chat) choice["message"] = {{"role", "assistant"}, {"content", job.text}};
+  else {
+    choice["text"] = job.text;
+    choice["logprobs"] = nullptr;
+  }
+  return {{"id", job.id},
+          {"object", job.chat ? "chat.completion" : "text_completion"},
+          {"created", job.created},
+          {"model", s.model_name},
+          {"choices", json::array({choice})},
+          {"usage", usage_of(job)},
+          {"kvcodec", kvcodec_extra(job)}};
+}
+
+std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
+
+json chunk(const ServerState& s, const Job& job, const json& delta_or_text, const json& finish) {
+  json choice = {{"index", 0}, {"finish_reason", finish}};
+  if (job.chat) choice["delta"] = delta_or_text;
+  else {
+    choice["text"] = delta_or_text;
+    choice["logprobs"] = nullptr;
+  }
+  return {{"id", job.id},
+          {"object", job.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", job.created},
+          {"model", s.model_name},
+          {"choices", json::array({choice})}};
+}
+
+json cache_stats_json(uint64_t ck, uint64_t cv, uint64_t fk, uint64_t fv) {
+  auto part = [](uint64_t c, uint64_t f) {
+    return json{{"compressed_bytes", c}, {"fp16_bytes", f}, {"ratio", c ? double(f) / double(c) : 0.0}};
+  };
+  return {{"key", part(ck, fk)}, {"value", part(cv, fv)}, {"total", part(ck + cv, fk + fv)}};
+}
+
+json stats_json(ServerState& s) {
+  const PrefixStoreStats ps = s.store ? s.store->stats() : PrefixStoreStats{};
+  json j;
+  j["model"] = s.model_name;
+  j["method"] = s.opt.method;
+  json settings = json::object();
+  for (const auto& [k, v] : s.settings) settings[k] = v;
+  j["settings"] = settings;
+  const auto& cfg = s.model->config();
+  // Every layer's K and V go through the method's cache (no layer is left uncompressed).
+  j["coverage"] = {{"layers", cfg.n_layers}, {"compressed_layers", cfg.n_layers}, {"keys", true}, {"values", true},
+                   {"kv_heads", cfg.n_kv_heads}, {"head_dim", cfg.head_dim}};
+  std::lock_guard<std::mutex> lock(s.mu);
+  j["retained"] = cache_stats_json(ps.cache_bytes.compressed_key, ps.cache_bytes.compressed_value,
+                                   ps.cache_bytes.fp16_key, ps.cache_bytes.fp16_value);
+  j["last_request"] = cache_stats_json(s.last.compressed_key_bytes, s.last.compressed_value_bytes,
+                                       s.last.fp16_key_bytes, s.last.fp16_value_bytes);
+  j["last_request"]["tokens"] = s.last.tokens;
+  j["tokens"] = {{"seen", s.tokens_seen}, {"retained", ps.tokens}};
+  j["prefix_store"] = {{"kind", s.store ? ps.kind : "off"}, {"entries", ps.entries}, {"bytes", ps.bytes},
+                       {"budget_bytes", ps.budget_bytes}, {"block_tokens", s.opt.prefix_block},
+                       {"lookups", ps.lookups}, {"hits", ps.hits}, {"hit_rate", ps.hit_rate()},
+                       {"reused_tokens", ps.reused_tokens}, {"stores", ps.stores}, {"evictions", ps.evictions},
+                       {"rejected_too_large", ps.rejected_too_large}, {"corrupt_dropped", ps.corrupt_dropped}};
+  j["requests"] = {{"served", s.served}, {"queued", s.queue.size()}, {"running", s.busy ? 1 : 0},
+                   {"max_queue", s.opt.max_queue}, {"rejected_queue_full", s.rejected_full},
+                   {"cancelled", s.cancelled}, {"failed", s.failed},
+                   {"note", "one request at a time on the model; others wait in a bounded queue"}};
+  json recent = json::array();
+  double sum = 0;
+  for (size_t i = 0; i < s.ttft_ms.size(); ++i) {
+    recent.push_back({{"ttft_ms", s.ttft_ms[i]}, {"reused_tokens", s.ttft_reused[i]}});
+    sum += s.ttft_ms[i];
+  }
+  j["ttft"] = {{"recent", recent}, {"mean_ms", s.ttft_ms.empty() ? 0.0 : sum / double(s.ttft_ms.size())}};
+  j["memory"] = {{"rss_bytes", process_rss_bytes()}, {"peak_rss_bytes", process_peak_rss_bytes()}};
+  j["uptime_s"] = std::chrono::duration<double>(Clock::now() - s.started).count();
+  j["draining"] = s.draining;
+  return j;
+}
+
+// Queues the job, or throws HttpError 503 when the queue is full or the server drains.
+void enqueue(ServerState& s, const std::shared_ptr<Job>& job, bool chat) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.draining) throw HttpError{503, "server is shutting down", "unavailable"};
+  if (s.queue.size() >= s.opt.max_queue) {
+    ++s.rejected_full;
+    throw HttpError{503, "request queue is full (" + std::to_string(s.opt.max_queue) + " waiting); retry later",
+                    "overloaded"};
+  }
+  job->id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(s.next_id++);
+  job->created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  s.queue.push_back(job);
+  s.cv.notify_all();
+}
+
+void handle_generate(ServerState& s, const httplib::Request& req, httplib::Response& res, bool chat) {
+  std::shared_ptr<Job> job;
+  try {
+    job = parse_request(s, parse_body(req.body), chat);
+    enqueue(s, job, chat);
+  } catch (const HttpError& e) {
+    send_error(res, e.status, e.message, e.type);
+    return;
+  }
+  if (!job->stream) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->done; });
+    if (job->error) {
+      lock.unlock();
+      send_error(res, 500, *job->error, "server_error");
+      return;
+    }
+    lock.unlock();
+    res.set_content(dump(final_response(s, *job)), "application/json");
+    return;
+  }
+  res.set_header("Cache-Control", "no-cache");
+  ServerState* sp = &s;
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [sp, job, sent_role = false](size_t, httplib::DataSink& sink) mutable {
+        auto write = [&](const std::string& text) {
+          if (!sink.is_writable() || !sink.write(text.data(), text.size())) {
+            job->cancelled = true;  // the client went away: the model thread stops at the next token
+            return false;
+          }
+          return true;
+        };
+        if (job->chat && !sent_role) {
+          sent_role = true;
+          if (!write(sse(chunk(*sp, *job, {{"role", "assistant"}, {"content", ""}}, nullptr)))) return false;
+        }
+        std::unique_lock<std::mutex> lock(job->mu);
+        job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return job->done || !job->pieces.empty(); });
+        std::deque<std::string> pieces;
+        pieces.swap(job->pieces);
+        const bool done = job->done;
+        lock.unlock();
+        for (const auto& p : pieces) {
+          const json body = job->chat ? json{{"content", p}} : json(p);
+          if (!write(sse(chunk(*sp, *job, body, nullptr)))) return false;
+        }
+        if (!done) {
+          // Nothing new: probe the connection so a vanished client is noticed.
+          if (pieces.empty() && !sink.is_writable()) {
+            job->cancelled = true;
+            return false;
+          }
+          return true;
+        }
+        if (job->error) {
+          if (!write(sse(error_body(*job->error, "server_error", 500)))) return false;
+        } else {
+          if (!write(sse(chunk(*sp, *job, job->chat ? json::object() : json(""), job->finish_reason)))) return false;
+          if (job->include_usage) {
+            json u = chunk(*sp, *job, job->chat ? json::object() : json(""), nullptr);
+            u["choices"] = json::array();
+            u["usage"] = usage_of(*job);
+            u["kvcodec"] = kvcodec_extra(*job);
+            if (!write(sse(u))) return false;
+          }
+        }
+        if (!write("data: [DONE]\n\n")) return false;
+        sink.done();
+        return true;
+      },
+      [job](bool success) {
+        if (!success) job->cancelled = true;
+      });
+}
+
+std::string scope_of(const std::string& method, const Settings& settings) {
+  std::string s = method;
+  for (const auto& [k, v] : settings) s += ";" + k + "=" + v;
+  return s;
+}
+
+}  // namespace
+
+size_t utf8_complete_prefix(const std::string& text) {
+  // Walk back over at most 3 continuation bytes to the last lead byte and
+  // check whether its sequence is complete.
+  const size_t n = text.size();
+  size_t i = n;
+  int back = 0;
+  while (i > 0 && back < 4) {
+    const unsigned char c = static_cast<unsigned char>(text[i - 1]);
+    if ((c & 0xC0) != 0x80) {
+      size_t need = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 1;
+      return (n - (i - 1)) >= need ? n : i - 1;
+    }
+    --i;
+    ++back;
+  }
+  return n;  // only continuation bytes: invalid anyway, send as is (replaced in JSON)
+}
+
+uint64_t process_rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  if (!(f >> size >> resident)) return 0;
+  return resident * uint64_t(sysconf(_SC_PAGESIZE));
+}
+
+uint64_t process_peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream in(line.substr(6));
+      uint64_t kb = 0;
+      in >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+int run_server(const ServeOptions& opt, std::ostream& log, const std::function<bool()>& stop_requested) {
+  if (opt.port < 0 || opt.port > 65535) throw_config_error("--port", std::to_string(opt.port), "[0, 65535]");
+  if (opt.max_queue == 0 || opt.max_queue > 4096) throw_config_error("--max-queue", std::to_string(opt.max_queue), "[1, 4096]");
+  if (opt.max_body_bytes < 64 || opt.max_body_bytes > (256u << 20))
+    throw_config_error("--max-body-bytes", std::to_string(opt.max_body_bytes), "[64, 268435456]");
+  if (opt.prefix_block < 1 || opt.prefix_block > 4096)
+    throw_config_error("--prefix-block", std::to_string(opt.prefix_block), "[1, 4096]");
+  if (opt.default_max_tokens < 0 || opt.max_tokens_limit < 1)
+    throw_config_error("--max-tokens-limit", std::to_string(opt.max_tokens_limit), ">= 1");
+  if (opt.threads > 0) omp_set_num_threads(opt.threads);
+
+  ServerState s;
+  s.opt = opt;
+  const std::string dir = opt.model_dir.empty() ? model::default_model_dir() : opt.model_dir;
+  s.model_name = std::filesystem::path(dir).lexically_normal().filename().string();
+  if (s.model_name.empty()) s.model_name = std::filesystem::path(dir).parent_path().filename().string();
+  s.model = std::make_unique<model::LlamaModel>(model::LlamaModel::load(dir));
+  s.tok = std::make_unique<model::Tokenizer>(model::Tokenizer::load(dir + "/tokenizer.json"));
+  s.settings = settings_for_method(opt.sets, opt.method);
+  {
+    // Validate the method and settings now, not at the first request.
+    CacheConfig cc;
+    cc.n_layers = s.model->config().n_layers;
+    cc.n_kv_heads = s.model->config().n_kv_heads;
+    cc.head_dim = s.model->config().head_dim;
+    cc.rope_theta = s.model->config().rope_theta;
+    (void)make_cache(opt.method, cc, s.settings);
+  }
+  s.scope = scope_of(opt.method, s.settings);
+  s.store = make_prefix_store(s.scope, opt.prefix_block, opt.prefix_store_bytes, opt.prefix_store_dir);
+  const int64_t context = s.model->config().max_position_embeddings > 0 ? s.model->config().max_position_embeddings : 2048;
+  s.max_prompt = opt.max_prompt_tokens > 0 ? std::min<int64_t>(opt.max_prompt_tokens, context - 1) : context - 1;
+
+  // Signals go to one thread (sigwait below), never into the HTTP or model threads.
+  sigset_t sigs, old;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, &old);
+  signal(SIGPIPE, SIG_IGN);  // a client closing its socket must not kill the server
+
+  httplib::Server http;
+  const size_t pool = opt.max_queue + 8;  // waiting requests hold a thread each; leave room for /health and stats
+  http.new_task_queue = [pool] { return new httplib::ThreadPool(pool); };
+  http.set_payload_max_length(opt.max_body_bytes);
+  http.set_read_timeout(30, 0);
+  http.set_write_timeout(30, 0);
+  http.set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    const std::string msg = res.status == 413 ? "request body is larger than the server's limit"
+                            : res.status == 404 ? "no such endpoint"
+                            : res.status == 405 ? "method not allowed on this endpoint"
+                                                : "request failed";
+    send_error(res, res.status, msg, res.status == 404 ? "not_found" : "invalid_request_error");
+  });
+  http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string msg = "internal error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      msg = std::string("internal error: ") + e.what();
+    } catch (...) {
+    }
+    send_error(res, 500, msg, "server_error");
+  });
+
+  http.Get("/health", [&s](const httplib::Request&, httplib::Response& res) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    res.set_content(dump({{"status", s.draining ? "draining" : "ok"}}), "application/json");
+  });
+  http.Get("/v1/models", [&s](const httplib::Request&, httplib::Response& res) {
+    json m = {{"id", s.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "kvcodec"},
+              {"kvcodec", {{"method", s.opt.method}, {"context", s.model->config().max_position_embeddings}}}};
+    res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
+  });
+  http.Get("/v1/kv/stats", [&s](const httplib::Request&, httplib::Response& res) {
+    res.set_content(dump(stats_json(s)), "application/json");
+  });
+  http.Get("/", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(kDashboardHtml, sizeof(kDashboardHtml) - 1, "text/html; charset=utf-8");
+  });
+  http.Post("/v1/completions", [&s](const httplib::Request& req, httplib::Response& res) {
+    handle_generate(s, req, res, false);
+  });
+  http.Post("/v1/chat/completions", [&s](const httplib::Request& req, httplib::Response& res) {
+    handle_generate(s, req, res, true);
+  });
+
+  int port = opt.port;
+  if (port == 0) {
+    port = http.bind_to_any_port(opt.host);
+    if (port <= 0) throw Error(ErrorCode::kIo, "cannot bind a port on " + opt.host);
+  } else if (!http.bind_to_port(opt.host, port)) {
+    throw Error(ErrorCode::kIo, "cannot bind " + opt.host + ":" + std::to_string(port) + " (in use, or not an address of this machine)");
+  }
+
+  std::thread worker([&s] { worker_loop(s); });
+  std::atomic<bool> http_done{false};
+  std::thread signals([&] {
+    // Waits for SIGTERM/SIGINT (or the test hook), then drains: no new
+    // requests, the queue and the running request finish, then HTTP stops.
+    timespec tick{0, 50 * 1000 * 1000};
+    bool stop = false;
+    while (!stop && !http_done.load()) {
+      const int sig = sigtimedwait(&sigs, nullptr, &tick);
+      stop = sig == SIGTERM || sig == SIGINT || (stop_requested && stop_requested());
+    }
+    if (!stop) return;
+    log << "kvcodec serve: draining" << std::endl;
+    std::unique_lock<std::mutex> lock(s.mu);
+    s.draining = true;
+    s.cv.wait_for(lock, std::chrono::seconds(60), [&] { return s.queue.empty() && !s.busy; });
+    lock.unlock();
+    // Give streaming responses a moment to send their last events.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    http.stop();
+  });
+
+  const auto& c = s.model->config();
+  log << "kvcodec serve: model " << s.model_name << " (" << c.n_layers << " layers, " << c.n_kv_heads << " kv heads, head_dim "
+      << c.head_dim << ", context " << context << ") from " << dir << "\n";
+  log << "kvcodec serve: method " << opt.method << ", settings {";
+  bool first = true;
+  for (const auto& [k, v] : s.settings) {
+    log << (first ? "" : ", ") << k << "=" << v;
+    first = false;
+  }
+  log << "}\n";
+  if (s.store)
+    log << "kvcodec serve: prefix store " << s.store->stats().kind << ", " << opt.prefix_store_bytes << " bytes, block "
+        << opt.prefix_block << " tokens" << (opt.prefix_store_dir.empty() ? "" : ", dir " + opt.prefix_store_dir)
+        << ", " << s.store->stats().entries << " entries found\n";
+  else
+    log << "kvcodec serve: prefix store off\n";
+  log << "kvcodec serve: max body " << opt.max_body_bytes << " bytes, max prompt " << s.max_prompt
+      << " tokens, queue " << opt.max_queue << "\n";
+  log << "kvcodec serve: ready on http://" << opt.host << ":" << port << std::endl;
+
+  const bool listened = http.listen_after_bind();
+  http_done = true;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.stopping = true;
+    s.draining = true;
+    for (auto& j : s.queue) j->cancelled = true;
+    s.cv.notify_all();
+  }
+  worker.join();
+  signals.join();
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  log << "kvcodec serve: stopped (" << s.served << " requests served)" << std::endl;
+  return listened ? 0 : 1;
+}
+
+}  // namespace kvcodec::server

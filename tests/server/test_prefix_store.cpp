@@ -1,0 +1,200 @@
+// Prefix store: index at block boundaries, LRU within the byte budget,
+// token confirmation, disk persistence, corrupted entries dropped.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "kvcodec/error.hpp"
+#include "server/prefix_store.hpp"
+
+namespace kvcodec::server {
+namespace {
+namespace fs = std::filesystem;
+
+PrefixEntry make_entry(const std::string& scope, std::vector<int32_t> tokens, size_t layer_bytes = 100) {
+  PrefixEntry e;
+  e.scope = scope;
+  e.tokens = std::move(tokens);
+  for (int l = 0; l < 2; ++l) {
+    std::vector<uint8_t> b(layer_bytes);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = uint8_t(i * 7 + l + e.tokens[0]);
+    e.layers.push_back(b);
+  }
+  e.bytes = {10, 20, 40, 80};
+  return e;
+}
+
+std::vector<int32_t> seq(int n, int start = 0) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) t[size_t(i)] = start + i;
+  return t;
+}
+
+TEST(PrefixEntry, RoundTripsAndRejectsCorruption) {
+  const PrefixEntry e = make_entry("fp16", seq(8));
+  std::vector<uint8_t> bytes = encode_prefix_entry(e);
+  const PrefixEntry d = decode_prefix_entry(bytes.data(), bytes.size());
+  EXPECT_EQ(d.scope, "fp16");
+  EXPECT_EQ(d.tokens, e.tokens);
+  EXPECT_EQ(d.layers, e.layers);
+  EXPECT_EQ(d.bytes.fp16_value, 80u);
+  for (size_t i = 0; i < bytes.size(); i += 13) {
+    std::vector<uint8_t> bad = bytes;
+    bad[i] ^= 0x20;
+    EXPECT_THROW(decode_prefix_entry(bad.data(), bad.size()), Error) << "flip at " << i;
+  }
+  EXPECT_THROW(decode_prefix_entry(bytes.data(), bytes.size() / 2), Error);
+}
+
+TEST(PrefixStore, FindsLongestSharedBlockPrefix) {
+  MemoryPrefixStore store("fp16", 4, 1 << 20);
+  std::vector<int32_t> a = seq(12);
+  ASSERT_TRUE(store.put(make_entry("fp16", a)));
+  // Same first 9 tokens, then different: the shared block prefix is 8.
+  std::vector<int32_t> q = seq(9);
+  q.push_back(1000);
+  q.push_back(1001);
+  auto m = store.lookup(q.data(), int64_t(q.size()), int64_t(q.size()) - 1);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->matched_tokens, 8);
+  EXPECT_EQ(m->entry.tokens, a);
+  // max_tokens caps the match (the server keeps at least one token to prefill).
+  m = store.lookup(a.data(), 12, 11);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->matched_tokens, 8);
+  // Nothing shared in the first block: a miss.
+  std::vector<int32_t> other = seq(12, 500);
+  EXPECT_FALSE(store.lookup(other.data(), 12, 12));
+  const auto st = store.stats();
+  EXPECT_EQ(st.lookups, 3u);
+  EXPECT_EQ(st.hits, 2u);
+  EXPECT_EQ(st.reused_tokens, 16u);
+  EXPECT_EQ(st.entries, 1u);
+  EXPECT_EQ(st.tokens, 12u);
+  EXPECT_EQ(st.cache_bytes.compressed_value, 20u);
+}
+
+TEST(PrefixStore, RejectsMisalignedEntriesAndOtherScopes) {
+  MemoryPrefixStore store("fp16", 4, 1 << 20);
+  EXPECT_THROW(store.put(make_entry("fp16", seq(6))), Error);
+  EXPECT_THROW(store.put(make_entry("kvtc", seq(8))), Error);
+  EXPECT_THROW(MemoryPrefixStore("x", 0, 10), Error);
+}
+
+TEST(PrefixStore, EvictsLeastRecentlyUsedWithinBudget) {
+  const size_t one = encode_prefix_entry(make_entry("m", seq(4, 0))).size();
+  MemoryPrefixStore store("m", 4, 2 * one + one / 2);  // room for two entries
+  ASSERT_TRUE(store.put(make_entry("m", seq(4, 0))));
+  ASSERT_TRUE(store.put(make_entry("m", seq(4, 100))));
+  std::vector<int32_t> q0 = seq(4, 0);
+  ASSERT_TRUE(store.lookup(q0.data(), 4, 4));  // touch the first: the second is now LRU
+  ASSERT_TRUE(store.put(make_entry("m", seq(4, 200))));
+  std::vector<int32_t> q1 = seq(4, 100), q2 = seq(4, 200);
+  EXPECT_TRUE(store.lookup(q0.data(), 4, 4));
+  EXPECT_FALSE(store.lookup(q1.data(), 4, 4));
+  EXPECT_TRUE(store.lookup(q2.data(), 4, 4));
+  const auto st = store.stats();
+  EXPECT_EQ(st.entries, 2u);
+  EXPECT_EQ(st.evictions, 1u);
+  EXPECT_LE(st.bytes, st.budget_bytes);
+  // Larger than the whole budget: refused, nothing evicted.
+  EXPECT_FALSE(store.put(make_entry("m", seq(8, 300), 4 * one)));
+  EXPECT_EQ(store.stats().entries, 2u);
+  EXPECT_EQ(store.stats().rejected_too_large, 1u);
+}
+
+TEST(PrefixStore, ReplacingAnEntryKeepsCountsRight) {
+  MemoryPrefixStore store("m", 4, 1 << 20);
+  ASSERT_TRUE(store.put(make_entry("m", seq(8))));
+  ASSERT_TRUE(store.put(make_entry("m", seq(8))));
+  EXPECT_EQ(store.stats().entries, 1u);
+  EXPECT_EQ(store.stats().tokens, 8u);
+}
+
+class DiskStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("kvcodec_prefix_test_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(DiskStoreTest, SurvivesRestart) {
+  {
+    DiskPrefixStore store("m", 4, 1 << 20, dir_.string());
+    ASSERT_TRUE(store.put(make_entry("m", seq(8))));
+    ASSERT_TRUE(store.put(make_entry("m", seq(4, 50))));
+  }
+  DiskPrefixStore again("m", 4, 1 << 20, dir_.string());
+  EXPECT_EQ(again.stats().entries, 2u);
+  EXPECT_EQ(again.stats().corrupt_dropped, 0u);
+  std::vector<int32_t> q = seq(10);
+  auto m = again.lookup(q.data(), 10, 9);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->matched_tokens, 8);
+  EXPECT_EQ(m->entry.layers, make_entry("m", seq(8)).layers);
+  // Another scope sees none of them and deletes none of them.
+  DiskPrefixStore other("kvtc", 4, 1 << 20, dir_.string());
+  EXPECT_EQ(other.stats().entries, 0u);
+  EXPECT_EQ(other.stats().corrupt_dropped, 0u);
+}
+
+void flip_byte_in_each(const fs::path& dir, size_t at) {
+  for (const auto& f : fs::directory_iterator(dir)) {
+    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(std::streamoff(at));
+    char c = 0;
+    io.read(&c, 1);
+    c ^= 0x01;
+    io.seekp(std::streamoff(at));
+    io.write(&c, 1);
+  }
+}
+
+TEST_F(DiskStoreTest, CorruptedEntryAtLookupIsDroppedNotServed) {
+  DiskPrefixStore store("m", 4, 1 << 20, dir_.string());
+  ASSERT_TRUE(store.put(make_entry("m", seq(8))));
+  flip_byte_in_each(dir_, 150);  // inside a layer payload
+  std::vector<int32_t> q = seq(8);
+  EXPECT_FALSE(store.lookup(q.data(), 8, 8));
+  EXPECT_EQ(store.stats().corrupt_dropped, 1u);
+  EXPECT_EQ(store.stats().entries, 0u);
+  EXPECT_TRUE(fs::is_empty(dir_));
+  // Recomputed and stored again: served.
+  ASSERT_TRUE(store.put(make_entry("m", seq(8))));
+  EXPECT_TRUE(store.lookup(q.data(), 8, 8));
+}
+
+TEST_F(DiskStoreTest, CorruptedEntryAtStartupIsRemoved) {
+  {
+    DiskPrefixStore store("m", 4, 1 << 20, dir_.string());
+    ASSERT_TRUE(store.put(make_entry("m", seq(8))));
+  }
+  flip_byte_in_each(dir_, 40);
+  { std::ofstream junk(dir_ / "0123456789abcdef.kvprefix"); junk << "not a container"; }
+  DiskPrefixStore again("m", 4, 1 << 20, dir_.string());
+  EXPECT_EQ(again.stats().entries, 0u);
+  EXPECT_EQ(again.stats().corrupt_dropped, 2u);
+  EXPECT_TRUE(fs::is_empty(dir_));
+}
+
+TEST_F(DiskStoreTest, BudgetAppliesToEntriesFoundAtStartup) {
+  const size_t one = encode_prefix_entry(make_entry("m", seq(4, 0))).size();
+  {
+    DiskPrefixStore store("m", 4, 1 << 20, dir_.string());
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(store.put(make_entry("m", seq(4, 100 * i))));
+  }
+  DiskPrefixStore small("m", 4, 2 * one, dir_.string());
+  EXPECT_EQ(small.stats().entries, 2u);
+  EXPECT_LE(small.stats().bytes, 2 * one);
+  size_t files = 0;
+  for (const auto& f : fs::directory_iterator(dir_)) files += f.is_regular_file();
+  EXPECT_EQ(files, 2u);
+}
+
+}  // namespace
+}  // namespace kvcodec::server
