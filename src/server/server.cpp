@@ -499,7 +499,7 @@ json stats_json(ServerState& s) {
                                    ps.cache_bytes.fp16_key, ps.cache_bytes.fp16_value);
   j["last_request"] = cache_stats_json(s.last.compressed_key_bytes, s.last.compressed_value_bytes,
                                        s.last.fp16_key_bytes, s.last.fp16_value_bytes);
-  j["last_request"]["tokens"] = s.last.tokens;
+  j["last_request"]["tokens"] = cfg.n_layers > 0 ? s.last.tokens / cfg.n_layers : 0;  // stats sum the layers
   j["tokens"] = {{"seen", s.tokens_seen}, {"retained", ps.tokens}};
   j["prefix_store"] = {{"kind", s.store ? ps.kind : "off"}, {"entries", ps.entries}, {"bytes", ps.bytes},
                        {"budget_bytes", ps.budget_bytes}, {"block_tokens", s.opt.prefix_block},

@@ -9,6 +9,7 @@ namespace kvcodec::cli {
 void register_bench(CLI::App& app);
 void register_run(CLI::App& app);
 void register_eval(CLI::App& app);
+void register_serve(CLI::App& app);
 void register_calibrate(CLI::App& app);
 
 }  // namespace kvcodec::cli

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   kvcodec::cli::register_bench(app);
   kvcodec::cli::register_run(app);
   kvcodec::cli::register_eval(app);
+  kvcodec::cli::register_serve(app);
   kvcodec::cli::register_calibrate(app);
   try {
     app.parse(argc, argv);
