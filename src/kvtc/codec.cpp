@@ -181,8 +181,10 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
       const double lo0 = lo, hi0 = hi;
       double log_step = coarsest_step(allowed, lo0, hi0);
       // The rounded basis is not exactly orthonormal: measure the error it
-      // adds in the signal domain at that step and tighten the target once.
-      {
+      // adds in the signal domain at the chosen step and tighten the target
+      // until the signal-domain error meets it (a few rounds at most).
+      double coef_target = allowed;
+      for (int round = 0; round < 4; ++round) {
         const double step = std::exp2(log_step);
         RowMatrix q = coeffs;
         for (int64_t i = 0; i < q.size(); ++i) q.data()[i] = float(step * std::floor(q.data()[i] / step + 0.5));
@@ -191,8 +193,10 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
         RowMatrix rec = q * axes;
         rec.rowwise() += mu;
         const double signal_err = (rec - ConstRowMap(x, n, dim)).cast<double>().squaredNorm();
-        const double extra = signal_err - distortion_at(step);
-        if (extra > 0.0 && extra < allowed) log_step = coarsest_step(allowed - extra, lo0, hi0);
+        if (signal_err <= allowed) break;
+        coef_target -= signal_err - allowed;
+        if (coef_target <= 0.0) break;
+        log_step = coarsest_step(coef_target, lo0, hi0);
       }
       hi = log_step;
     } else {
