@@ -434,8 +434,10 @@ int64_t CalibratedKvtcCache::trim(int64_t n) {
   const int64_t V = vdim();
   int64_t left = dropped;
   while (left > 0) {
-    if (raw_tokens() - sink_tokens() > 0 || key_.blocks.empty()) {
-      const int64_t cut = std::min(left, raw_tokens());
+    const int64_t tail = raw_tokens() - sink_tokens();
+    if (tail > 0 || key_.blocks.empty()) {
+      // Only the tail while blocks remain (the sinks sit before the blocks).
+      const int64_t cut = std::min(left, key_.blocks.empty() ? raw_tokens() : tail);
       for (Stream* s : {&key_, &value_})
         for (auto& raw : s->raw) raw.resize(raw.size() - size_t(cut * V));
       offset_ -= cut;

@@ -27,7 +27,7 @@ std::vector<float> synthetic_vectors(int64_t n, uint32_t seed, int layer, bool i
   const int V = kHeads * kDim;
   std::mt19937 basis_rng(1234 + layer * 2 + (is_key ? 1 : 0));  // same basis for every seed
   std::normal_distribution<float> g(0.0f, 1.0f);
-  std::vector<float> A(size_t(6 * V)), mean(size_t(V));
+  std::vector<float> A(static_cast<size_t>(6 * V)), mean(static_cast<size_t>(V));
   for (auto& a : A) a = g(basis_rng);
   for (auto& m : mean) m = 0.5f * g(basis_rng);
   std::mt19937 rng(seed);
@@ -296,7 +296,8 @@ TEST(CalibratedCache, TrimRollsBackAndReappendMatches) {
   const KVPair cut = cache->fetch(DType::kF32);
   for (int64_t h = 0; h < kHeads; ++h)
     for (int64_t i = 0; i < 100 * kDim; ++i)
-      EXPECT_NEAR(cut.keys.data_as<float>()[h * 100 * kDim + i], ref.keys.data_as<float>()[h * 200 * kDim + i], 2e-2);
+      EXPECT_NEAR(cut.keys.data_as<float>()[h * 100 * kDim + i], ref.keys.data_as<float>()[h * 200 * kDim + i], 2e-2)
+          << "h=" << h << " token " << i / kDim;
   EXPECT_EQ(cache->trim(1000), 100);
   EXPECT_EQ(cache->offset(), 0);
   EXPECT_EQ(cache->stats().compressed_bytes(), 0u);
