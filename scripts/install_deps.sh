@@ -6,6 +6,7 @@ packages=(
   libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
   nlohmann-json3-dev libfmt-dev libxxhash-dev libzstd-dev libcpp-httplib-dev
   gnuplot-nox python3
+  chromium  # headless render of the server dashboard (tests/server skip without it)
 )
 missing=()
 for p in "${packages[@]}"; do

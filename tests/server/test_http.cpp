@@ -1,0 +1,315 @@
+// Integration: the server runs in a child process on a free loopback port;
+// the test waits for its ready line, then checks every endpoint (streaming
+// included), the error cases, prefix reuse, a client vanishing mid-stream,
+// the dashboard in headless Chromium (when installed) and SIGTERM draining.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "server/server.hpp"
+
+namespace kvcodec::server {
+namespace {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::string model_dir() { return std::string(KVCODEC_SOURCE_DIR) + "/models/tinycode"; }
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(model_dir() + "/config.json")) return;
+    int fds[2];
+    ASSERT_EQ(pipe(fds), 0);
+    pid_ = fork();
+    ASSERT_GE(pid_, 0);
+    if (pid_ == 0) {
+      close(fds[0]);
+      dup2(fds[1], 1);
+      ServeOptions o;
+      o.model_dir = model_dir();
+      o.port = 0;
+      o.prefix_block = 16;
+      o.max_body_bytes = 8192;
+      o.max_prompt_tokens = 200;
+      o.default_max_tokens = 4;
+      o.max_tokens_limit = 256;
+      o.max_queue = 4;
+      o.threads = 2;
+      int rc = 3;
+      try {
+        rc = run_server(o, std::cout);
+      } catch (const std::exception& e) {
+        std::cout << "error: " << e.what() << std::endl;
+      }
+      std::cout.flush();
+      _exit(rc);
+    }
+    close(fds[1]);
+    log_ = fdopen(fds[0], "r");
+    char line[4096];
+    while (fgets(line, sizeof line, log_)) {
+      const std::string l(line);
+      const auto at = l.find("ready on http://127.0.0.1:");
+      if (at != std::string::npos) {
+        port_ = std::stoi(l.substr(at + 26));
+        break;
+      }
+    }
+  }
+  static void TearDownTestSuite() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (log_) fclose(log_);
+  }
+  void SetUp() override {
+    if (!fs::exists(model_dir() + "/config.json")) GTEST_SKIP() << "models/tinycode is absent (copy it from ../shared/models)";
+    ASSERT_GT(port_, 0) << "server did not print its ready line";
+  }
+  static httplib::Client client() {
+    httplib::Client c("127.0.0.1", port_);
+    c.set_read_timeout(60, 0);
+    return c;
+  }
+  static json post(const std::string& path, const std::string& body, int expect_status) {
+    auto c = client();
+    auto r = c.Post(path.c_str(), body, "application/json");
+    EXPECT_TRUE(r) << path;
+    if (!r) return {};
+    EXPECT_EQ(r->status, expect_status) << path << " " << body << " -> " << r->body;
+    return json::parse(r->body, nullptr, false);
+  }
+  static json get(const std::string& path) {
+    auto c = client();
+    auto r = c.Get(path.c_str());
+    EXPECT_TRUE(r && r->status == 200) << path;
+    return r ? json::parse(r->body, nullptr, false) : json();
+  }
+  static inline pid_t pid_ = -1;
+  static inline int port_ = 0;
+  static inline FILE* log_ = nullptr;
+};
+
+TEST_F(ServerTest, HealthAndModels) {
+  EXPECT_EQ(get("/health")["status"], "ok");
+  const json m = get("/v1/models");
+  ASSERT_EQ(m["data"].size(), 1u);
+  EXPECT_EQ(m["data"][0]["id"], "tinycode");
+}
+
+TEST_F(ServerTest, CompletionAndChat) {
+  const json r = post("/v1/completions", R"({"model":"tinycode","prompt":"def add(a, b):","max_tokens":5})", 200);
+  EXPECT_EQ(r["object"], "text_completion");
+  EXPECT_EQ(r["usage"]["completion_tokens"], 5);
+  EXPECT_FALSE(r["choices"][0]["text"].get<std::string>().empty());
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
+  const json c = post("/v1/chat/completions", R"({"messages":[{"role":"user","content":"print hello"}],"max_tokens":3})", 200);
+  EXPECT_EQ(c["object"], "chat.completion");
+  EXPECT_EQ(c["choices"][0]["message"]["role"], "assistant");
+}
+
+std::vector<json> parse_sse(const std::string& body, bool& saw_done) {
+  std::vector<json> events;
+  std::istringstream in(body);
+  std::string line;
+  saw_done = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("data: ", 0) != 0) continue;
+    const std::string data = line.substr(6);
+    if (data == "[DONE]") saw_done = true;
+    else events.push_back(json::parse(data));
+  }
+  return events;
+}
+
+TEST_F(ServerTest, StreamingChatMatchesNonStreaming) {
+  const std::string req = R"({"messages":[{"role":"user","content":"write a loop"}],"max_tokens":6)";
+  const json whole = post("/v1/chat/completions", req + "}", 200);
+  auto c = client();
+  auto r = c.Post("/v1/chat/completions", req + R"(,"stream":true,"stream_options":{"include_usage":true}})", "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  EXPECT_NE(r->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+  bool done = false;
+  const auto events = parse_sse(r->body, done);
+  EXPECT_TRUE(done);
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events[0]["choices"][0]["delta"]["role"], "assistant");
+  std::string text;
+  std::string finish;
+  for (const auto& e : events) {
+    EXPECT_EQ(e["object"], "chat.completion.chunk");
+    if (e["choices"].empty()) {
+      EXPECT_EQ(e["usage"]["completion_tokens"], 6);  // the usage chunk
+      continue;
+    }
+    const auto& ch = e["choices"][0];
+    if (ch["delta"].contains("content")) text += ch["delta"]["content"].get<std::string>();
+    if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
+  }
+  EXPECT_EQ(finish, "length");
+  EXPECT_EQ(text, whole["choices"][0]["message"]["content"].get<std::string>());
+}
+
+TEST_F(ServerTest, StreamingCompletion) {
+  auto c = client();
+  auto r = c.Post("/v1/completions", R"({"prompt":"import os","max_tokens":4,"stream":true})", "application/json");
+  ASSERT_TRUE(r);
+  bool done = false;
+  const auto events = parse_sse(r->body, done);
+  EXPECT_TRUE(done);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(events.back()["object"], "text_completion");
+}
+
+TEST_F(ServerTest, PrefixReuseGivesSameOutput) {
+  std::string prompt;
+  for (int i = 0; i < 12; ++i) prompt += "def function_" + std::to_string(i) + "(x):\n    return x * " + std::to_string(i) + "\n";
+  const std::string body = json{{"prompt", prompt}, {"max_tokens", 8}}.dump();
+  const json first = post("/v1/completions", body, 200);
+  const json second = post("/v1/completions", body, 200);
+  EXPECT_GT(second["kvcodec"]["reused_prompt_tokens"].get<int64_t>(), 32);
+  EXPECT_LT(second["kvcodec"]["reused_prompt_tokens"].get<int64_t>(), second["usage"]["prompt_tokens"].get<int64_t>());
+  EXPECT_EQ(first["choices"][0]["text"], second["choices"][0]["text"]);  // fp16, greedy
+  const json s = get("/v1/kv/stats");
+  EXPECT_GE(s["prefix_store"]["hits"].get<int>(), 1);
+  EXPECT_GT(s["prefix_store"]["bytes"].get<uint64_t>(), 0u);
+  EXPECT_GT(s["tokens"]["retained"].get<uint64_t>(), 0u);
+}
+
+TEST_F(ServerTest, StatsFields) {
+  post("/v1/completions", R"({"prompt":"x = 1","max_tokens":2})", 200);
+  const json s = get("/v1/kv/stats");
+  EXPECT_EQ(s["method"], "fp16");
+  EXPECT_EQ(s["coverage"]["layers"], 6);
+  for (const char* part : {"key", "value"}) {
+    EXPECT_GT(s["last_request"][part]["compressed_bytes"].get<uint64_t>(), 0u);
+    EXPECT_DOUBLE_EQ(s["last_request"][part]["ratio"].get<double>(), 1.0);  // fp16 stores f16
+  }
+  EXPECT_GT(s["tokens"]["seen"].get<uint64_t>(), 0u);
+  EXPECT_GT(s["memory"]["rss_bytes"].get<uint64_t>(), 1u << 20);
+  EXPECT_FALSE(s["ttft"]["recent"].empty());
+  EXPECT_EQ(s["requests"]["max_queue"], 4);
+  EXPECT_TRUE(s["prefix_store"].contains("hit_rate"));
+}
+
+TEST_F(ServerTest, BadRequestsGetJsonErrors) {
+  auto expect_error = [](const json& j, const std::string& needle) {
+    ASSERT_TRUE(j.is_object() && j.contains("error")) << j.dump();
+    EXPECT_NE(j["error"]["message"].get<std::string>().find(needle), std::string::npos) << j.dump();
+  };
+  expect_error(post("/v1/completions", "{not json", 400), "invalid JSON");
+  expect_error(post("/v1/completions", "[1,2]", 400), "JSON object");
+  expect_error(post("/v1/completions", R"({"prompt":"a","bogus":1})", 400), "bogus");
+  expect_error(post("/v1/completions", R"({"prompt":"a","max_tokens":-1})", 400), "max_tokens");
+  expect_error(post("/v1/completions", R"({"prompt":"a","temperature":"hot"})", 400), "temperature");
+  expect_error(post("/v1/completions", R"({"max_tokens":1})", 400), "prompt");
+  expect_error(post("/v1/chat/completions", R"({"messages":[]})", 400), "messages");
+  expect_error(post("/v1/chat/completions", R"({"messages":[{"role":"robot","content":"x"}]})", 400), "robot");
+  expect_error(post("/v1/completions", R"({"model":"gpt-9","prompt":"a"})", 404), "gpt-9");
+  json long_prompt = {{"prompt", std::vector<int>(300, 5)}};
+  expect_error(post("/v1/completions", long_prompt.dump(), 400), "at most 200");
+  expect_error(post("/v1/completions", json{{"prompt", std::vector<int>{1, 99999}}}.dump(), 400), "vocabulary");
+  expect_error(post("/v1/completions", json{{"prompt", std::string(9000, 'a')}}.dump(), 413), "larger");
+  auto c = client();
+  auto r = c.Get("/v1/nothing");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 404);
+  expect_error(json::parse(r->body), "no such endpoint");
+  EXPECT_EQ(get("/health")["status"], "ok");  // still serving
+}
+
+TEST_F(ServerTest, ClientVanishingMidStreamIsCancelled) {
+  const uint64_t before = get("/v1/kv/stats")["requests"]["cancelled"].get<uint64_t>();
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(port_));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  const std::string body = R"({"prompt":"def main():","max_tokens":256,"stream":true})";
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+                          std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(write(fd, req.data(), req.size()), ssize_t(req.size()));
+  char buf[512];
+  ASSERT_GT(read(fd, buf, sizeof buf), 0);  // the stream has started
+  close(fd);
+  bool cancelled = false;
+  for (int i = 0; i < 100 && !cancelled; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    cancelled = get("/v1/kv/stats")["requests"]["cancelled"].get<uint64_t>() > before;
+  }
+  EXPECT_TRUE(cancelled) << "the model kept generating for a client that left";
+  EXPECT_EQ(post("/v1/completions", R"({"prompt":"y = 2","max_tokens":1})", 200)["usage"]["completion_tokens"], 1);
+}
+
+TEST_F(ServerTest, DashboardShowsFigures) {
+  auto c = client();
+  auto r = c.Get("/");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_NE(r->body.find("/v1/kv/stats"), std::string::npos);
+  if (!fs::exists("/usr/bin/chromium")) GTEST_SKIP() << "/usr/bin/chromium is absent (scripts/install_deps.sh installs it); page served but not rendered";
+  post("/v1/completions", R"({"prompt":"def dashboard_test(): pass\n# enough tokens for one block of sixteen tokens","max_tokens":2})", 200);
+  const fs::path profile = fs::temp_directory_path() / ("kvcodec_chromium_" + std::to_string(getpid()));
+  fs::remove_all(profile);
+  const fs::path out = profile.string() + ".html";
+  const std::string cmd = "timeout 60 /usr/bin/chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
+                          "--disable-background-networking --disable-component-update --disable-sync --user-data-dir=" +
+                          profile.string() + " --virtual-time-budget=3000 --dump-dom http://127.0.0.1:" +
+                          std::to_string(port_) + "/ > " + out.string() + " 2>/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(out);
+  const std::string dom((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  fs::remove_all(profile);
+  fs::remove(out);
+  EXPECT_NE(dom.find("id=\"method\">fp16<"), std::string::npos) << dom.substr(0, 2000);
+  EXPECT_NE(dom.find("id=\"ratio\">1.00x<"), std::string::npos);
+  EXPECT_NE(dom.find("id=\"rss\">"), std::string::npos);
+  EXPECT_NE(dom.find("id=\"status\">updated"), std::string::npos);  // the poll succeeded
+  EXPECT_NE(dom.find(" MiB</b>"), std::string::npos);
+}
+
+// Last (gtest runs tests in order of definition): SIGTERM drains and exits 0.
+TEST_F(ServerTest, ZzSigtermDrainsAndExitsCleanly) {
+  // A request in flight when the signal arrives still gets its answer.
+  std::thread in_flight([] { post("/v1/completions", R"({"prompt":"def last():","max_tokens":24})", 200); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  in_flight.join();
+  int status = 0;
+  pid_t got = 0;
+  for (int i = 0; i < 200 && got == 0; ++i) {
+    got = waitpid(pid_, &status, WNOHANG);
+    if (got == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(got, pid_) << "server did not exit within 10 s of SIGTERM";
+  pid_ = -1;
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  std::string rest;
+  char line[4096];
+  while (fgets(line, sizeof line, log_)) rest += line;
+  EXPECT_NE(rest.find("draining"), std::string::npos) << rest;
+  EXPECT_NE(rest.find("stopped"), std::string::npos) << rest;
+}
+
+}  // namespace
+}  // namespace kvcodec::server
