@@ -241,7 +241,8 @@ int64_t KvtcCache::trim(int64_t n) {
     const int64_t tail = raw_tokens() - sink_tokens();
     if (tail > 0 || key_.blocks.empty()) {
       // Drop from the raw tail (or the sinks, once no block is left).
-      const int64_t cut = std::min(left, raw_tokens());
+      // With blocks left, only the tail may go: the sinks sit before the blocks.
+      const int64_t cut = std::min(left, key_.blocks.empty() ? raw_tokens() : tail);
       for (Stream* s : {&key_, &value_})
         for (auto& raw : s->raw) raw.resize(raw.size() - size_t(cut * D));
       offset_ -= cut;

@@ -1,0 +1,73 @@
+// Local-mode kvtc specifics beyond the generic contract suite.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "kvcodec/cache.hpp"
+#include "kvcodec/error.hpp"
+
+using namespace kvcodec;
+
+namespace {
+
+Tensor correlated(int64_t heads, int64_t tokens, int64_t dim, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  Tensor t(DType::kF32, {1, heads, tokens, dim});
+  float* p = t.data_as<float>();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t s = 0; s < tokens; ++s) {
+      const float a = g(rng) * 3.0f, b = g(rng);
+      for (int64_t d = 0; d < dim; ++d)
+        p[(h * tokens + s) * dim + d] = a * std::sin(0.3f * float(d + h)) + b * std::cos(0.7f * float(d)) + 0.05f * g(rng);
+    }
+  return t;
+}
+
+// Trimming through encoded blocks must never touch the sinks, which sit
+// before the blocks: they stay raw and exact.
+TEST(KvtcLocal, TrimThroughBlocksKeepsSinks) {
+  CacheConfig cfg;
+  cfg.n_kv_heads = 2;
+  cfg.head_dim = 16;
+  auto cache = make_cache("kvtc", cfg, {{"sinks", "4"}, {"block", "8"}, {"min_fit_tokens", "16"}});
+  const Tensor k = correlated(2, 44, 16, 1), v = correlated(2, 44, 16, 2);
+  cache->append(k.view(), v.view());  // 4 sinks, 5 blocks of 8
+  EXPECT_EQ(cache->trim(13), 13);     // the whole tail is gone plus 1 + 8 tokens of blocks
+  EXPECT_EQ(cache->offset(), 31);
+  const KVPair out = cache->fetch(DType::kF32);
+  ASSERT_EQ(out.keys.shape()[2], 31);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t s = 0; s < 4; ++s)
+      for (int64_t d = 0; d < 16; ++d)
+        EXPECT_EQ(out.keys.view().at(0, h, s, d), f16_to_f32(f32_to_f16(k.view().at(0, h, s, d))));
+  const CacheStats st = cache->stats();
+  EXPECT_EQ(st.tokens, 31);
+  EXPECT_EQ(st.fp16_key_bytes, uint64_t(31 * 2 * 16 * 2));
+}
+
+TEST(KvtcLocal, TargetRelMseNeedsRateAllocator) {
+  CacheConfig cfg;
+  cfg.n_kv_heads = 1;
+  cfg.head_dim = 16;
+  EXPECT_THROW(make_cache("kvtc", cfg, {{"target_rel_mse", "0.01"}}), Error);
+  // With the rate allocator the reconstruction meets the target on the fit tokens.
+  auto cache = make_cache("kvtc", cfg, {{"allocator", "rate"}, {"target_rel_mse", "0.01"}, {"block", "16"},
+                                        {"min_fit_tokens", "64"}});
+  const Tensor k = correlated(1, 64, 16, 3), v = correlated(1, 64, 16, 4);
+  cache->append(k.view(), v.view());
+  const KVPair out = cache->fetch(DType::kF32);
+  for (const auto& [orig, back] : {std::pair{&k, &out.keys}, std::pair{&v, &out.values}}) {
+    double err = 0, ref = 0;
+    for (int64_t i = 0; i < orig->numel(); ++i) {
+      const double a = f16_to_f32(f32_to_f16(orig->data_as<float>()[i])), b = back->data_as<float>()[i];
+      err += (a - b) * (a - b);
+      ref += a * a;
+    }
+    EXPECT_LE(err / ref, 0.01);
+    EXPECT_GT(err / ref, 0.002);  // and does not waste bits far below it
+  }
+}
+
+}  // namespace
