@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Multi-turn benchmark of `kvcodec serve` prefix reuse (issue 6).
 
-8 conversations x 4 turns; each turn's prompt is the previous prompt, the
-model's reply and a new block of text (Python source from the standard
-library), growing to about 2000 tokens at turn 4. Turns are interleaved
+8 conversations x 4 turns, chat-style: turn 1 is a long document (Python
+source from the standard library); each later turn's prompt is the previous
+prompt, the model's reply and a short new message (about 64 tokens), so the
+prompt grows to about 2000 tokens at turn 4. Turns are interleaved
 across conversations (turn 1 of all, then turn 2 ...), so the store must keep
 every conversation. The same run starts one server per configuration:
 
@@ -49,14 +50,17 @@ def corpus():
             break
     return text
 
-def run_config(binary, args, convs, turns, add_chars, max_tokens):
+def run_config(binary, args, convs, turns, first_chars, add_chars, max_tokens):
     p, port = start(binary, args)
     try:
         prompts = [""] * convs
         results = [[None] * turns for _ in range(convs)]
         for t in range(turns):
             for c in range(convs):
-                src = CORPUS[(c * turns + t) * add_chars: (c * turns + t + 1) * add_chars]
+                # Turn 1: a long document; later turns: a short new message each.
+                base = c * (first_chars + turns * add_chars)
+                src = CORPUS[base: base + first_chars] if t == 0 else \
+                    CORPUS[base + first_chars + t * add_chars: base + first_chars + (t + 1) * add_chars]
                 prompts[c] += src
                 r = call(port, "/v1/completions", {"prompt": prompts[c], "max_tokens": max_tokens, "temperature": 0})
                 text = r["choices"][0]["text"]
@@ -92,32 +96,36 @@ def main():
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--target-tokens", type=int, default=2000)
+    ap.add_argument("--target-tokens", type=int, default=1950, help="turn-4 prompt length, about")
+    ap.add_argument("--message-tokens", type=int, default=64, help="new user text per later turn, about")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json")
     a = ap.parse_args()
     global CORPUS
     CORPUS = corpus()
-    common = ["--prefix-store-bytes", str(512 << 20), "--max-tokens-limit", str(a.max_tokens)]
+    common = ["--max-tokens-limit", str(a.max_tokens)]
+    store = ["--prefix-store-bytes", str(512 << 20)]
     if a.threads:
         common += ["--threads", str(a.threads)]
     # Characters per token of this text, measured, so turn 4 lands near the target.
     p, port = start(a.kvcodec, common + ["--prefix-store-bytes", "0"])
-    probe = CORPUS[:20000]
+    probe = CORPUS[:4000]
     n = call(port, "/v1/completions", {"prompt": probe, "max_tokens": 0})["usage"]["prompt_tokens"]
     stop(p)
-    per_turn_tokens = (a.target_tokens - a.turns * a.max_tokens) / a.turns
-    add_chars = int(per_turn_tokens * len(probe) / n)
-    print(f"{a.conversations} conversations x {a.turns} turns, {add_chars} new characters per turn "
+    cpt = len(probe) / n
+    add_chars = int(a.message_tokens * cpt)
+    first_tokens = a.target_tokens - a.turns * a.max_tokens - (a.turns - 1) * a.message_tokens
+    first_chars = int(first_tokens * cpt)
+    print(f"{a.conversations} conversations x {a.turns} turns, turn 1 {first_chars} characters, then {add_chars} new characters per turn "
           f"({len(probe)/n:.2f} chars/token), max_tokens {a.max_tokens}", flush=True)
     sets = sum((["--set", s] for s in a.set), [])
-    configs = [("fp16 reuse", ["--method", "fp16"]), ("fp16 no-reuse", ["--method", "fp16", "--prefix-store-bytes", "0"]),
-               (f"{a.method} reuse", ["--method", a.method] + sets),
+    configs = [("fp16 reuse", ["--method", "fp16"] + store), ("fp16 no-reuse", ["--method", "fp16", "--prefix-store-bytes", "0"]),
+               (f"{a.method} reuse", ["--method", a.method] + store + sets),
                (f"{a.method} no-reuse", ["--method", a.method, "--prefix-store-bytes", "0"] + sets)]
     runs = {}
     for name, args in configs:
-        results, stats = run_config(a.kvcodec, common + args, a.conversations, a.turns, add_chars, a.max_tokens)
+        results, stats = run_config(a.kvcodec, common + args, a.conversations, a.turns, first_chars, add_chars, a.max_tokens)
         runs[name] = (results, summary(name, results, stats))
     fp_r, fp_n = runs["fp16 reuse"], runs["fp16 no-reuse"]
     same = all(x["text"] == y["text"] for cr, cn in zip(fp_r[0], fp_n[0]) for x, y in zip(cr, cn))
