@@ -155,6 +155,8 @@ void KvtcCache::fit() {
       const float* xh = &x[size_t(h * n) * size_t(D)];
       const auto& pca = pcas[size_t(h)];
       kvtc::CodecOptions codec = options_.codec;
+      const double own_target = stream == &key_ ? options_.key_target_rel_mse : options_.value_target_rel_mse;
+      if (own_target > 0.0) codec.target_rel_mse = own_target;
       if (options_.target_ratio > 0.0) {
         // The largest budget whose fit-token cost (side + payload) stays under
         // f16 / target_ratio: bisection on the integer budget.
@@ -455,6 +457,12 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
     s.codec.target_rel_mse = r.get_double("target_rel_mse", 0.0, 0.0, 1.0, /*lo_open=*/true);
     if (s.codec.allocator != kvtc::Allocator::kRate) r.fail("target_rel_mse", "set only with allocator=rate");
   }
+  for (const char* field : {"key_target_rel_mse", "value_target_rel_mse"})
+    if (r.find(field)) {
+      const double v = r.get_double(field, 0.0, 0.0, 1.0, /*lo_open=*/true);
+      if (s.codec.allocator != kvtc::Allocator::kRate) r.fail(field, "set only with allocator=rate");
+      (std::string(field) == "key_target_rel_mse" ? s.key_target_rel_mse : s.value_target_rel_mse) = v;
+    }
   s.codec.basis_bits = int(r.get_int("basis_bits", 16, 8, 16));
   if (s.codec.basis_bits != 8 && s.codec.basis_bits != 16) r.fail("basis_bits", "8 or 16");
   const std::string* ratio = r.find("target_ratio");
@@ -477,6 +485,8 @@ MethodInfo kvtc_method_info() {
            {"allocator", "dp", "dp (beta model) or rate (one step for all components, measured entropy)"},
            {"target_ratio", "none", "pick the budget whose fit-token cost meets this compression ratio"},
            {"target_rel_mse", "none", "allocator=rate: pick the step reaching this ||x-x_hat||^2/||x||^2 on the fit tokens"},
+           {"key_target_rel_mse", "none", "target_rel_mse for keys only (overrides target_rel_mse)"},
+           {"value_target_rel_mse", "none", "target_rel_mse for values only (overrides target_rel_mse)"},
            {"min_fit_tokens", "", "tokens (sinks excluded) needed before the fit (default 2*head_dim)"},
            {"block", "64", "tokens per encoded block"},
            {"sinks", "", "first tokens kept raw (counted); default 0 local, 4 calibrated"},

@@ -24,6 +24,8 @@ struct KvtcSettings {
   int window = 0;
   double target_ratio = 0.0;  // 0: none
   int threads = 1;
+  double key_target_rel_mse = 0.0;    // rate allocator: per-tensor distortion targets
+  double value_target_rel_mse = 0.0;
   // Calibrated mode (src/cache/kvtc_calibrated.hpp): the calibration file and
   // the RoPE base used to remove/re-apply RoPE on keys (default: the model's).
   std::string calibration;

@@ -71,3 +71,35 @@ TEST(KvtcLocal, TargetRelMseNeedsRateAllocator) {
 }
 
 }  // namespace
+
+namespace {
+
+double rel_mse_f16(const Tensor& orig, const Tensor& back) {
+  double err = 0, ref = 0;
+  for (int64_t i = 0; i < orig.numel(); ++i) {
+    const double a = f16_to_f32(f32_to_f16(orig.data_as<float>()[i])), b = back.data_as<float>()[i];
+    err += (a - b) * (a - b);
+    ref += a * a;
+  }
+  return err / ref;
+}
+
+// Keys and values can be given their own distortion targets.
+TEST(KvtcLocal, PerTensorTargets) {
+  CacheConfig cfg;
+  cfg.n_kv_heads = 2;
+  cfg.head_dim = 16;
+  auto cache = make_cache("kvtc", cfg, {{"allocator", "rate"}, {"key_target_rel_mse", "0.03"},
+                                        {"value_target_rel_mse", "0.004"}, {"block", "16"}, {"min_fit_tokens", "64"}});
+  const Tensor k = correlated(2, 64, 16, 5), v = correlated(2, 64, 16, 6);
+  cache->append(k.view(), v.view());
+  const KVPair out = cache->fetch(DType::kF32);
+  const double ek = rel_mse_f16(k, out.keys), ev = rel_mse_f16(v, out.values);
+  EXPECT_LE(ek, 0.03);
+  EXPECT_GT(ek, 0.01);
+  EXPECT_LE(ev, 0.004);
+  const CacheStats st = cache->stats();
+  EXPECT_LT(st.compressed_key_bytes, st.compressed_value_bytes);  // the looser target costs fewer bytes
+}
+
+}  // namespace
