@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "cache/kvtc_cache.hpp"
+#include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "cache/streams.hpp"
 #include "kvcodec/container.hpp"
@@ -134,17 +135,6 @@ const MethodEntry& find_method(const std::string& method) {
   throw Error(ErrorCode::kInvalidArgument, "unknown cache method '" + method + "' (known: " + known + ")");
 }
 
-int64_t meta_int(const ContainerReader& c, const std::string& key, int64_t lo, int64_t hi) {
-  const std::string& v = c.meta_or_throw(key);
-  errno = 0;
-  char* end = nullptr;
-  const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || errno != 0 || end != v.c_str() + v.size() || x < lo || x > hi)
-    throw Error(ErrorCode::kFormat, "saved cache meta " + key + " = '" + v + "' is not an integer in [" +
-                                        std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  return x;
-}
-
 }  // namespace
 
 std::vector<MethodInfo> list_methods() {
@@ -163,10 +153,10 @@ std::unique_ptr<KVCache> load_cache(const uint8_t* data, size_t size) {
   const ContainerReader c = ContainerReader::parse(data, size, {}, "saved cache");
   c.expect_kind(ContainerKind::kCache);
   CacheConfig cfg;
-  cfg.layer = int(meta_int(c, "config.layer", 0, 1 << 20));
-  cfg.n_layers = int(meta_int(c, "config.n_layers", 1, 1 << 20));
-  cfg.n_kv_heads = int(meta_int(c, "config.n_kv_heads", 1, 4096));
-  cfg.head_dim = int(meta_int(c, "config.head_dim", 1, 4096));
+  cfg.layer = int(cache_impl::meta_int(c, "config.layer", 0, 1 << 20));
+  cfg.n_layers = int(cache_impl::meta_int(c, "config.n_layers", 1, 1 << 20));
+  cfg.n_kv_heads = int(cache_impl::meta_int(c, "config.n_kv_heads", 1, 4096));
+  cfg.head_dim = int(cache_impl::meta_int(c, "config.head_dim", 1, 4096));
   const std::string& theta = c.meta_or_throw("config.rope_theta");
   char* end = nullptr;
   cfg.rope_theta = std::strtod(theta.c_str(), &end);

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
@@ -15,22 +16,8 @@ namespace kvcodec {
 
 namespace {
 
-void append_varint(std::vector<uint8_t>& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(uint8_t(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(uint8_t(v));
-}
-
-size_t varint_size(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
+using cache_impl::append_varint;
+using cache_impl::varint_size;
 
 // One encoded block of `block` tokens: every (batch, head)'s payload.
 struct EncodedBlock {

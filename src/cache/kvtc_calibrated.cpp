@@ -1,3 +1,4 @@
+#include "cache/saved_meta.hpp"
 #include "cache/kvtc_calibrated.hpp"
 
 #include <xxhash.h>
@@ -24,17 +25,6 @@ std::string format_double(double v) {
   s.precision(17);
   s << v;
   return s.str();
-}
-
-int meta_int(const ContainerReader& r, const std::string& key, int lo, int hi) {
-  const std::string& v = r.meta_or_throw(key);
-  char* end = nullptr;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || end != v.c_str() + v.size() || x < lo || x > hi)
-    throw Error(ErrorCode::kFormat, "calibration " + r.label() + ": meta " + key + " = '" + v +
-                                        "' is not an integer in [" + std::to_string(lo) + ", " +
-                                        std::to_string(hi) + "]");
-  return int(x);
 }
 
 }  // namespace
@@ -93,9 +83,9 @@ KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const s
     throw Error(ErrorCode::kFormat, "calibration " + label + ": format '" + r.meta_or_throw("format") +
                                         "', expected 'kvtc-calibration'");
   KvtcCalibration c;
-  c.n_layers = meta_int(r, "n_layers", 1, 4096);
-  c.n_kv_heads = meta_int(r, "n_kv_heads", 1, 4096);
-  c.head_dim = meta_int(r, "head_dim", 2, 4096);
+  c.n_layers = int(cache_impl::meta_int(r, "n_layers", 1, 4096));
+  c.n_kv_heads = int(cache_impl::meta_int(r, "n_kv_heads", 1, 4096));
+  c.head_dim = int(cache_impl::meta_int(r, "head_dim", 2, 4096));
   if (int64_t(c.n_kv_heads) * c.head_dim > 65535)
     throw Error(ErrorCode::kFormat, "calibration " + label + ": n_kv_heads * head_dim = " +
                                         std::to_string(int64_t(c.n_kv_heads) * c.head_dim) + " exceeds 65535");
@@ -223,22 +213,8 @@ void rope_rotate_token(float* x, int n_heads, int head_dim, int64_t position, do
 
 namespace {
 
-void append_varint(std::vector<uint8_t>& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(uint8_t(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(uint8_t(v));
-}
-
-size_t varint_size(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
+using cache_impl::append_varint;
+using cache_impl::varint_size;
 
 // One block of `block` tokens: one payload per batch row (all heads of the
 // layer coded together as one vector per token).

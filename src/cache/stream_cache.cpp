@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "cache/streams.hpp"
 #include "kvcodec/container.hpp"
@@ -28,17 +29,6 @@ namespace {
 constexpr int64_t kBlockTokens = 256;
 constexpr int64_t kMaxBatch = 1 << 20;
 constexpr int64_t kMaxTokens = int64_t(1) << 40;
-
-int64_t meta_int(const ContainerReader& c, const std::string& key, int64_t lo, int64_t hi) {
-  const std::string& v = c.meta_or_throw(key);
-  errno = 0;
-  char* end = nullptr;
-  const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || errno != 0 || end != v.c_str() + v.size() || x < lo || x > hi)
-    throw Error(ErrorCode::kFormat, "saved cache meta " + key + " = '" + v + "' is not an integer in [" +
-                                        std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  return x;
-}
 
 std::string double_text(double v) {
   char buf[64];
@@ -196,8 +186,8 @@ class StreamCache final : public KVCache {
         throw Error(ErrorCode::kFormat, std::string("saved cache has ") + key + " = '" + v + "', this cache has '" +
                                             mine.at(key) + "' (use load_cache to make a matching cache)");
     }
-    const int64_t batch = meta_int(c, "shape.batch", 0, kMaxBatch);
-    const int64_t tokens = meta_int(c, "tokens", 0, kMaxTokens);
+    const int64_t batch = cache_impl::meta_int(c, "shape.batch", 0, kMaxBatch);
+    const int64_t tokens = cache_impl::meta_int(c, "tokens", 0, kMaxTokens);
     const std::string& dt = c.meta_or_throw("dtype");
     if (dt != "f16" && dt != "bf16")
       throw Error(ErrorCode::kFormat, "saved cache dtype '" + dt + "' is not f16 or bf16");
