@@ -155,7 +155,7 @@ class PaluStream final : public TokenStream {
                                       uint64_t(g.proj.rank), "PALU tail");
       const uint8_t* q = r.take(size_t(checked_mul(nt, 2, "PALU tail")));
       g.tail.resize(size_t(nt));
-      std::memcpy(g.tail.data(), q, size_t(nt) * 2);
+      if (nt > 0) std::memcpy(g.tail.data(), q, size_t(nt) * 2);  // an empty tail may have no storage (memcpy(null) is UB)
     }
   }
 
