@@ -14,11 +14,13 @@
 #include <vector>
 
 #include "gpu/kvtc_variant.hpp"
+#include "gpu/palu_reference.hpp"
 #include "kvcodec/gpu.hpp"
 #include "kvcodec/safetensors.hpp"
 #include "kvcodec/tensor.hpp"
 #include "kvtc/codec.hpp"
 #include "linalg/pca.hpp"
+#include "palu/projection.hpp"
 
 using namespace kvcodec;
 
@@ -104,22 +106,42 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
+  // Median of `reps` timed calls (each between two events), after a warm-up.
   auto time_ms = [&](auto&& fn, int reps) {
     fn();
     CK(cudaDeviceSynchronize());
-    CK(cudaEventRecord(e0));
-    for (int r = 0; r < reps; ++r) fn();
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    return double(ms) / reps;
+    std::vector<double> t;
+    for (int r = 0; r < reps; ++r) {
+      CK(cudaEventRecord(e0));
+      fn();
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(double(ms));
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
   };
   const double copy_ms = time_ms([&] { CK(cudaMemcpyAsync(dcopy, dx, bytes, cudaMemcpyDeviceToDevice)); }, 10);
   uint64_t total = 0;
-  const double enc_ms = time_ms([&] { total = codec.encode(dx, S, dout, cap, doff); }, 5);
-  const double dec_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 10);
+  const double enc_ms = time_ms([&] { total = codec.encode(dx, S, dout, cap, doff); }, 7);
+  const double dec_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
   codec.check_errors();
+  // The same without pipelining (kernels strictly in order).
+  codec.set_pipeline_chunks(1);
+  const double enc_seq_ms = time_ms([&] { total = codec.encode(dx, S, dout, cap, doff); }, 5);
+  const double dec_seq_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 5);
+  codec.check_errors();
+  codec.set_pipeline_chunks(8);
+  // Where the time goes: one more call of each with events between kernels.
+  codec.set_phase_timing(true);
+  codec.encode(dx, S, dout, cap, doff);
+  const std::vector<double> enc_ph = codec.last_phase_ms();
+  codec.decode(dout, total, doff, S, dy);
+  const std::vector<double> dec_ph = codec.last_phase_ms();
+  codec.check_errors();
+  codec.set_phase_timing(false);
 
   // Check: the first 4 heads' bytes and reconstructions against the CPU reference.
   const int check_heads = 4;
@@ -144,9 +166,60 @@ int main(int argc, char** argv) {
       "{\"layers\": %d, \"kv_heads\": %d, \"tokens\": %lld, \"head_dim\": %d, \"bf16_bytes\": %zu, "
       "\"compressed_bytes\": %llu, \"ratio\": %.3f, \"rel_mse\": %.3g, \"copy_ms\": %.3f, \"copy_gb_s\": %.1f, "
       "\"encode_ms\": %.3f, \"encode_gb_s\": %.1f, \"encode_frac_copy\": %.3f, \"decode_ms\": %.3f, "
-      "\"decode_gb_s\": %.1f, \"decode_frac_copy\": %.3f, \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s}\n",
+      "\"decode_gb_s\": %.1f, \"decode_frac_copy\": %.3f, \"encode_in_order_ms\": %.3f, \"decode_in_order_ms\": %.3f, "
+      "\"encode_phases_ms\": [%.3f, %.3f, %.3f], "
+      "\"decode_phases_ms\": [%.3f, %.3f], \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s}\n",
       layers, kv_heads, (long long)S, D, bytes, (unsigned long long)total, double(bytes) / double(total), err / nrm,
       copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms, bytes * gbs / dec_ms,
-      copy_ms / dec_ms, bytes_equal ? "true" : "false", recon_equal ? "true" : "false");
-  return bytes_equal && recon_equal ? 0 : 2;
+      copy_ms / dec_ms, enc_seq_ms, dec_seq_ms, enc_ph.size() > 2 ? enc_ph[0] : -1.0, enc_ph.size() > 2 ? enc_ph[1] : -1.0,
+      enc_ph.size() > 2 ? enc_ph[2] : -1.0, dec_ph.size() > 1 ? dec_ph[0] : -1.0, dec_ph.size() > 1 ? dec_ph[1] : -1.0,
+      bytes_equal ? "true" : "false", recon_equal ? "true" : "false");
+  std::fflush(stdout);
+
+  // PALU on the same bf16 KV: one projection (fitted on base head 0, default
+  // energy 0.90, 4/2 bits, token groups of 32) over every head as rows, so
+  // the kernels see the whole batch at once; checked on the first 4 heads.
+  std::vector<float> xf0(base[0].size());
+  for (size_t i = 0; i < xf0.size(); ++i) xf0[i] = gpu::bf16_bits_to_f32(base[0][i]);
+  const palu::Projection proj = palu::fit_projection(xf0.data(), base_tokens, D, palu::FitOptions{});
+  const int gs = 32;
+  const int64_t Sp = S / gs * gs;
+  bool palu_bytes_equal = false, palu_recon_equal = false;
+  {
+    const int rows = 4;
+    std::vector<uint16_t> xs(size_t(rows) * size_t(Sp) * D);
+    for (int r = 0; r < rows; ++r)
+      std::copy_n(x.data() + size_t(r) * size_t(S) * D, size_t(Sp) * D, xs.data() + size_t(r) * size_t(Sp) * D);
+    const std::vector<uint8_t> pref = gpu::palu_encode_reference(proj, xs.data(), rows, Sp, gs);
+    std::vector<uint16_t> yref(xs.size()), yg(xs.size());
+    gpu::palu_decode_reference(proj, pref.data(), pref.size(), rows, Sp, gs, yref.data());
+    gpu::PaluGpuCodec small(proj, rows, gs, Sp);
+    CK(cudaMemcpy(dx, xs.data(), xs.size() * 2, cudaMemcpyHostToDevice));
+    small.encode(dx, Sp, dout);
+    std::vector<uint8_t> pg(pref.size());
+    CK(cudaMemcpy(pg.data(), dout, pg.size(), cudaMemcpyDeviceToHost));
+    palu_bytes_equal = pg == pref;
+    small.decode(dout, Sp, dy);
+    CK(cudaMemcpy(yg.data(), dy, yg.size() * 2, cudaMemcpyDeviceToHost));
+    palu_recon_equal = yg == yref;
+    CK(cudaMemcpy(dx, x.data(), bytes, cudaMemcpyHostToDevice));  // restore the batch
+  }
+  gpu::PaluGpuCodec pc(proj, NH, gs, Sp);
+  const uint64_t palu_total = pc.group_bytes() * uint64_t(Sp / gs);
+  if (palu_total > cap) {
+    std::fprintf(stderr, "palu output %llu > buffer %llu\n", (unsigned long long)palu_total, (unsigned long long)cap);
+    return 3;
+  }
+  const size_t pbytes = size_t(NH) * size_t(Sp) * D * 2;
+  const double penc_ms = time_ms([&] { pc.encode(dx, Sp, dout); }, 7);
+  const double pdec_ms = time_ms([&] { pc.decode(dout, Sp, dy); }, 7);
+  std::printf(
+      "{\"palu_rank\": %d, \"palu_avg_bits\": %.2f, \"palu_ratio\": %.3f, \"palu_encode_ms\": %.3f, "
+      "\"palu_encode_gb_s\": %.1f, \"palu_encode_frac_copy\": %.3f, \"palu_decode_ms\": %.3f, "
+      "\"palu_decode_gb_s\": %.1f, \"palu_decode_frac_copy\": %.3f, \"palu_bytes_equal_cpu\": %s, "
+      "\"palu_recon_equal_cpu\": %s}\n",
+      proj.rank, proj.average_bits(), double(pbytes) / double(palu_total), penc_ms, pbytes * gbs / penc_ms,
+      copy_ms / penc_ms, pdec_ms, pbytes * gbs / pdec_ms, copy_ms / pdec_ms, palu_bytes_equal ? "true" : "false",
+      palu_recon_equal ? "true" : "false");
+  return bytes_equal && recon_equal && palu_bytes_equal && palu_recon_equal ? 0 : 2;
 }

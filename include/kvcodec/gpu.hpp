@@ -15,6 +15,9 @@
 namespace kvcodec::kvtc {
 struct HeadParams;
 }
+namespace kvcodec::palu {
+struct Projection;
+}
 
 namespace kvcodec::gpu {
 
@@ -56,8 +59,52 @@ class KvtcGpuCodec {
               void* stream = nullptr);
   void check_errors(void* stream = nullptr);
 
- private:
+  // Per-phase timing for benchmarks (CUDA events between the launches; off
+  // by default). last_phase_ms() waits for the last call's events and gives
+  // encode: {projection, rANS, scan + pack}, decode: {rANS, reconstruction}.
+  // Phase timing runs the phases one after the other (no pipelining).
+  void set_phase_timing(bool on);
+  // The heads are cut into `chunks` ranges (default 8, at most the head
+  // count) whose second stage (rANS encode, reconstruction) overlaps the
+  // first stage (projection, rANS decode) of the next range on an internal
+  // stream; the caller's stream waits for both. 1 = strictly in order.
+  // Same bytes and outputs either way.
+  void set_pipeline_chunks(int chunks);
+  std::vector<double> last_phase_ms() const;
+
   struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// PALU latents of one head group on the GPU, byte-exact with the CPU cache
+// (src/palu): latents z = U^T x (products and sums in the CPU's order), f16
+// rounding (saturating), then per token group of group_size tokens exactly
+// the bytes of palu::encode_latent_group (per (row, channel) f16 min and
+// scale, then the codes bit-packed at each channel's width). Decode inverts
+// it: palu::decode_latent_group then x_hat = U z, rounded to bf16.
+//
+// x and y are [rows, tokens, dim] bf16 on the device (dim = the projection's
+// dim: a head in shared mode, the group's heads concatenated in joint mode);
+// tokens a multiple of group_size; group_size a multiple of 32 (<= 1024);
+// rank <= 256. The packed groups are [tokens / group_size, group_bytes()].
+class PaluGpuCodec {
+ public:
+  PaluGpuCodec(const palu::Projection& p, int rows, int group_size, int64_t max_tokens);
+  ~PaluGpuCodec();
+  PaluGpuCodec(const PaluGpuCodec&) = delete;
+  PaluGpuCodec& operator=(const PaluGpuCodec&) = delete;
+
+  uint64_t group_bytes() const;  // == palu::latent_group_bytes(p, rows, group_size)
+  // Asynchronous on the stream; throws Error(kInvalidArgument) for a token
+  // count that is not a positive multiple of group_size or exceeds max_tokens.
+  void encode(const uint16_t* x, int64_t tokens, uint8_t* out, void* stream = nullptr);
+  void decode(const uint8_t* in, int64_t tokens, uint16_t* y, void* stream = nullptr);
+
+  struct Impl;
+
+ private:
   std::unique_ptr<Impl> impl_;
 };
 

@@ -2,6 +2,7 @@
 // and the CUDA kernels against it (skipped without a GPU or without CUDA).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdlib>
@@ -54,12 +55,13 @@ std::vector<float> to_f32(const uint16_t* x, size_t n) {
   return f;
 }
 
-kvtc::HeadParams fit(const uint16_t* x, int64_t n, int dim, int bit_budget = 0) {
+kvtc::HeadParams fit(const uint16_t* x, int64_t n, int dim, int bit_budget = 0, std::vector<int> bit_choices = {}) {
   const std::vector<float> xf = to_f32(x, size_t(n * dim));
   const linalg::PcaBasis pca = linalg::fit_pca(xf.data(), n, dim);
   kvtc::CodecOptions o;
   o.coder = kvtc::CoderChoice::kRans;
   o.bit_budget = bit_budget;
+  if (!bit_choices.empty()) o.bit_choices = bit_choices;
   return kvtc::fit_head(xf.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
 }
 
@@ -247,7 +249,7 @@ struct DevBuf {
   ~DevBuf() { cudaFree(p); }
 };
 
-void gpu_matches_cpu(const Batch& b) {
+void gpu_matches_cpu(const Batch& b, int chunks_for_decode = 8) {
   const FlatKvtcTables t = flatten_heads(b.ptrs());
   const EncodedBatch ref = encode_batch_reference(t, b.x.data(), b.tokens, 64);
   std::vector<uint16_t> y_ref(b.x.size());
@@ -267,6 +269,18 @@ void gpu_matches_cpu(const Batch& b) {
   ASSERT_EQ(cudaMemcpy(offsets.data(), doff.p, offsets.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(offsets, ref.offsets);
   EXPECT_TRUE(payload == ref.payload) << "GPU bytes differ from the CPU reference";
+
+  // Pipelining changes the order of the launches, never the bytes.
+  for (int chunks : {1, 3}) {
+    codec.set_pipeline_chunks(chunks);
+    ASSERT_EQ(cudaMemset(dout.p, 0, total), cudaSuccess);
+    ASSERT_EQ(codec.encode(dx.p, b.tokens, dout.p, codec.max_encoded_bytes(b.tokens), doff.p), total);
+    std::vector<uint8_t> again(total);
+    ASSERT_EQ(cudaMemcpy(again.data(), dout.p, total, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(again == ref.payload) << "chunks " << chunks;
+  }
+  codec.set_pipeline_chunks(chunks_for_decode);
+  EXPECT_THROW(codec.set_pipeline_chunks(0), Error);
 
   // GPU decode of the CPU's bytes equals the CPU decode, bit for bit.
   ASSERT_EQ(cudaMemcpy(dout.p, ref.payload.data(), ref.payload.size(), cudaMemcpyHostToDevice), cudaSuccess);
@@ -296,7 +310,45 @@ TEST(KvtcGpu, MatchesCpuReferenceOnRandomInput) {
 #ifdef KVCODEC_HAVE_CUDA
   const uint32_t seed = test_seed(1234);
   std::printf("seed %u\n", seed);
-  for (int dim : {64, 128}) gpu_matches_cpu(synth_batch(4, 64 * 5 + 17, dim, seed + uint32_t(dim)));
+  for (int dim : {64, 128}) {
+    gpu_matches_cpu(synth_batch(4, 64 * 5 + 17, dim, seed + uint32_t(dim)));
+    gpu_matches_cpu(synth_batch(5, 64 * 3, dim, seed + 7 + uint32_t(dim)), 1);  // decode in order
+  }
+#endif
+}
+
+TEST(KvtcVariant, WideAlphabetsRoundTrip) {
+  // 10-bit components: 1024-symbol alphabets (the GPU keeps u16 code slots).
+  const int dim = 64;
+  const std::vector<uint16_t> x = synth_bf16(256, dim, 17);
+  const kvtc::HeadParams p = fit(x.data(), 256, dim, 6 * dim, {0, 2, 10});
+  const FlatKvtcTables t = flatten_heads({&p});
+  float max_code = 0;
+  for (int k = 0; k < p.n_kept(); ++k) max_code = std::max(max_code, t.max_code[t.idx(0, k)]);
+  ASSERT_GT(max_code, 255.0f);
+  const EncodedBatch e = encode_batch_reference(t, x.data(), 256, 64);
+  std::vector<uint16_t> y(x.size());
+  decode_batch_reference(t, e.payload.data(), e.payload.size(), e.offsets.data(), 256, 64, y.data());
+  std::vector<uint16_t> codes(size_t(256) * size_t(p.n_kept())), yr(x.size());
+  quantize_reference(t, 0, x.data(), 256, codes.data());
+  dequantize_reference(t, 0, codes.data(), 256, yr.data());
+  EXPECT_EQ(y, yr);
+}
+
+TEST(KvtcGpu, MatchesCpuReferenceWithWideAlphabets) {
+  if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+#ifdef KVCODEC_HAVE_CUDA
+  const uint32_t seed = test_seed(77);
+  Batch b;
+  b.dim = 128;
+  b.tokens = 64 * 3 + 5;
+  for (int h = 0; h < 3; ++h) {
+    std::vector<uint16_t> xh = synth_bf16(b.tokens, b.dim, seed + 100 + uint32_t(h));
+    b.params.push_back(fit(xh.data(), b.tokens, b.dim, 6 * b.dim, {0, 2, 10}));
+    b.x.insert(b.x.end(), xh.begin(), xh.end());
+  }
+  gpu_matches_cpu(b);
 #endif
 }
 

@@ -1,15 +1,32 @@
 // CUDA kernels of the kvtc-gpu/1 variant (contract: src/gpu/kvtc_variant.hpp).
 //
-// encode: one CTA of 128 threads per stream (head h, block of 64 tokens):
-//   load x [64, D] bf16 -> shared (transposed, fp32, mean removed);
-//   projection + quantization, each thread an 8x8 tile of [64, K] with its
-//   accumulators in registers, d ascending (the reference's order);
-//   warp 0 rANS-encodes the codes, 32 lanes, backwards into a per-stream
-//   scratch slot; then an inclusive scan of the sizes gives the offsets and a
-//   copy kernel packs the streams.
-// decode: one CTA per stream; warp 0 rANS-decodes into shared (dequantized,
-//   transposed), then all threads reconstruct [64, D] as 8x8 tiles, k
-//   ascending, and store bf16.
+// Version 2: projection and entropy coding are separate kernels, so that each
+// runs at its own best shape (the fused v1 kept 3 of 4 warps idle during
+// rANS, whose table look-ups are latency-bound):
+//
+// encode
+//   project_kernel  CTA of 256 threads per (head, tile of 128 tokens = two
+//                   streams): x [128, D] bf16 -> shared (transposed, fp32,
+//                   mean removed); each thread an 8x8 tile of [128, K] with
+//                   its accumulators in registers, d ascending (the
+//                   reference's order); codes staged in shared, then stored
+//                   with 16-byte writes into a per-stream code slot (u8 when
+//                   every alphabet has <= 256 symbols, else u16).
+//   rans_encode_kernel  one warp per stream (4 per CTA, ~16 CTAs per SM in
+//                   flight): 32 lanes, steps in reverse, reciprocal multiply
+//                   instead of division (exact for states < 2^31), one
+//                   16-byte table entry per symbol; bytes written backwards
+//                   into the stream's scratch slot.
+//   scan of the sizes (cub), one wait for the total, pack_kernel copies the
+//   slots to the output (16-byte loads where aligned).
+// decode
+//   rans_decode_kernel  one warp per stream: codes to the code slots; each
+//                   lane's component info for the next step is loaded one
+//                   step ahead; a malformed stream sets a per-stream flag.
+//   reconstruct_kernel  CTA of 256 threads per (head, 128 tokens): codes ->
+//                   dequantized [K, 128] in shared; 8x8 register tiles, k
+//                   ascending; bf16 stored 16 bytes at a time. Tokens of a
+//                   flagged stream are left untouched.
 #include <cuda_runtime.h>
 
 #include <cub/device/device_scan.cuh>
@@ -23,8 +40,10 @@ namespace kvcodec::gpu {
 namespace {
 
 constexpr int kT = KvtcGpuCodec::kBlockTokens;  // tokens per stream
-constexpr int kThreads = 128;
-constexpr int kTPad = kT + 4;  // row stride of transposed tiles (16-byte aligned rows)
+constexpr int kTile = 2 * kT;                    // tokens per projection CTA
+constexpr int kProjThreads = 256;
+constexpr int kRansWarps = 4;
+constexpr int kTilePad = kTile + 4;  // row stride of transposed tiles (16-byte aligned rows)
 
 void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
@@ -42,11 +61,9 @@ struct DeviceTables {
   const float* max_code;
   const float* step;
   const float* recon_offset;
-  const uint32_t* scale_bits;
-  const uint32_t* sym_base;
-  const uint32_t* sym_freq;
-  const uint32_t* sym_cum;
-  const uint64_t* slot_base;
+  const uint4* comp;          // [NH, k_pad] {slot_base lo, slot_base hi, sym_base, scale_bits}
+  const uint2* sym_fc;        // per symbol {freq, cum} (decoder)
+  const uint4* sym_enc;       // per symbol {rcp, bias, freq, shift | cmpl_freq << 8} (encoder)
   const uint16_t* slot_symbol;
 };
 
@@ -59,51 +76,50 @@ __device__ __forceinline__ uint16_t f32_to_bf16_dev(float v) {
   return uint16_t(u >> 16);
 }
 
-template <int D>
-__global__ void __launch_bounds__(kThreads) encode_kernel(DeviceTables tb, const uint16_t* __restrict__ x,
-                                                          int64_t tokens, int64_t nb, uint8_t* __restrict__ scratch,
-                                                          uint64_t cap, uint64_t* __restrict__ sizes) {
+// ---------------------------------------------------------------- encode ---
+
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables tb, const uint16_t* __restrict__ x,
+                                                               int64_t tokens, int64_t nb, int64_t tiles_per_head,
+                                                               int head0, CodeT* __restrict__ codes) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* xs = reinterpret_cast<float*>(smem);                   // [D][kTPad], xs[d][t]
-  uint16_t* cs = reinterpret_cast<uint16_t*>(xs + D * kTPad);   // [n * K] token-major codes
-  const int64_t stream = blockIdx.x;
-  const int h = int(stream / nb);
-  const int64_t t0 = (stream % nb) * kT;
-  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  float* xs = reinterpret_cast<float*>(smem);                 // [D][kTilePad], xs[d][t]
+  CodeT* cs = reinterpret_cast<CodeT*>(xs + D * kTilePad);    // [2][kT * KP] per stream, token-major
+  const int h = head0 + int(blockIdx.x / tiles_per_head);
+  const int64_t tile = blockIdx.x % tiles_per_head;
+  const int64_t t0 = tile * kTile;
+  const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
-  if (K == 0) {
-    if (threadIdx.x == 0) sizes[stream] = 0;
-    return;
-  }
+  if (K == 0) return;
   const float* mean = tb.mean + size_t(h) * D;
   const uint16_t* xh = x + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
   // Load: thread v takes 8 dims of one token; consecutive threads consecutive
   // tokens, so the transposed shared stores do not conflict.
-  for (int v = threadIdx.x; v < kT * (D / 8); v += kThreads) {
-    const int t = v % kT, d0 = (v / kT) * 8;
+  for (int v = threadIdx.x; v < kTile * (D / 8); v += kProjThreads) {
+    const int t = v % kTile, d0 = (v / kTile) * 8;
     float vals[8];
     if (t < n) {
       const uint4 raw = *reinterpret_cast<const uint4*>(xh + size_t(t) * D + d0);
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        vals[2 * e] = bf16_to_f32_dev(uint16_t(w[e] & 0xffffu)) - mean[d0 + 2 * e];
-        vals[2 * e + 1] = bf16_to_f32_dev(uint16_t(w[e] >> 16)) - mean[d0 + 2 * e + 1];
+        vals[2 * e] = __fsub_rn(bf16_to_f32_dev(uint16_t(w[e] & 0xffffu)), mean[d0 + 2 * e]);
+        vals[2 * e + 1] = __fsub_rn(bf16_to_f32_dev(uint16_t(w[e] >> 16)), mean[d0 + 2 * e + 1]);
       }
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) vals[e] = 0.0f;
     }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) xs[(d0 + e) * kTPad + t] = vals[e];
+    for (int e = 0; e < 8; ++e) xs[(d0 + e) * kTilePad + t] = vals[e];
   }
   __syncthreads();
 
   const float* bt = tb.basis_t + size_t(h) * D * KP;
   const int kgroups = (K + 7) / 8;
-  for (int g = threadIdx.x; g < (kT / 8) * kgroups; g += kThreads) {
-    const int tg = g / kgroups, kg = g % kgroups;
+  for (int g = threadIdx.x; g < (kTile / 8) * kgroups; g += kProjThreads) {
+    const int tg = g % (kTile / 8), kg = g / (kTile / 8);
     if (tg * 8 >= n) continue;
     float acc[8][8];
 #pragma unroll
@@ -112,8 +128,8 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(DeviceTables tb, const
       for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
 #pragma unroll 4
     for (int d = 0; d < D; ++d) {
-      const float4 xa = *reinterpret_cast<const float4*>(xs + d * kTPad + tg * 8);
-      const float4 xb = *reinterpret_cast<const float4*>(xs + d * kTPad + tg * 8 + 4);
+      const float4 xa = *reinterpret_cast<const float4*>(xs + d * kTilePad + tg * 8);
+      const float4 xb = *reinterpret_cast<const float4*>(xs + d * kTilePad + tg * 8 + 4);
       const float4 ba = __ldg(reinterpret_cast<const float4*>(bt + size_t(d) * KP + kg * 8));
       const float4 bb = __ldg(reinterpret_cast<const float4*>(bt + size_t(d) * KP + kg * 8 + 4));
       const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
@@ -134,33 +150,60 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(DeviceTables tb, const
         const int t = tg * 8 + i;
         if (t < n) {
           const float v = floorf(__fmaf_rn(acc[i][j], inv, off));
-          cs[t * K + k] = uint16_t(fminf(fmaxf(v, 0.0f), mx));
+          cs[(t / kT) * (kT * KP) + (t % kT) * K + k] = CodeT(fminf(fmaxf(v, 0.0f), mx));
         }
       }
     }
   }
   __syncthreads();
-  if (threadIdx.x >= 32) return;
+  // The tile's streams are consecutive code slots of kT * KP codes each (a
+  // multiple of 16 bytes): copy both as 16-byte words.
+  const int64_t stream0 = int64_t(h) * nb + tile * 2;
+  const int n_streams = n > kT ? 2 : 1;
+  const int words = int((size_t(n_streams) * kT * KP * sizeof(CodeT)) / 16);
+  uint4* dst = reinterpret_cast<uint4*>(codes + size_t(stream0) * kT * KP);
+  const uint4* src = reinterpret_cast<const uint4*>(cs);
+  for (int v = threadIdx.x; v < words; v += kProjThreads) dst[v] = src[v];
+}
 
-  // rANS, 32 lanes, steps in reverse; bytes written backwards from the slot's end.
-  const int lane = threadIdx.x;
+template <typename CodeT>
+__global__ void __launch_bounds__(32 * kRansWarps) rans_encode_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
+                                                                      int64_t tokens, int64_t nb, int64_t stream0,
+                                                                      int64_t ns, uint8_t* __restrict__ scratch,
+                                                                      uint64_t cap,
+                                                                      uint64_t* __restrict__ sizes) {
+  const int64_t stream = stream0 + int64_t(blockIdx.x) * kRansWarps + threadIdx.x / 32;
+  if (stream >= ns) return;
+  const int lane = threadIdx.x % 32;
+  const int h = int(stream / nb);
+  const int64_t t0 = (stream % nb) * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const int K = tb.kept[h];
+  const int KP = tb.k_pad;
+  if (K == 0) {
+    if (lane == 0) sizes[stream] = 0;
+    return;
+  }
+  const CodeT* cs = codes + size_t(stream) * kT * KP;
   const unsigned lt_mask = (1u << lane) - 1u;
   uint8_t* slot_end = scratch + size_t(stream) * cap + cap;
   uint8_t* p = slot_end;
   uint32_t st = kVariantRansLow;
-  const int64_t nsym = int64_t(n) * K;
-  const int64_t steps = (nsym + 31) / 32;
-  for (int64_t s = steps - 1; s >= 0; --s) {
-    const int64_t i = s * 32 + lane;
+  const int nsym = n * K;
+  const int steps = (nsym + 31) / 32;
+  // Component of symbol i = s*32 + lane, walked backwards by 32 per step.
+  int i = (steps - 1) * 32 + lane;
+  int k = i % K;
+  const uint4* comp = tb.comp + size_t(h) * KP;
+  for (int s = steps - 1; s >= 0; --s, i -= 32) {
     int ne = 0;
-    uint32_t f = 1, c = 0, scale = 0;
+    uint4 e = make_uint4(0, 0, 1, 0);
+    uint32_t scale = 0;
     if (i < nsym) {
-      const size_t q = size_t(h) * KP + size_t(i % K);
-      const uint32_t sym = cs[i];
-      f = tb.sym_freq[tb.sym_base[q] + sym];
-      c = tb.sym_cum[tb.sym_base[q] + sym];
-      scale = tb.scale_bits[q];
-      const uint32_t x_max = ((kVariantRansLow >> scale) << 8) * f;
+      const uint4 c = __ldg(comp + k);
+      scale = c.w;
+      e = __ldg(tb.sym_enc + c.z + uint32_t(cs[i]));
+      const uint32_t x_max = (1u << (31 - scale)) * e.z;
       ne = st >= x_max ? ((st >> 8) >= x_max ? 2 : 1) : 0;
     }
     const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
@@ -176,7 +219,13 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(DeviceTables tb, const
       st >>= 16;
     }
     p -= total;
-    if (i < nsym) st = ((st / f) << scale) + (st % f) + c;
+    if (i < nsym) {
+      // x / f and x % f through the reciprocal: q = floor(x / f) for x < 2^31.
+      const uint32_t q = __umulhi(st, e.x) >> (e.w & 0xffu);
+      st = st + e.y + q * (e.w >> 8);
+    }
+    k -= 32 % K;
+    if (k < 0) k += K;
   }
   p -= kStateBytes;
   p[4 * lane] = uint8_t(st);
@@ -187,94 +236,142 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(DeviceTables tb, const
 }
 
 __global__ void pack_kernel(const uint8_t* __restrict__ scratch, uint64_t cap, const uint64_t* __restrict__ sizes,
-                            const uint64_t* __restrict__ offsets, uint8_t* __restrict__ out) {
-  const int64_t stream = blockIdx.x;
+                            const uint64_t* __restrict__ offsets, uint8_t* __restrict__ out, int64_t ns) {
+  // One warp per stream.
+  const int64_t stream = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (stream >= ns) return;
+  const int lane = threadIdx.x % 32;
   const uint64_t size = sizes[stream];
   const uint8_t* src = scratch + size_t(stream) * cap + cap - size;
   uint8_t* dst = out + offsets[stream];  // offsets[stream] = inclusive sum up to stream - 1
-  for (uint64_t i = threadIdx.x; i < size; i += blockDim.x) dst[i] = src[i];
+  // src ends 16-aligned; when dst has the same alignment mod 16, copy words.
+  const uint64_t head = (16 - (reinterpret_cast<uintptr_t>(src) & 15)) & 15;
+  if (((reinterpret_cast<uintptr_t>(src) ^ reinterpret_cast<uintptr_t>(dst)) & 15) == 0 && size > head) {
+    if (uint64_t(lane) < head) dst[lane] = src[lane];
+    const uint4* s4 = reinterpret_cast<const uint4*>(src + head);
+    uint4* d4 = reinterpret_cast<uint4*>(dst + head);
+    for (uint64_t w = lane; w < (size - head) / 16; w += 32) d4[w] = s4[w];
+  } else {
+    for (uint64_t b = lane; b < size; b += 32) dst[b] = src[b];
+  }
 }
 
-template <int D>
-__global__ void __launch_bounds__(kThreads) decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
-                                                          uint64_t in_size, const uint64_t* __restrict__ offsets,
-                                                          int64_t tokens, int64_t nb, uint16_t* __restrict__ y,
-                                                          int* __restrict__ err) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* vs = reinterpret_cast<float*>(smem);  // [KP][kTPad], vs[k][t] dequantized coefficients
-  __shared__ int bad;
-  const int64_t stream = blockIdx.x;
+// ---------------------------------------------------------------- decode ---
+
+template <typename CodeT>
+__global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
+                                                                      uint64_t in_size,
+                                                                      const uint64_t* __restrict__ offsets,
+                                                                      int64_t tokens, int64_t nb, int64_t stream0,
+                                                                      int64_t ns, CodeT* __restrict__ codes,
+                                                                      uint8_t* __restrict__ bad, int* __restrict__ err) {
+  const int64_t stream = stream0 + int64_t(blockIdx.x) * kRansWarps + threadIdx.x / 32;
+  if (stream >= ns) return;
+  const int lane = threadIdx.x % 32;
   const int h = int(stream / nb);
   const int64_t t0 = (stream % nb) * kT;
   const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
-  if (threadIdx.x == 0) bad = 0;
   const uint64_t start = offsets[stream], end = offsets[stream + 1];
   const bool range_ok = start <= end && end <= in_size;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const unsigned lt_mask = (1u << lane) - 1u;
-    int fail = 0;
-    if (!range_ok) {
-      fail = 1;
-    } else if (K == 0) {
-      fail = end != start;
-    } else if (end - start < kStateBytes) {
-      fail = 1;
-    } else {
-      const uint8_t* data = in + start;
-      const uint64_t size = end - start;
-      uint32_t st = uint32_t(data[4 * lane]) | uint32_t(data[4 * lane + 1]) << 8 |
-                    uint32_t(data[4 * lane + 2]) << 16 | uint32_t(data[4 * lane + 3]) << 24;
-      if (st < kVariantRansLow) fail = 1;
-      uint64_t pos = kStateBytes;
-      const int64_t nsym = int64_t(n) * K;
-      const int64_t steps = (nsym + 31) / 32;
-      // (t, k) of symbol i = s*32 + lane, advanced by 32 per step.
-      int k = lane % K, t = lane / K;
-      for (int64_t s = 0; s < steps && !__any_sync(0xffffffffu, fail); ++s) {
-        const int64_t i = s * 32 + lane;
-        int ne = 0;
-        if (i < nsym) {
-          const size_t q = size_t(h) * KP + k;
-          const uint32_t scale = tb.scale_bits[q];
-          const uint32_t slot = st & ((1u << scale) - 1u);
-          const uint32_t sym = tb.slot_symbol[tb.slot_base[q] + slot];
-          const uint32_t f = tb.sym_freq[tb.sym_base[q] + sym], c = tb.sym_cum[tb.sym_base[q] + sym];
-          st = f * (st >> scale) + slot - c;
-          ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
-          vs[k * kTPad + t] = (float(sym) - tb.recon_offset[q]) * tb.step[q];
-        }
-        const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
-        const uint64_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
-        pos += __popc(b1) + __popc(b2);
-        if (pos > size) {
-          fail = 1;  // truncated (every lane sees it)
-        } else if (ne >= 1) {
-          st = st << 8 | data[pre];
-          if (ne == 2) st = st << 8 | data[pre + 1];
-        }
-        k += 32;
-        while (k >= K) k -= K, ++t;
+  const unsigned lt_mask = (1u << lane) - 1u;
+  int fail = 0;
+  if (!range_ok) {
+    fail = 1;
+  } else if (K == 0) {
+    fail = end != start;
+  } else if (end - start < kStateBytes) {
+    fail = 1;
+  } else {
+    const uint8_t* data = in + start;
+    const uint64_t size = end - start;
+    CodeT* cs = codes + size_t(stream) * kT * KP;
+    uint32_t st = uint32_t(data[4 * lane]) | uint32_t(data[4 * lane + 1]) << 8 | uint32_t(data[4 * lane + 2]) << 16 |
+                  uint32_t(data[4 * lane + 3]) << 24;
+    const int nsym = n * K;
+    // A valid stream has at most 2 bytes per symbol after the states, so the
+    // size fits 32 bits from here on; every failure below is warp-uniform.
+    fail = __any_sync(0xffffffffu, st < kVariantRansLow) || size > kStateBytes + 2ull * uint64_t(nsym);
+    const uint32_t size32 = uint32_t(size);
+    uint32_t pos = kStateBytes;
+    const int steps = (nsym + 31) / 32;
+    const uint4* comp = tb.comp + size_t(h) * KP;
+    int k = lane % K;
+    const int dk = 32 % K;
+    uint4 c = __ldg(comp + k);  // this step's component; the next one is fetched early
+    for (int s = 0, i = lane; s < steps && !fail; ++s, i += 32) {
+      k += dk;
+      if (k >= K) k -= K;
+      const uint4 c_next = __ldg(comp + k);
+      int ne = 0;
+      if (i < nsym) {
+        const uint32_t scale = c.w;
+        const uint32_t slot = st & ((1u << scale) - 1u);
+        const uint64_t slot_base = uint64_t(c.x) | uint64_t(c.y) << 32;
+        const uint32_t sym = __ldg(tb.slot_symbol + slot_base + slot);
+        const uint2 fc = __ldg(tb.sym_fc + c.z + sym);
+        st = fc.x * (st >> scale) + slot - fc.y;
+        ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
+        cs[i] = CodeT(sym);
       }
-      if (!fail && (pos != size || st != kVariantRansLow)) fail = 1;
+      const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
+      const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
+      pos += __popc(b1) + __popc(b2);
+      if (pos > size32) {
+        fail = 1;  // truncated (every lane sees it)
+      } else if (ne >= 1) {
+        st = st << 8 | data[pre];
+        if (ne == 2) st = st << 8 | data[pre + 1];
+      }
+      c = c_next;
     }
-    if (__any_sync(0xffffffffu, fail) && lane == 0) {
-      bad = 1;
+    if (!fail && (pos != size32 || st != kVariantRansLow)) fail = 1;
+  }
+  const bool any = __any_sync(0xffffffffu, fail);
+  if (lane == 0) {
+    bad[stream] = any ? 1 : 0;
+    if (any) {
       atomicExch(err, 1);
       atomicMin(err + 1, stream < 0x7fffffff ? int(stream) : 0x7fffffff);
     }
   }
+}
+
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
+                                                                   const uint8_t* __restrict__ bad, int64_t tokens,
+                                                                   int64_t nb, int64_t tiles_per_head, int head0,
+                                                                   uint16_t* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* vs = reinterpret_cast<float*>(smem);  // [KP][kTilePad], vs[k][t] dequantized coefficients
+  const int h = head0 + int(blockIdx.x / tiles_per_head);
+  const int64_t tile = blockIdx.x % tiles_per_head;
+  const int64_t t0 = tile * kTile;
+  const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
+  const int K = tb.kept[h];
+  const int KP = tb.k_pad;
+  const int64_t stream0 = int64_t(h) * nb + tile * 2;
+  const bool bad0 = bad[stream0] != 0, bad1 = n > kT && bad[stream0 + 1] != 0;
+  if (bad0 && (n <= kT || bad1)) return;
+  const CodeT* cs = codes + size_t(stream0) * kT * KP;
+  // Both streams' codes: slot s holds tokens [s*kT, s*kT + n_s) token-major.
+  for (int v = threadIdx.x; v < n * K; v += kProjThreads) {
+    const int sidx = v / (kT * K) < 1 ? 0 : 1;
+    const int r = v - sidx * kT * K;
+    const int t = sidx * kT + r / K, k = r % K;
+    const size_t q = size_t(h) * KP + k;
+    const float code = float(cs[size_t(sidx) * kT * KP + r]);
+    vs[k * kTilePad + t] = __fmul_rn(__fsub_rn(code, tb.recon_offset[q]), tb.step[q]);
+  }
   __syncthreads();
-  if (bad) return;
   const float* mean = tb.mean + size_t(h) * D;
   const float* bs = tb.basis + size_t(h) * KP * D;
   uint16_t* yh = y + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
-  for (int g = threadIdx.x; g < (kT / 8) * (D / 8); g += kThreads) {
-    const int tg = g / (D / 8), dg = g % (D / 8);
+  for (int g = threadIdx.x; g < (kTile / 8) * (D / 8); g += kProjThreads) {
+    const int dg = g % (D / 8), tg = g / (D / 8);
     if (tg * 8 >= n) continue;
+    if ((tg * 8 < kT ? bad0 : bad1)) continue;
     float acc[8][8];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -282,8 +379,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DeviceTables tb, const
       for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
-      const float4 va = *reinterpret_cast<const float4*>(vs + k * kTPad + tg * 8);
-      const float4 vb = *reinterpret_cast<const float4*>(vs + k * kTPad + tg * 8 + 4);
+      const float4 va = *reinterpret_cast<const float4*>(vs + k * kTilePad + tg * 8);
+      const float4 vb = *reinterpret_cast<const float4*>(vs + k * kTilePad + tg * 8 + 4);
       const float4 ba = __ldg(reinterpret_cast<const float4*>(bs + size_t(k) * D + dg * 8));
       const float4 bb = __ldg(reinterpret_cast<const float4*>(bs + size_t(k) * D + dg * 8 + 4));
       const float vv[8] = {va.x, va.y, va.z, va.w, vb.x, vb.y, vb.z, vb.w};
@@ -319,6 +416,28 @@ T* upload(const std::vector<T>& v, std::vector<void*>& owned) {
   return static_cast<T*>(p);
 }
 
+// Reciprocal of a frequency so that floor(x / f) = umulhi(x, rcp) >> shift
+// for every x < 2^31 (f = 1: rcp = 2^32 - 1, shift 0 gives x - 1, and the
+// bias absorbs the difference).
+uint4 encoder_entry(uint32_t freq, uint32_t cum, uint32_t scale) {
+  const uint32_t m = 1u << scale;
+  uint4 e;
+  if (freq < 2) {
+    e.x = ~0u;
+    e.y = cum + m - 1;
+    e.w = 0;
+  } else {
+    uint32_t shift = 0;
+    while (freq > (1u << shift)) ++shift;
+    e.x = uint32_t(((uint64_t(1) << (shift + 31)) + freq - 1) / freq);
+    e.y = cum;
+    e.w = shift - 1;
+  }
+  e.z = freq;
+  e.w |= (m - freq) << 8;
+  return e;
+}
+
 }  // namespace
 
 bool cuda_compiled() noexcept { return true; }
@@ -337,18 +456,134 @@ struct KvtcGpuCodec::Impl {
   DeviceTables dev{};
   std::vector<void*> owned;
   int64_t max_tokens = 0;
-  uint64_t cap = 0;  // scratch bytes per stream: states + at most 2 bytes per symbol
+  bool wide_codes = false;  // some alphabet has > 256 symbols: u16 code slots
+  uint64_t cap = 0;         // scratch bytes per stream: states + at most 2 bytes per symbol
   uint8_t* scratch = nullptr;
+  void* codes = nullptr;    // [n_streams, kT * k_pad] code slots
+  uint8_t* bad = nullptr;   // [n_streams] decode flags
   uint64_t* sizes = nullptr;
   uint64_t* scan_out = nullptr;  // [n_streams + 1]
   void* cub_temp = nullptr;
   size_t cub_temp_bytes = 0;
   int* err = nullptr;    // device [2]: flag, first bad stream
   uint64_t* total_host = nullptr;  // pinned
+  bool timing = false;
+  cudaEvent_t ev[4] = {nullptr, nullptr, nullptr, nullptr};
+  int ev_used = 0;
 
   ~Impl() {
     for (void* p : owned) cudaFree(p);
     if (total_host) cudaFreeHost(total_host);
+    for (cudaEvent_t e : ev)
+      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : fork) cudaEventDestroy(e);
+    if (side) cudaStreamDestroy(side);
+  }
+  void mark(int i, cudaStream_t s) {
+    if (timing) {
+      check_cuda(cudaEventRecord(ev[i], s), "event");
+      ev_used = i + 1;
+    }
+  }
+  // Pipelining: the heads are cut into `chunks` ranges; stage 1 of range
+  // c + 1 (projection, or rANS decode) runs on the caller's stream while
+  // stage 2 of range c (rANS encode, or reconstruction) runs on `side`, so
+  // the FFMA-bound and the integer/latency-bound kernels share the SMs.
+  int chunks = 8;
+  cudaStream_t side = nullptr;
+  std::vector<cudaEvent_t> fork;  // [chunks + 1]
+
+  void ensure_side() {
+    if (!side) check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
+    while (fork.size() < size_t(chunks) + 1) {
+      cudaEvent_t e;
+      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      fork.push_back(e);
+    }
+  }
+  // Head ranges [c * NH / C, (c + 1) * NH / C); one range when timing phases.
+  int n_chunks() const { return timing ? 1 : std::max(1, std::min(chunks, flat.n_heads)); }
+  int chunk_head(int c, int C) const { return int(int64_t(c) * flat.n_heads / C); }
+
+  template <typename CodeT>
+  void launch_project(const uint16_t* x, int64_t tokens, int h0, int h1, cudaStream_t s) {
+    const int64_t nb = n_blocks(tokens, kT), tiles = (nb + 1) / 2;
+    const unsigned grid = unsigned(int64_t(h1 - h0) * tiles);
+    const size_t smem = size_t(flat.dim) * kTilePad * 4 + 2 * size_t(kT) * flat.k_pad * sizeof(CodeT);
+    CodeT* c = static_cast<CodeT*>(codes);
+    if (flat.dim == 64)
+      project_kernel<64, CodeT><<<grid, kProjThreads, smem, s>>>(dev, x, tokens, nb, tiles, h0, c);
+    else
+      project_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, x, tokens, nb, tiles, h0, c);
+    check_cuda(cudaGetLastError(), "project_kernel launch");
+  }
+  template <typename CodeT>
+  void launch_rans_encode(int64_t tokens, int h0, int h1, cudaStream_t s) {
+    const int64_t nb = n_blocks(tokens, kT), s0 = int64_t(h0) * nb, s1 = int64_t(h1) * nb;
+    rans_encode_kernel<CodeT><<<unsigned((s1 - s0 + kRansWarps - 1) / kRansWarps), 32 * kRansWarps, 0, s>>>(
+        dev, static_cast<const CodeT*>(codes), tokens, nb, s0, s1, scratch, cap, sizes);
+    check_cuda(cudaGetLastError(), "rans_encode_kernel launch");
+  }
+  template <typename CodeT>
+  void launch_rans_decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, int h0,
+                          int h1, cudaStream_t s) {
+    const int64_t nb = n_blocks(tokens, kT), s0 = int64_t(h0) * nb, s1 = int64_t(h1) * nb;
+    rans_decode_kernel<CodeT><<<unsigned((s1 - s0 + kRansWarps - 1) / kRansWarps), 32 * kRansWarps, 0, s>>>(
+        dev, in, in_size, offsets, tokens, nb, s0, s1, static_cast<CodeT*>(codes), bad, err);
+    check_cuda(cudaGetLastError(), "rans_decode_kernel launch");
+  }
+  template <typename CodeT>
+  void launch_reconstruct(int64_t tokens, int h0, int h1, uint16_t* y, cudaStream_t s) {
+    const int64_t nb = n_blocks(tokens, kT), tiles = (nb + 1) / 2;
+    const unsigned grid = unsigned(int64_t(h1 - h0) * tiles);
+    const size_t smem = size_t(flat.k_pad) * kTilePad * 4;
+    const CodeT* c = static_cast<const CodeT*>(codes);
+    if (flat.dim == 64)
+      reconstruct_kernel<64, CodeT><<<grid, kProjThreads, smem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
+    else
+      reconstruct_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
+    check_cuda(cudaGetLastError(), "reconstruct_kernel launch");
+  }
+
+  // Runs stage1(h0, h1, stream) for every range on `stream` and stage2 of the
+  // same range on the side stream once stage 1 is done; `stream` then waits
+  // for the side stream. One range: both on `stream`, with phase events.
+  template <typename F1, typename F2>
+  void pipeline(cudaStream_t stream, F1&& stage1, F2&& stage2) {
+    const int C = n_chunks();
+    if (C == 1) {
+      mark(0, stream);
+      stage1(0, flat.n_heads, stream);
+      mark(1, stream);
+      stage2(0, flat.n_heads, stream);
+      mark(2, stream);
+      return;
+    }
+    ensure_side();
+    for (int c = 0; c < C; ++c) {
+      const int h0 = chunk_head(c, C), h1 = chunk_head(c + 1, C);
+      stage1(h0, h1, stream);
+      check_cuda(cudaEventRecord(fork[size_t(c)], stream), "event");
+      check_cuda(cudaStreamWaitEvent(side, fork[size_t(c)], 0), "wait");
+      stage2(h0, h1, side);
+    }
+    check_cuda(cudaEventRecord(fork[size_t(C)], side), "event");
+    check_cuda(cudaStreamWaitEvent(stream, fork[size_t(C)], 0), "wait");
+  }
+
+  template <typename CodeT>
+  void encode_front(const uint16_t* x, int64_t tokens, cudaStream_t stream) {
+    pipeline(
+        stream, [&](int h0, int h1, cudaStream_t s) { launch_project<CodeT>(x, tokens, h0, h1, s); },
+        [&](int h0, int h1, cudaStream_t s) { launch_rans_encode<CodeT>(tokens, h0, h1, s); });
+  }
+  template <typename CodeT>
+  void decode_all(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
+                  cudaStream_t stream) {
+    pipeline(
+        stream,
+        [&](int h0, int h1, cudaStream_t s) { launch_rans_decode<CodeT>(in, in_size, offsets, tokens, h0, h1, s); },
+        [&](int h0, int h1, cudaStream_t s) { launch_reconstruct<CodeT>(tokens, h0, h1, y, s); });
   }
 };
 
@@ -371,41 +606,65 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
   m.dev.max_code = upload(f.max_code, m.owned);
   m.dev.step = upload(f.step, m.owned);
   m.dev.recon_offset = upload(f.recon_offset, m.owned);
-  m.dev.scale_bits = upload(f.scale_bits, m.owned);
-  m.dev.sym_base = upload(f.sym_base, m.owned);
-  m.dev.sym_freq = upload(f.sym_freq, m.owned);
-  m.dev.sym_cum = upload(f.sym_cum, m.owned);
-  m.dev.slot_base = upload(f.slot_base, m.owned);
+  // Packed look-up tables: one load per component, one or two per symbol.
+  std::vector<uint4> comp(f.scale_bits.size());
+  std::vector<uint2> sym_fc(std::max<size_t>(1, f.sym_freq.size()));
+  std::vector<uint4> sym_enc(sym_fc.size());
+  for (size_t q = 0; q < comp.size(); ++q) {
+    comp[q] = make_uint4(uint32_t(f.slot_base[q]), uint32_t(f.slot_base[q] >> 32), f.sym_base[q], f.scale_bits[q]);
+    m.wide_codes = m.wide_codes || f.max_code[q] > 255.0f;
+  }
+  for (int h = 0; h < f.n_heads; ++h)
+    for (int k = 0; k < f.kept[size_t(h)]; ++k) {
+      const size_t q = f.idx(h, k);
+      const uint32_t levels = uint32_t(f.max_code[q]) + 1;
+      for (uint32_t s = 0; s < levels; ++s) {
+        const size_t i = f.sym_base[q] + s;
+        sym_fc[i] = make_uint2(f.sym_freq[i], f.sym_cum[i]);
+        sym_enc[i] = encoder_entry(f.sym_freq[i], f.sym_cum[i], f.scale_bits[q]);
+      }
+    }
+  m.dev.comp = upload(comp, m.owned);
+  m.dev.sym_fc = upload(sym_fc, m.owned);
+  m.dev.sym_enc = upload(sym_enc, m.owned);
   m.dev.slot_symbol = upload(f.slot_symbol, m.owned);
   m.max_tokens = max_tokens;
   m.cap = (kStateBytes + 2ull * kT * uint64_t(f.k_pad) + 15) / 16 * 16;
-  const int64_t ns = n_streams(max_tokens);
-  void* p = nullptr;
-  check_cuda(cudaMalloc(&p, size_t(ns) * m.cap), "cudaMalloc (scratch)");
-  m.owned.push_back(p);
-  m.scratch = static_cast<uint8_t*>(p);
-  check_cuda(cudaMalloc(&p, size_t(ns) * 8), "cudaMalloc (sizes)");
-  m.owned.push_back(p);
-  m.sizes = static_cast<uint64_t*>(p);
-  check_cuda(cudaMalloc(&p, size_t(ns + 1) * 8), "cudaMalloc (offsets)");
-  m.owned.push_back(p);
-  m.scan_out = static_cast<uint64_t*>(p);
+  // Code slots for a whole number of projection tiles (two streams each).
+  const int64_t ns = int64_t(f.n_heads) * ((n_blocks(max_tokens, kT) + 1) / 2 * 2);
+  const size_t code_bytes = m.wide_codes ? 2 : 1;
+  auto alloc = [&](size_t bytes, const char* what) {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, std::max<size_t>(bytes, 16)), what);
+    m.owned.push_back(p);
+    return p;
+  };
+  m.scratch = static_cast<uint8_t*>(alloc(size_t(ns) * m.cap, "cudaMalloc (scratch)"));
+  m.codes = alloc(size_t(ns) * kT * size_t(f.k_pad) * code_bytes, "cudaMalloc (code slots)");
+  m.bad = static_cast<uint8_t*>(alloc(size_t(ns), "cudaMalloc (flags)"));
+  m.sizes = static_cast<uint64_t*>(alloc(size_t(ns) * 8, "cudaMalloc (sizes)"));
+  m.scan_out = static_cast<uint64_t*>(alloc(size_t(ns + 1) * 8, "cudaMalloc (offsets)"));
   check_cuda(cub::DeviceScan::InclusiveSum(nullptr, m.cub_temp_bytes, m.sizes, m.scan_out + 1, int(ns)), "cub size");
-  check_cuda(cudaMalloc(&m.cub_temp, std::max<size_t>(m.cub_temp_bytes, 16)), "cudaMalloc (scan)");
-  m.owned.push_back(m.cub_temp);
-  check_cuda(cudaMalloc(&p, 8), "cudaMalloc (errors)");
-  m.owned.push_back(p);
-  m.err = static_cast<int*>(p);
+  m.cub_temp = alloc(m.cub_temp_bytes, "cudaMalloc (scan)");
+  m.err = static_cast<int*>(alloc(8, "cudaMalloc (errors)"));
+  void* p = nullptr;
   check_cuda(cudaMallocHost(&p, 8), "cudaMallocHost");
   m.total_host = static_cast<uint64_t*>(p);
-  const size_t enc_smem = size_t(f.dim) * kTPad * 4 + size_t(kT) * f.k_pad * 2;
-  const size_t dec_smem = size_t(f.k_pad) * kTPad * 4;
+  const int proj_smem = int(size_t(f.dim) * kTilePad * 4 + 2 * size_t(kT) * f.k_pad * code_bytes);
+  const int rec_smem = int(size_t(f.k_pad) * kTilePad * 4);
+  auto attr = [](const void* fn, int bytes) {
+    check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
+  };
   if (f.dim == 64) {
-    check_cuda(cudaFuncSetAttribute(encode_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(enc_smem)), "attr");
-    check_cuda(cudaFuncSetAttribute(decode_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dec_smem)), "attr");
+    attr(reinterpret_cast<const void*>(project_kernel<64, uint8_t>), proj_smem);
+    attr(reinterpret_cast<const void*>(project_kernel<64, uint16_t>), proj_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_kernel<64, uint8_t>), rec_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_kernel<64, uint16_t>), rec_smem);
   } else {
-    check_cuda(cudaFuncSetAttribute(encode_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(enc_smem)), "attr");
-    check_cuda(cudaFuncSetAttribute(decode_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dec_smem)), "attr");
+    attr(reinterpret_cast<const void*>(project_kernel<128, uint8_t>), proj_smem);
+    attr(reinterpret_cast<const void*>(project_kernel<128, uint16_t>), proj_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_kernel<128, uint8_t>), rec_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_kernel<128, uint16_t>), rec_smem);
   }
 }
 
@@ -415,6 +674,33 @@ int KvtcGpuCodec::n_heads() const { return impl_->flat.n_heads; }
 int KvtcGpuCodec::head_dim() const { return impl_->flat.dim; }
 int64_t KvtcGpuCodec::n_streams(int64_t tokens) const { return int64_t(impl_->flat.n_heads) * n_blocks(tokens, kT); }
 uint64_t KvtcGpuCodec::max_encoded_bytes(int64_t tokens) const { return uint64_t(n_streams(tokens)) * impl_->cap; }
+
+void KvtcGpuCodec::set_phase_timing(bool on) {
+  Impl& m = *impl_;
+  if (on && !m.ev[0])
+    for (cudaEvent_t& e : m.ev) check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+  m.timing = on;
+  m.ev_used = 0;
+}
+
+void KvtcGpuCodec::set_pipeline_chunks(int chunks) {
+  if (chunks < 1 || chunks > 1024)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: pipeline chunks = " + std::to_string(chunks) + " (allowed 1..1024)");
+  impl_->chunks = chunks;
+}
+
+std::vector<double> KvtcGpuCodec::last_phase_ms() const {
+  const Impl& m = *impl_;
+  std::vector<double> out;
+  if (!m.timing) return out;
+  for (int i = 1; i < m.ev_used; ++i) {
+    check_cuda(cudaEventSynchronize(m.ev[i]), "event sync");
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, m.ev[i - 1], m.ev[i]), "event time");
+    out.push_back(double(ms));
+  }
+  return out;
+}
 
 namespace {
 void check_tokens(int64_t tokens, int64_t max_tokens) {
@@ -428,20 +714,18 @@ void check_aligned(const void* p, const char* what) {
 }
 }  // namespace
 
+
 uint64_t KvtcGpuCodec::encode(const uint16_t* x, int64_t tokens, uint8_t* out, uint64_t capacity, uint64_t* offsets,
                               void* stream_ptr) {
   Impl& m = *impl_;
   check_tokens(tokens, m.max_tokens);
   check_aligned(x, "input x");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const int64_t nb = n_blocks(tokens, kT);
   const int64_t ns = n_streams(tokens);
-  const size_t smem = size_t(m.flat.dim) * kTPad * 4 + size_t(kT) * m.flat.k_pad * 2;
-  if (m.flat.dim == 64)
-    encode_kernel<64><<<unsigned(ns), kThreads, smem, stream>>>(m.dev, x, tokens, nb, m.scratch, m.cap, m.sizes);
+  if (m.wide_codes)
+    m.encode_front<uint16_t>(x, tokens, stream);
   else
-    encode_kernel<128><<<unsigned(ns), kThreads, smem, stream>>>(m.dev, x, tokens, nb, m.scratch, m.cap, m.sizes);
-  check_cuda(cudaGetLastError(), "encode_kernel launch");
+    m.encode_front<uint8_t>(x, tokens, stream);
   check_cuda(cudaMemsetAsync(m.scan_out, 0, 8, stream), "memset");
   size_t tb = m.cub_temp_bytes;
   check_cuda(cub::DeviceScan::InclusiveSum(m.cub_temp, tb, m.sizes, m.scan_out + 1, int(ns), stream), "scan");
@@ -451,9 +735,10 @@ uint64_t KvtcGpuCodec::encode(const uint16_t* x, int64_t tokens, uint8_t* out, u
   if (total > capacity)
     throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu encode: output needs " + std::to_string(total) +
                                                  " bytes, capacity is " + std::to_string(capacity));
-  pack_kernel<<<unsigned(ns), 256, 0, stream>>>(m.scratch, m.cap, m.sizes, m.scan_out, out);
+  pack_kernel<<<unsigned((ns + 7) / 8), 256, 0, stream>>>(m.scratch, m.cap, m.sizes, m.scan_out, out, ns);
   check_cuda(cudaGetLastError(), "pack_kernel launch");
   check_cuda(cudaMemcpyAsync(offsets, m.scan_out, size_t(ns + 1) * 8, cudaMemcpyDefault, stream), "offsets");
+  m.mark(3, stream);
   return total;
 }
 
@@ -463,16 +748,12 @@ void KvtcGpuCodec::decode(const uint8_t* in, uint64_t in_size, const uint64_t* o
   check_tokens(tokens, m.max_tokens);
   check_aligned(y, "output y");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const int64_t nb = n_blocks(tokens, kT);
-  const int64_t ns = n_streams(tokens);
   const int init[2] = {0, 0x7fffffff};
   check_cuda(cudaMemcpyAsync(m.err, init, 8, cudaMemcpyHostToDevice, stream), "reset errors");
-  const size_t smem = size_t(m.flat.k_pad) * kTPad * 4;
-  if (m.flat.dim == 64)
-    decode_kernel<64><<<unsigned(ns), kThreads, smem, stream>>>(m.dev, in, in_size, offsets, tokens, nb, y, m.err);
+  if (m.wide_codes)
+    m.decode_all<uint16_t>(in, in_size, offsets, tokens, y, stream);
   else
-    decode_kernel<128><<<unsigned(ns), kThreads, smem, stream>>>(m.dev, in, in_size, offsets, tokens, nb, y, m.err);
-  check_cuda(cudaGetLastError(), "decode_kernel launch");
+    m.decode_all<uint8_t>(in, in_size, offsets, tokens, y, stream);
 }
 
 void KvtcGpuCodec::check_errors(void* stream_ptr) {

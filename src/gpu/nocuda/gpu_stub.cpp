@@ -24,5 +24,15 @@ uint64_t KvtcGpuCodec::max_encoded_bytes(int64_t) const { absent(); }
 uint64_t KvtcGpuCodec::encode(const uint16_t*, int64_t, uint8_t*, uint64_t, uint64_t*, void*) { absent(); }
 void KvtcGpuCodec::decode(const uint8_t*, uint64_t, const uint64_t*, int64_t, uint16_t*, void*) { absent(); }
 void KvtcGpuCodec::check_errors(void*) { absent(); }
+void KvtcGpuCodec::set_phase_timing(bool) { absent(); }
+void KvtcGpuCodec::set_pipeline_chunks(int) { absent(); }
+std::vector<double> KvtcGpuCodec::last_phase_ms() const { absent(); }
+
+struct PaluGpuCodec::Impl {};
+PaluGpuCodec::PaluGpuCodec(const palu::Projection&, int, int, int64_t) { absent(); }
+PaluGpuCodec::~PaluGpuCodec() = default;
+uint64_t PaluGpuCodec::group_bytes() const { absent(); }
+void PaluGpuCodec::encode(const uint16_t*, int64_t, uint8_t*, void*) { absent(); }
+void PaluGpuCodec::decode(const uint8_t*, int64_t, uint16_t*, void*) { absent(); }
 
 }  // namespace kvcodec::gpu
