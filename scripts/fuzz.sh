@@ -39,10 +39,16 @@ if [ ${#targets[@]} -eq 0 ]; then
   exit 0
 fi
 
-echo "fuzz.sh: configuring $build with clang (targets: ${targets[*]})"
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_COMPILER=clang++ \
-  -DKVCODEC_FUZZ=ON -DKVCODEC_TESTS=OFF -DKVCODEC_BENCH=OFF >/dev/null
+# A build folder already configured for fuzzing (scripts/test.sh's sanitizer
+# build) is reused as it is; otherwise configure a fuzz-only one.
+if grep -q '^KVCODEC_FUZZ:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null; then
+  echo "fuzz.sh: reusing $build (targets: ${targets[*]})"
+else
+  echo "fuzz.sh: configuring $build with clang (targets: ${targets[*]})"
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_COMPILER=clang++ \
+    -DKVCODEC_FUZZ=ON -DKVCODEC_TESTS=OFF -DKVCODEC_BENCH=OFF >/dev/null
+fi
 # Only the fuzz targets (and the libraries they link), not the whole tree.
 cmake --build "$build" -j"$jobs" --target "${targets[@]}"
 
@@ -61,6 +67,11 @@ for t in "${targets[@]}"; do
     cp -r "fuzz/corpus/$t/." "$corpus/"
   else
     echo "fuzz.sh: $t has no fuzz/corpus/$t; starting from an empty corpus"
+  fi
+  # Saved caches of every method (golden files checked by test_cache) seed
+  # the cache loader: the fuzzer starts from valid files of each layout.
+  if [ "$t" = fuzz_cache_load ] && [ -d tests/data/saved_caches ]; then
+    cp tests/data/saved_caches/*.kvc "$corpus/"
   fi
   echo "== $t: ${per}s"
   if ! ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1} \

@@ -20,8 +20,14 @@ namespace {
 
 // Under the sanitizers (Debug, unoptimised Eigen) one layer keeps CI fast;
 // the Release run surveys all six.
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__)  // g++
 constexpr int kLayers = 1;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)  // clang
+constexpr int kLayers = 1;
+#else
+constexpr int kLayers = 6;
+#endif
 #else
 constexpr int kLayers = 6;
 #endif
