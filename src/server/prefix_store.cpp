@@ -180,10 +180,10 @@ void PrefixStore::index_existing(uint64_t id, const std::vector<int32_t>& tokens
 
 bool PrefixStore::put(const PrefixEntry& entry) {
   const int64_t n = int64_t(entry.tokens.size());
-  if (n == 0 || n % block_ != 0)
+  if (n < block_)
     throw Error(ErrorCode::kInvalidArgument, "prefix store: an entry of " + std::to_string(n) +
-                                                 " tokens is not a non-zero multiple of the block (" +
-                                                 std::to_string(block_) + ")");
+                                                 " tokens is shorter than one block (" + std::to_string(block_) +
+                                                 "), so no lookup could find it");
   if (entry.scope != scope_)
     throw Error(ErrorCode::kInvalidArgument, "prefix store: entry scope '" + entry.scope + "' is not the store's '" + scope_ + "'");
   std::vector<uint8_t> blob = encode_prefix_entry(entry);
@@ -194,6 +194,24 @@ bool PrefixStore::put(const PrefixEntry& entry) {
     return false;
   }
   drop_locked(id);  // same tokens: the new bytes replace the old
+  // An entry whose tokens are a prefix of the new one holds nothing the new
+  // one does not (a conversation's previous turn): drop it, so the budget
+  // keeps distinct conversations rather than every turn of one.
+  std::vector<uint64_t> older;
+  for (uint64_t h : prefix_boundary_hashes(entry.tokens.data(), n, block_)) {
+    auto b = boundary_index_.find(h);
+    if (b == boundary_index_.end()) continue;
+    for (uint64_t other : b->second) {
+      const auto& ot = entries_.at(other).tokens;
+      if (ot.size() <= size_t(n) && std::equal(ot.begin(), ot.end(), entry.tokens.begin())) older.push_back(other);
+    }
+  }
+  std::sort(older.begin(), older.end());
+  older.erase(std::unique(older.begin(), older.end()), older.end());
+  for (uint64_t other : older) {
+    drop_locked(other);
+    ++stats_.superseded;
+  }
   evict_to_fit_locked(blob.size());
   write_blob(id, blob);
   insert_locked(id, entry.tokens, blob.size(), entry.bytes, true);
@@ -201,48 +219,61 @@ bool PrefixStore::put(const PrefixEntry& entry) {
   return true;
 }
 
-std::optional<PrefixMatch> PrefixStore::lookup_once_locked(const int32_t* tokens, const std::vector<uint64_t>& hashes,
-                                                           bool& retry) {
+std::optional<PrefixMatch> PrefixStore::lookup_once_locked(const int32_t* tokens, int64_t limit,
+                                                           const std::vector<uint64_t>& hashes, bool& retry) {
   retry = false;
+  // The deepest boundary with a candidate gives the longest match: an entry
+  // sharing more than (k+1) blocks would also be indexed at boundary k+1.
   for (int64_t k = int64_t(hashes.size()); k >= 1; --k) {
     auto b = boundary_index_.find(hashes[size_t(k - 1)]);
     if (b == boundary_index_.end()) continue;
     const int64_t len = k * block_;
-    // Most recently used first among the entries sharing this prefix.
-    std::vector<uint64_t> ids = b->second;
-    std::vector<std::pair<size_t, uint64_t>> ranked;
-    for (uint64_t id : ids) {
+    // Confirm against the stored tokens (a hash collision never serves a
+    // wrong cache) and extend token by token past the boundary, so a prompt
+    // that diverges mid-block (a re-tokenized reply, a new message) still
+    // reuses everything it shares. Longest first, then most recently used.
+    struct Candidate {
+      int64_t shared;
+      size_t rank;
+      uint64_t id;
+    };
+    std::vector<Candidate> ranked;
+    for (uint64_t id : b->second) {
       auto it = entries_.find(id);
       if (it == entries_.end()) continue;
-      ranked.emplace_back(size_t(std::distance(lru_.begin(), it->second.lru)), id);
-    }
-    std::sort(ranked.begin(), ranked.end());
-    for (const auto& [rank, id] : ranked) {
-      (void)rank;
-      auto it = entries_.find(id);
       const auto& st = it->second.tokens;
       if (int64_t(st.size()) < len || !std::equal(st.begin(), st.begin() + len, tokens)) continue;  // collision
-      std::optional<std::vector<uint8_t>> blob = read_blob(id);
-      PrefixMatch m;
-      bool ok = false;
-      if (blob) {
-        try {
-          m.entry = decode_prefix_entry(blob->data(), blob->size(), "prefix entry " + std::to_string(id));
-          ok = m.entry.scope == scope_ && m.entry.tokens == st;
-        } catch (const Error&) {
-          ok = false;
-        }
-      }
-      if (!ok) {
-        ++stats_.corrupt_dropped;
-        drop_locked(id);
-        retry = true;  // the index changed under the loop
-        return std::nullopt;
-      }
-      lru_.splice(lru_.begin(), lru_, it->second.lru);
-      m.matched_tokens = len;
-      return m;
+      int64_t shared = len;
+      const int64_t most = std::min<int64_t>(limit, int64_t(st.size()));
+      while (shared < most && st[size_t(shared)] == tokens[shared]) ++shared;
+      ranked.push_back({shared, size_t(std::distance(lru_.begin(), it->second.lru)), id});
     }
+    if (ranked.empty()) continue;
+    std::sort(ranked.begin(), ranked.end(), [](const Candidate& x, const Candidate& y) {
+      return x.shared != y.shared ? x.shared > y.shared : x.rank < y.rank;
+    });
+    const Candidate best = ranked.front();
+    auto it = entries_.find(best.id);
+    std::optional<std::vector<uint8_t>> blob = read_blob(best.id);
+    PrefixMatch m;
+    bool ok = false;
+    if (blob) {
+      try {
+        m.entry = decode_prefix_entry(blob->data(), blob->size(), "prefix entry " + std::to_string(best.id));
+        ok = m.entry.scope == scope_ && m.entry.tokens == it->second.tokens;
+      } catch (const Error&) {
+        ok = false;
+      }
+    }
+    if (!ok) {
+      ++stats_.corrupt_dropped;
+      drop_locked(best.id);
+      retry = true;  // the index changed under the loop
+      return std::nullopt;
+    }
+    lru_.splice(lru_.begin(), lru_, it->second.lru);
+    m.matched_tokens = best.shared;
+    return m;
   }
   return std::nullopt;
 }
@@ -254,7 +285,7 @@ std::optional<PrefixMatch> PrefixStore::lookup(const int32_t* tokens, int64_t n,
   ++stats_.lookups;
   bool retry = true;
   std::optional<PrefixMatch> m;
-  while (retry) m = lookup_once_locked(tokens, hashes, retry);
+  while (retry) m = lookup_once_locked(tokens, limit, hashes, retry);
   if (m) {
     ++stats_.hits;
     stats_.reused_tokens += uint64_t(m->matched_tokens);
@@ -302,7 +333,7 @@ DiskPrefixStore::DiskPrefixStore(std::string scope, int64_t block, uint64_t budg
       if (blob) {
         const PrefixEntry e = decode_prefix_entry(blob->data(), blob->size(), path.string());
         if (e.scope != this->scope()) continue;  // another method's entry: not ours to judge
-        ok = int64_t(e.tokens.size()) % block == 0 && hash_tokens(e.tokens.data(), int64_t(e.tokens.size())) == id;
+        ok = int64_t(e.tokens.size()) >= block && hash_tokens(e.tokens.data(), int64_t(e.tokens.size())) == id;
         if (ok) index_existing(id, e.tokens, blob->size(), e.bytes);
       }
     } catch (const Error&) {

@@ -66,11 +66,12 @@ struct PrefixStoreStats {
   PrefixBytes cache_bytes;   // summed telemetry of the stored caches
   uint64_t lookups = 0, hits = 0, reused_tokens = 0;
   uint64_t stores = 0, evictions = 0, rejected_too_large = 0, corrupt_dropped = 0;
+  uint64_t superseded = 0;  // entries dropped because a new entry extends them
   double hit_rate() const { return lookups ? double(hits) / double(lookups) : 0.0; }
 };
 
 struct PrefixMatch {
-  int64_t matched_tokens = 0;   // shared prefix length, a multiple of the block
+  int64_t matched_tokens = 0;   // shared prefix length, tokens (found at a block boundary, then extended)
   PrefixEntry entry;            // entry.tokens.size() >= matched_tokens
 };
 
@@ -82,15 +83,18 @@ class PrefixStore {
   PrefixStore(const PrefixStore&) = delete;
   PrefixStore& operator=(const PrefixStore&) = delete;
 
-  // Stores the entry (its tokens must be a non-zero multiple of block long);
+  // Stores the entry (at least one block of tokens, any length beyond);
   // evicts least recently used entries to stay within the budget. An entry
   // larger than the whole budget is not stored. Replaces an entry for the
-  // same tokens. Returns whether it was stored.
+  // same tokens and drops entries whose tokens are a prefix of the new one
+  // (superseded). Returns whether it was stored.
   bool put(const PrefixEntry& entry);
 
   // The longest stored prefix of tokens[0 .. n) that is at most max_tokens
-  // long, at a block boundary. Counts a lookup (and a hit). A corrupted
-  // entry is dropped and the search goes on with shorter prefixes.
+  // long: found through the block-boundary index (so at least one block
+  // must be shared), then extended token by token against the stored ids.
+  // Counts a lookup (and a hit). A corrupted entry is dropped and the
+  // search goes on.
   std::optional<PrefixMatch> lookup(const int32_t* tokens, int64_t n, int64_t max_tokens);
 
   PrefixStoreStats stats() const;
@@ -122,7 +126,8 @@ class PrefixStore {
   void insert_locked(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size, const PrefixBytes& bytes,
                      bool most_recent);
   // One pass of lookup(); sets `retry` when it dropped a corrupted entry.
-  std::optional<PrefixMatch> lookup_once_locked(const int32_t* tokens, const std::vector<uint64_t>& hashes, bool& retry);
+  std::optional<PrefixMatch> lookup_once_locked(const int32_t* tokens, int64_t limit, const std::vector<uint64_t>& hashes,
+                                                bool& retry);
 
   std::string scope_;
   int64_t block_;

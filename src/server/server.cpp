@@ -85,6 +85,7 @@ struct Job {
   std::string finish_reason = "length";
   int64_t completion_tokens = 0;
   int64_t reused_tokens = 0;
+  double prefix_load_ms = 0.0;  // looking up, decoding and trimming the stored caches
   double ttft_ms = 0.0;
   std::atomic<bool> cancelled{false};
 };
@@ -163,6 +164,33 @@ std::string text_of(const json& v, const std::string& what) {
   throw HttpError{400, what + " must be a string"};
 }
 
+// A plain transcript of body["messages"]: the shipped model has no chat
+// template. Each turn is "<role>: <content>\n" (no added space when the
+// content starts with whitespace); it ends with "assistant:" for the reply.
+// Throws HttpError naming the bad message.
+std::string chat_transcript(const json& j) {
+  if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
+    throw HttpError{400, "field 'messages' must be a non-empty array"};
+  std::string text;
+  for (size_t i = 0; i < j["messages"].size(); ++i) {
+    const json& m = j["messages"][i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
+      throw HttpError{400, where + " must be an object with 'role' and 'content'"};
+    const std::string role = m["role"].get<std::string>();
+    if (role != "system" && role != "user" && role != "assistant")
+      throw HttpError{400, where + ".role '" + role + "' is not one of system, user, assistant"};
+    // The separating space is left out when the content already starts
+    // with whitespace: the model's replies usually do (the prompt ends with
+    // "assistant:"), and a reply sent back must re-tokenize to the tokens
+    // it was generated as, or the prefix store cannot reuse them.
+    const std::string content = text_of(m["content"], where + ".content");
+    const bool spaced = !content.empty() && (content[0] == ' ' || content[0] == '\n' || content[0] == '\t');
+    text += role + ":" + (spaced ? "" : " ") + content + "\n";
+  }
+  return text + "assistant:";
+}
+
 // Builds the job from an OpenAI request body; throws HttpError for anything wrong.
 std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
   static const std::set<std::string> common = {"model", "max_tokens", "max_completion_tokens", "temperature",
@@ -184,21 +212,7 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
   job->chat = chat;
   std::string text;
   if (chat) {
-    if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
-      throw HttpError{400, "field 'messages' must be a non-empty array"};
-    // A plain transcript: the shipped model has no chat template. Each turn
-    // is "<role>: <content>\n"; the prompt ends with "assistant:" for the reply.
-    for (size_t i = 0; i < j["messages"].size(); ++i) {
-      const json& m = j["messages"][i];
-      const std::string where = "messages[" + std::to_string(i) + "]";
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
-        throw HttpError{400, where + " must be an object with 'role' and 'content'"};
-      const std::string role = m["role"].get<std::string>();
-      if (role != "system" && role != "user" && role != "assistant")
-        throw HttpError{400, where + ".role '" + role + "' is not one of system, user, assistant"};
-      text += role + ": " + text_of(m["content"], where + ".content") + "\n";
-    }
-    text += "assistant:";
+    text = chat_transcript(j);
   } else {
     if (!j.contains("prompt")) throw HttpError{400, "field 'prompt' is required"};
     const json& p = j["prompt"];
@@ -273,8 +287,9 @@ void push_piece(Job& job, const std::string& piece) {
 void run_job(ServerState& s, Job& job) {
   const auto& cfg = s.model->config();
   const int64_t n = int64_t(job.prompt.size());
-  // Reuse: the longest stored block prefix, leaving at least one prompt
-  // token to prefill (its logits give the first generated token).
+  // Reuse: the longest stored prefix, leaving at least one prompt token to
+  // prefill (its logits give the first generated token).
+  const Clock::time_point load_start = Clock::now();
   std::optional<PrefixMatch> match;
   if (s.store) match = s.store->lookup(job.prompt.data(), n, n - 1);
   model::CacheFactory factory;
@@ -308,6 +323,7 @@ void run_job(ServerState& s, Job& job) {
   }
   const int64_t reused = session->position();
   job.reused_tokens = reused;
+  job.prefix_load_ms = match ? ms_since(load_start) : 0.0;
   std::vector<int32_t> rest(job.prompt.begin() + reused, job.prompt.end());
 
   std::string held;  // bytes waiting for the rest of a UTF-8 character or a possible stop string
@@ -360,29 +376,34 @@ void run_job(ServerState& s, Job& job) {
     s.tokens_seen += uint64_t(session->position());
   }
   if (s.store && !job.cancelled.load()) {
+    // Keep the caches as they are after generation, reply tokens included
+    // (the last generated token was never fed, so it is not in them), keyed
+    // by the token ids actually in the caches. The next turn of a
+    // conversation sends the reply back as text; where its re-tokenization
+    // or the new message diverges, lookup() extends the match token by
+    // token, so everything shared is reused, not just whole blocks.
     const int64_t pos = session->position();
-    const int64_t aligned = pos / s.store->block() * s.store->block();
-    if (aligned > reused) {
+    if (pos >= s.store->block() && pos > reused) {
       std::vector<int32_t> fed(job.prompt);
       fed.insert(fed.end(), generated.begin(), generated.end());
       fed.resize(size_t(pos));
-      bool ok = true;
-      for (const auto& c : session->caches())
-        if (pos > aligned && (!c->is_trimmable() || c->trim(pos - aligned) != pos - aligned)) ok = false;
-      if (ok) {
-        PrefixEntry e;
-        e.scope = s.scope;
-        e.tokens.assign(fed.begin(), fed.begin() + aligned);
-        const CacheStats kept = session->cache_stats();
-        e.bytes = {kept.compressed_key_bytes, kept.compressed_value_bytes, kept.fp16_key_bytes, kept.fp16_value_bytes};
-        for (const auto& c : session->caches()) e.layers.push_back(c->save());
-        s.store->put(e);
-      }
+      PrefixEntry e;
+      e.scope = s.scope;
+      e.tokens = std::move(fed);
+      e.bytes = {st.compressed_key_bytes, st.compressed_value_bytes, st.fp16_key_bytes, st.fp16_value_bytes};
+      for (const auto& c : session->caches()) e.layers.push_back(c->save());
+      s.store->put(e);
     }
   }
 }
 
 void worker_loop(ServerState& s) {
+  // OpenMP's thread count is per thread: set on the main thread it would not
+  // reach this one, and the model would fork a team of every core (measured:
+  // with --threads 1 ignored, half the CPU time went to libgomp barrier
+  // spinning on the loaded 2-core machine, and TTFT of a 5-token prefill over
+  // 1441 cached tokens was ~1.2 s).
+  if (s.opt.threads > 0) omp_set_num_threads(s.opt.threads);
   for (;;) {
     std::shared_ptr<Job> job;
     {
@@ -440,7 +461,7 @@ json usage_of(const Job& job) {
 }
 
 json kvcodec_extra(const Job& job) {
-  return {{"reused_prompt_tokens", job.reused_tokens}, {"ttft_ms", job.ttft_ms}};
+  return {{"reused_prompt_tokens", job.reused_tokens}, {"ttft_ms", job.ttft_ms}, {"prefix_load_ms", job.prefix_load_ms}};
 }
 
 json final_response(const ServerState& s, const Job& job) {
@@ -505,7 +526,8 @@ json stats_json(ServerState& s) {
                        {"budget_bytes", ps.budget_bytes}, {"block_tokens", s.opt.prefix_block},
                        {"lookups", ps.lookups}, {"hits", ps.hits}, {"hit_rate", ps.hit_rate()},
                        {"reused_tokens", ps.reused_tokens}, {"stores", ps.stores}, {"evictions", ps.evictions},
-                       {"rejected_too_large", ps.rejected_too_large}, {"corrupt_dropped", ps.corrupt_dropped}};
+                       {"rejected_too_large", ps.rejected_too_large}, {"corrupt_dropped", ps.corrupt_dropped},
+                       {"superseded", ps.superseded}};
   j["requests"] = {{"served", s.served}, {"queued", s.queue.size()}, {"running", s.busy ? 1 : 0},
                    {"max_queue", s.opt.max_queue}, {"rejected_queue_full", s.rejected_full},
                    {"cancelled", s.cancelled}, {"failed", s.failed},
@@ -741,6 +763,31 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   });
   http.Get("/", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(kDashboardHtml, sizeof(kDashboardHtml) - 1, "text/html; charset=utf-8");
+  });
+  http.Post("/tokenize", [&s](const httplib::Request& req, httplib::Response& res) {
+    // Token count of a prompt or a chat, as a request would see it (vLLM's
+    // /tokenize shape), so a client can size prompts to the context without
+    // guessing characters per token. Runs on the HTTP thread: encode() is const.
+    try {
+      const json j = parse_body(req.body);
+      for (const auto& [key, value] : j.items()) {
+        (void)value;
+        if (key != "prompt" && key != "messages" && key != "model")
+          throw HttpError{400, "unknown or unsupported field '" + key + "'"};
+      }
+      if (j.contains("prompt") == j.contains("messages"))
+        throw HttpError{400, "give exactly one of 'prompt' (a string) and 'messages'"};
+      std::string text;
+      if (j.contains("messages")) text = chat_transcript(j);
+      else if (j["prompt"].is_string()) text = j["prompt"].get<std::string>();
+      else throw HttpError{400, "field 'prompt' must be a string"};
+      const std::vector<int32_t> ids = s.tok->encode(text);
+      res.set_content(dump({{"count", ids.size()}, {"max_model_len", s.model->config().max_position_embeddings},
+                            {"max_prompt_tokens", s.max_prompt}, {"tokens", ids}}),
+                      "application/json");
+    } catch (const HttpError& e) {
+      send_error(res, e.status, e.message, e.type);
+    }
   });
   http.Post("/v1/completions", [&s](const httplib::Request& req, httplib::Response& res) {
     handle_generate(s, req, res, false);

@@ -193,6 +193,41 @@ TEST_F(ServerTest, PrefixReuseGivesSameOutput) {
   EXPECT_GT(s["tokens"]["retained"].get<uint64_t>(), 0u);
 }
 
+TEST_F(ServerTest, ConversationReusesThePreviousTurnAndItsReply) {
+  // Turn 2 sends turn 1's prompt, the reply text and a new message. The
+  // store keeps the caches with the reply tokens, and the match extends past
+  // the last block boundary, so all but the few tokens where the reply text
+  // re-tokenizes differently are reused.
+  std::string prompt;
+  for (int i = 0; i < 8; ++i) prompt += "def g" + std::to_string(i) + "(y):\n    return y + " + std::to_string(i) + "\n";
+  const json first = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 6}}.dump(), 200);
+  const int64_t n1 = first["usage"]["prompt_tokens"].get<int64_t>();
+  ASSERT_GT(n1, 40);
+  const std::string turn2 = prompt + first["choices"][0]["text"].get<std::string>() + "\nprint(g1(2))\n";
+  const json second = post("/v1/completions", json{{"prompt", turn2}, {"max_tokens", 2}}.dump(), 200);
+  const int64_t reused = second["kvcodec"]["reused_prompt_tokens"].get<int64_t>();
+  EXPECT_GE(reused, n1 - 2);  // not cut back to a block boundary (16 here)
+  EXPECT_LT(reused, second["usage"]["prompt_tokens"].get<int64_t>());
+  EXPECT_GE(second["kvcodec"]["prefix_load_ms"].get<double>(), 0.0);
+  EXPECT_GE(get("/v1/kv/stats")["prefix_store"]["superseded"].get<int>(), 1);  // turn 2 extends turn 1
+}
+
+TEST_F(ServerTest, TokenizeCountsLikeARequest) {
+  const std::string prompt = "import os\nprint(os.getcwd())\n";
+  const json t = post("/tokenize", json{{"prompt", prompt}}.dump(), 200);
+  const json r = post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 1}}.dump(), 200);
+  EXPECT_EQ(t["count"], r["usage"]["prompt_tokens"]);
+  EXPECT_EQ(t["tokens"].size(), t["count"].get<size_t>());
+  EXPECT_EQ(t["max_model_len"], 2048);
+  EXPECT_EQ(t["max_prompt_tokens"], 200);
+  const json chat = post("/tokenize", R"({"messages":[{"role":"user","content":"hi"}]})", 200);
+  EXPECT_GT(chat["count"].get<int>(), 2);
+  const json both = post("/tokenize", R"({"prompt":"a","messages":[]})", 400);
+  EXPECT_NE(both["error"]["message"].get<std::string>().find("exactly one"), std::string::npos);
+  const json odd = post("/tokenize", R"({"prompt":"a","max_tokens":3})", 400);
+  EXPECT_NE(odd["error"]["message"].get<std::string>().find("max_tokens"), std::string::npos);
+}
+
 TEST_F(ServerTest, StatsFields) {
   post("/v1/completions", R"({"prompt":"x = 1","max_tokens":2})", 200);
   const json s = get("/v1/kv/stats");

@@ -47,37 +47,81 @@ TEST(PrefixEntry, RoundTripsAndRejectsCorruption) {
   EXPECT_THROW(decode_prefix_entry(bytes.data(), bytes.size() / 2), Error);
 }
 
-TEST(PrefixStore, FindsLongestSharedBlockPrefix) {
+TEST(PrefixStore, FindsLongestSharedPrefixTokenByToken) {
   MemoryPrefixStore store("fp16", 4, 1 << 20);
   std::vector<int32_t> a = seq(12);
   ASSERT_TRUE(store.put(make_entry("fp16", a)));
-  // Same first 9 tokens, then different: the shared block prefix is 8.
+  // Same first 9 tokens, then different: found at the 8-token boundary,
+  // extended to the 9 shared tokens.
   std::vector<int32_t> q = seq(9);
   q.push_back(1000);
   q.push_back(1001);
   auto m = store.lookup(q.data(), int64_t(q.size()), int64_t(q.size()) - 1);
   ASSERT_TRUE(m);
-  EXPECT_EQ(m->matched_tokens, 8);
+  EXPECT_EQ(m->matched_tokens, 9);
   EXPECT_EQ(m->entry.tokens, a);
   // max_tokens caps the match (the server keeps at least one token to prefill).
   m = store.lookup(a.data(), 12, 11);
   ASSERT_TRUE(m);
-  EXPECT_EQ(m->matched_tokens, 8);
+  EXPECT_EQ(m->matched_tokens, 11);
   // Nothing shared in the first block: a miss.
   std::vector<int32_t> other = seq(12, 500);
   EXPECT_FALSE(store.lookup(other.data(), 12, 12));
   const auto st = store.stats();
   EXPECT_EQ(st.lookups, 3u);
   EXPECT_EQ(st.hits, 2u);
-  EXPECT_EQ(st.reused_tokens, 16u);
+  EXPECT_EQ(st.reused_tokens, 20u);
   EXPECT_EQ(st.entries, 1u);
   EXPECT_EQ(st.tokens, 12u);
   EXPECT_EQ(st.cache_bytes.compressed_value, 20u);
 }
 
-TEST(PrefixStore, RejectsMisalignedEntriesAndOtherScopes) {
+TEST(PrefixStore, PrefersTheLongestCandidateAtABoundary) {
+  MemoryPrefixStore store("m", 4, 1 << 20);
+  // Two entries share the first 8 tokens and differ after; the prompt
+  // follows the second one further, although the first is more recent.
+  std::vector<int32_t> x = seq(8), y = seq(8);
+  x.insert(x.end(), {50, 51, 52});
+  y.insert(y.end(), {60, 61, 62});
+  ASSERT_TRUE(store.put(make_entry("m", y)));
+  ASSERT_TRUE(store.put(make_entry("m", x)));
+  std::vector<int32_t> q = seq(8);
+  q.insert(q.end(), {60, 61, 99, 98});
+  auto m = store.lookup(q.data(), int64_t(q.size()), int64_t(q.size()) - 1);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->matched_tokens, 10);
+  EXPECT_EQ(m->entry.tokens, y);
+  // Sharing less than one block: nothing to find through the index.
+  std::vector<int32_t> short_q = {0, 1, 2, 77, 78};
+  EXPECT_FALSE(store.lookup(short_q.data(), 5, 4));
+}
+
+TEST(PrefixStore, AnEntryThatExtendsAnotherSupersedesIt) {
+  MemoryPrefixStore store("m", 4, 1 << 20);
+  ASSERT_TRUE(store.put(make_entry("m", seq(6))));   // turn 1
+  ASSERT_TRUE(store.put(make_entry("m", seq(6, 40))));  // another conversation
+  ASSERT_TRUE(store.put(make_entry("m", seq(10))));  // turn 2 extends turn 1
+  auto st = store.stats();
+  EXPECT_EQ(st.entries, 2u);
+  EXPECT_EQ(st.superseded, 1u);
+  EXPECT_EQ(st.tokens, 16u);
+  std::vector<int32_t> q = seq(6);
+  q.push_back(500);
+  auto m = store.lookup(q.data(), 7, 6);
+  ASSERT_TRUE(m);  // the longer entry serves the shorter prefix
+  EXPECT_EQ(m->matched_tokens, 6);
+  EXPECT_EQ(m->entry.tokens.size(), 10u);
+  // A branch (not a prefix) does not supersede.
+  std::vector<int32_t> branch = seq(5);
+  branch.push_back(900);
+  ASSERT_TRUE(store.put(make_entry("m", branch)));
+  EXPECT_EQ(store.stats().entries, 3u);
+}
+
+TEST(PrefixStore, RejectsEntriesShorterThanABlockAndOtherScopes) {
   MemoryPrefixStore store("fp16", 4, 1 << 20);
-  EXPECT_THROW(store.put(make_entry("fp16", seq(6))), Error);
+  EXPECT_THROW(store.put(make_entry("fp16", seq(3))), Error);
+  EXPECT_TRUE(store.put(make_entry("fp16", seq(6))));  // any length from one block up
   EXPECT_THROW(store.put(make_entry("kvtc", seq(8))), Error);
   EXPECT_THROW(MemoryPrefixStore("x", 0, 10), Error);
 }
