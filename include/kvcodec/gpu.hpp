@@ -1,5 +1,5 @@
 // kvcodec GPU codec: KVTC encode/decode of a batch of KV blocks resident on
-// an NVIDIA GPU, in the "kvtc-gpu/1" variant of the payload (see
+// an NVIDIA GPU, in the "kvtc-gpu/2" variant of the payload (see
 // docs/gpu.md; the CPU reads and writes it too, src/gpu/kvtc_variant.hpp).
 //
 // Built with -DKVCODEC_CUDA=ON; otherwise cuda_compiled() is false,
@@ -64,7 +64,7 @@ class KvtcGpuCodec {
   // encode: {projection, rANS, scan + pack}, decode: {rANS, reconstruction}.
   // Phase timing runs the phases one after the other (no pipelining).
   void set_phase_timing(bool on);
-  // The heads are cut into `chunks` ranges (default 8, at most the head
+  // The heads are cut into `chunks` ranges (default 1, at most the head
   // count) whose second stage (rANS encode, reconstruction) overlaps the
   // first stage (projection, rANS decode) of the next range on an internal
   // stream; the caller's stream waits for both. 1 = strictly in order.

@@ -153,20 +153,20 @@ std::vector<uint8_t> rans_warp_encode(const FlatKvtcTables& t, int h, const uint
   check_head(t, h);
   const int K = t.kept[size_t(h)];
   if (K == 0 || n <= 0) return {};
-  const int64_t nsym = n * K;
-  const int64_t steps = (nsym + kWarpLanes - 1) / kWarpLanes;
+  const int64_t passes = (n + kWarpLanes - 1) / kWarpLanes;  // steps per component
+  const int64_t steps = int64_t(K) * passes;
   uint32_t x[kWarpLanes];
   std::fill(x, x + kWarpLanes, kVariantRansLow);
   // Built backwards: step s's bytes (in decoder order) are prepended.
   std::vector<uint8_t> rev;  // reversed output: reversed chunks, last step first
   for (int64_t s = steps - 1; s >= 0; --s) {
+    const int k = int(s / passes);
+    const size_t q = t.idx(h, k);
     std::vector<uint8_t> chunk;
     for (int j = 0; j < kWarpLanes; ++j) {
-      const int64_t i = s * kWarpLanes + j;
-      if (i >= nsym) break;
-      const int k = int(i % K);
-      const size_t q = t.idx(h, k);
-      const uint16_t sym = codes[i];
+      const int64_t tok = (s % passes) * kWarpLanes + j;
+      if (tok >= n) break;
+      const uint16_t sym = codes[tok * K + k];
       if (float(sym) > t.max_code[q])
         throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu encode: code " + std::to_string(sym) + " of component " +
                                                      std::to_string(k) + " is outside its alphabet");
@@ -206,20 +206,24 @@ void rans_warp_decode(const FlatKvtcTables& t, int h, const uint8_t* data, size_
     if (x[j] < kVariantRansLow) bad_stream(h, "lane " + std::to_string(j) + " starts in an invalid state");
   }
   size_t pos = kStateBytes;
-  const int64_t nsym = n * K;
-  for (int64_t i = 0; i < nsym; ++i) {
-    const int j = int(i % kWarpLanes);
-    const size_t q = t.idx(h, int(i % K));
+  const int64_t passes = (n + kWarpLanes - 1) / kWarpLanes;
+  for (int64_t s = 0; s < int64_t(K) * passes; ++s) {
+    const int k = int(s / passes);
+    const size_t q = t.idx(h, k);
     const uint32_t scale = t.scale_bits[q];
-    const uint32_t slot = x[j] & ((1u << scale) - 1u);
-    const uint16_t sym = t.slot_symbol[t.slot_base[q] + slot];
-    const uint32_t f = t.sym_freq[t.sym_base[q] + sym], c = t.sym_cum[t.sym_base[q] + sym];
-    x[j] = f * (x[j] >> scale) + slot - c;
-    while (x[j] < kVariantRansLow) {
-      if (pos >= size) bad_stream(h, "truncated at symbol " + std::to_string(i));
-      x[j] = x[j] << 8 | data[pos++];
+    for (int j = 0; j < kWarpLanes; ++j) {
+      const int64_t tok = (s % passes) * kWarpLanes + j;
+      if (tok >= n) break;
+      const uint32_t slot = x[j] & ((1u << scale) - 1u);
+      const uint16_t sym = t.slot_symbol[t.slot_base[q] + slot];
+      const uint32_t f = t.sym_freq[t.sym_base[q] + sym], c = t.sym_cum[t.sym_base[q] + sym];
+      x[j] = f * (x[j] >> scale) + slot - c;
+      while (x[j] < kVariantRansLow) {
+        if (pos >= size) bad_stream(h, "truncated at step " + std::to_string(s));
+        x[j] = x[j] << 8 | data[pos++];
+      }
+      codes[tok * K + k] = sym;
     }
-    codes[i] = sym;
   }
   if (pos != size) bad_stream(h, std::to_string(size - pos) + " trailing bytes");
   for (int j = 0; j < kWarpLanes; ++j)

@@ -1,4 +1,4 @@
-// The GPU variant of the KVTC payload ("kvtc-gpu/1") and its plain CPU
+// The GPU variant of the KVTC payload ("kvtc-gpu/2") and its plain CPU
 // reference, compiled in every build so the CPU can read and write what the
 // GPU kernels produce (and CI tests the format without a GPU).
 //
@@ -21,12 +21,15 @@
 // Stream bytes (empty when K == 0): 32 lane states (u32 little-endian, lane 0
 // first; the encoder's final states = the decoder's initial ones), then the
 // renormalisation bytes in the order the decoder reads them. Symbols are
-// token-major (i = t*K + k, coded with component k's table) and symbol i goes
-// to lane i % 32. Decode step s handles symbols 32s..32s+31: each lane j
-// decodes x -> f*(x >> scale) + (x & mask) - cum, then reads bytes while x <
-// 2^23 (x = x << 8 | byte); step s's bytes are lane 0's, then lane 1's, ...
-// (a warp finds its offsets with a prefix count). A valid stream is consumed
-// exactly and ends with every lane back at 2^23.
+// component-major: with P = ceil(n / 32) passes, decode step s = k*P + p
+// codes component k of tokens p*32 + j on lane j (lanes with p*32 + j >= n
+// idle), so at every step all lanes use one component's table (kvtc-gpu/2;
+// /1 was token-major, lane = (t*K + k) % 32, and made the 32 lanes gather
+// from 32 different tables). Each lane j decodes x -> f*(x >> scale) + (x &
+// mask) - cum, then reads bytes while x < 2^23 (x = x << 8 | byte); step s's
+// bytes are lane 0's, then lane 1's, ... (a warp finds its offsets with a
+// prefix count). A valid stream is consumed exactly and ends with every lane
+// back at 2^23.
 #pragma once
 
 #include <cstddef>

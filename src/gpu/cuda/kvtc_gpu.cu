@@ -1,28 +1,32 @@
-// CUDA kernels of the kvtc-gpu/1 variant (contract: src/gpu/kvtc_variant.hpp).
+// CUDA kernels of the kvtc-gpu/2 variant (contract: src/gpu/kvtc_variant.hpp).
 //
-// Version 2: projection and entropy coding are separate kernels, so that each
-// runs at its own best shape (the fused v1 kept 3 of 4 warps idle during
-// rANS, whose table look-ups are latency-bound):
+// Projection and entropy coding are separate kernels, so that each runs at
+// its own best shape (the fused v1 kept 3 of 4 warps idle during rANS, whose
+// table look-ups are latency-bound), and consecutive head ranges are
+// pipelined on two streams (set_pipeline_chunks):
 //
 // encode
-//   project_kernel  CTA of 256 threads per (head, tile of 128 tokens = two
-//                   streams): x [128, D] bf16 -> shared (transposed, fp32,
-//                   mean removed); each thread an 8x8 tile of [128, K] with
-//                   its accumulators in registers, d ascending (the
-//                   reference's order); codes staged in shared, then stored
-//                   with 16-byte writes into a per-stream code slot (u8 when
-//                   every alphabet has <= 256 symbols, else u16).
-//   rans_encode_kernel  one warp per stream (4 per CTA, ~16 CTAs per SM in
-//                   flight): 32 lanes, steps in reverse, reciprocal multiply
-//                   instead of division (exact for states < 2^31), one
-//                   16-byte table entry per symbol; bytes written backwards
-//                   into the stream's scratch slot.
+//   project_kernel  CTA of 256 threads (2 per SM) per (head, tile of 128
+//                   tokens = two streams): x [128, D] bf16 -> shared
+//                   (transposed, fp32, mean removed); each thread an 8x8
+//                   tile of [128, K] with its accumulators in registers, d
+//                   ascending (the reference's order); codes staged in shared
+//                   component-major [K][64] per stream, then stored with
+//                   16-byte writes into the stream's code slot (u8 when every
+//                   alphabet has <= 256 symbols, else u16).
+//   rans_encode_kernel  one warp per stream: 32 lanes, steps in reverse; at
+//                   each step every lane codes the same component (one table),
+//                   reciprocal multiply instead of division (exact for states
+//                   < 2^31), one 16-byte table entry per symbol; bytes written
+//                   backwards into the stream's scratch slot.
 //   scan of the sizes (cub), one wait for the total, pack_kernel copies the
-//   slots to the output (16-byte loads where aligned).
+//   slots to the output (16-byte words where the alignment allows).
 // decode
-//   rans_decode_kernel  one warp per stream: codes to the code slots; each
-//                   lane's component info for the next step is loaded one
-//                   step ahead; a malformed stream sets a per-stream flag.
+//   rans_decode_kernel  one warp per stream, 4 streams of one head per CTA,
+//                   the head's cum tables in shared memory, symbol by binary
+//                   search (no 2^scale-entry slot tables: their 32 scattered
+//                   look-ups per step bound v2.0 by L1 throughput); codes to
+//                   the code slots; a malformed stream sets a per-stream flag.
 //   reconstruct_kernel  CTA of 256 threads per (head, 128 tokens): codes ->
 //                   dequantized [K, 128] in shared; 8x8 register tiles, k
 //                   ascending; bf16 stored 16 bytes at a time. Tokens of a
@@ -61,10 +65,10 @@ struct DeviceTables {
   const float* max_code;
   const float* step;
   const float* recon_offset;
-  const uint4* comp;          // [NH, k_pad] {slot_base lo, slot_base hi, sym_base, scale_bits}
-  const uint2* sym_fc;        // per symbol {freq, cum} (decoder)
+  const uint4* comp;          // [NH, k_pad] {cum offset in the head's table, levels, sym_base, scale_bits}
   const uint4* sym_enc;       // per symbol {rcp, bias, freq, shift | cmpl_freq << 8} (encoder)
-  const uint16_t* slot_symbol;
+  const uint32_t* cum;        // per head, per component: cum[0..levels] (levels + 1 entries; decoder)
+  const uint32_t* head_base;  // [NH + 1] start of each head's entries in cum
 };
 
 __device__ __forceinline__ float bf16_to_f32_dev(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
@@ -74,6 +78,15 @@ __device__ __forceinline__ uint16_t f32_to_bf16_dev(float v) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return uint16_t(u >> 16);
+}
+
+// Thread g of a tiled [128 tokens, 8*C columns] product: warp g/32 covers
+// token groups 8*(w%2)..+7 and column groups 4*(w/2)..+3, lane l takes token
+// group l%8 and column group l/8 of those.
+__device__ __forceinline__ void warp_tile(int g, int& tg, int& cg) {
+  const int w = g / 32, l = g % 32;
+  tg = (w % 2) * 8 + (l % 8);
+  cg = (w / 2) * 4 + (l / 8);
 }
 
 // ---------------------------------------------------------------- encode ---
@@ -119,6 +132,8 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
   const float* bt = tb.basis_t + size_t(h) * D * KP;
   const int kgroups = (K + 7) / 8;
   for (int g = threadIdx.x; g < (kTile / 8) * kgroups; g += kProjThreads) {
+    // A warp covers 16 token groups x 2 component groups (measured: 10%
+    // faster here than the 8 x 4 warp tile of reconstruct_kernel).
     const int tg = g % (kTile / 8), kg = g / (kTile / 8);
     if (tg * 8 >= n) continue;
     float acc[8][8];
@@ -150,7 +165,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
         const int t = tg * 8 + i;
         if (t < n) {
           const float v = floorf(__fmaf_rn(acc[i][j], inv, off));
-          cs[(t / kT) * (kT * KP) + (t % kT) * K + k] = CodeT(fminf(fmaxf(v, 0.0f), mx));
+          cs[(t / kT) * (kT * KP) + k * kT + (t % kT)] = CodeT(fminf(fmaxf(v, 0.0f), mx));
         }
       }
     }
@@ -189,20 +204,18 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_encode_kernel(DeviceTabl
   uint8_t* slot_end = scratch + size_t(stream) * cap + cap;
   uint8_t* p = slot_end;
   uint32_t st = kVariantRansLow;
-  const int nsym = n * K;
-  const int steps = (nsym + 31) / 32;
-  // Component of symbol i = s*32 + lane, walked backwards by 32 per step.
-  int i = (steps - 1) * 32 + lane;
-  int k = i % K;
+  const int passes = (n + 31) / 32;  // steps per component
+  const int steps = K * passes;
   const uint4* comp = tb.comp + size_t(h) * KP;
-  for (int s = steps - 1; s >= 0; --s, i -= 32) {
+  for (int s = steps - 1; s >= 0; --s) {
+    const int k = s / passes;
+    const int t = (s - k * passes) * 32 + lane;
     int ne = 0;
     uint4 e = make_uint4(0, 0, 1, 0);
-    uint32_t scale = 0;
-    if (i < nsym) {
-      const uint4 c = __ldg(comp + k);
-      scale = c.w;
-      e = __ldg(tb.sym_enc + c.z + uint32_t(cs[i]));
+    const uint4 c = __ldg(comp + k);  // the same for every lane
+    const uint32_t scale = c.w;
+    if (t < n) {
+      e = __ldg(tb.sym_enc + c.z + uint32_t(cs[k * kT + t]));
       const uint32_t x_max = (1u << (31 - scale)) * e.z;
       ne = st >= x_max ? ((st >> 8) >= x_max ? 2 : 1) : 0;
     }
@@ -219,13 +232,11 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_encode_kernel(DeviceTabl
       st >>= 16;
     }
     p -= total;
-    if (i < nsym) {
+    if (t < n) {
       // x / f and x % f through the reciprocal: q = floor(x / f) for x < 2^31.
       const uint32_t q = __umulhi(st, e.x) >> (e.w & 0xffu);
       st = st + e.y + q * (e.w >> 8);
     }
-    k -= 32 % K;
-    if (k < 0) k += K;
   }
   p -= kStateBytes;
   p[4 * lane] = uint8_t(st);
@@ -258,18 +269,33 @@ __global__ void pack_kernel(const uint8_t* __restrict__ scratch, uint64_t cap, c
 
 // ---------------------------------------------------------------- decode ---
 
+// A CTA decodes kRansWarps consecutive blocks of one head, one per warp, with
+// the head's cumulative-frequency tables in shared memory (or read from
+// global memory when they do not fit). The symbol of a slot is found by a
+// branch-free binary search over cum[0..levels]: the trip count depends on
+// the component only, which every lane shares at a given step.
 template <typename CodeT>
 __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
                                                                       uint64_t in_size,
                                                                       const uint64_t* __restrict__ offsets,
-                                                                      int64_t tokens, int64_t nb, int64_t stream0,
-                                                                      int64_t ns, CodeT* __restrict__ codes,
+                                                                      int64_t tokens, int64_t nb, int head0,
+                                                                      int64_t groups_per_head, int tables_in_smem,
+                                                                      CodeT* __restrict__ codes,
                                                                       uint8_t* __restrict__ bad, int* __restrict__ err) {
-  const int64_t stream = stream0 + int64_t(blockIdx.x) * kRansWarps + threadIdx.x / 32;
-  if (stream >= ns) return;
+  extern __shared__ uint32_t scum[];
+  const int h = head0 + int(blockIdx.x / groups_per_head);
+  const int64_t blk = (blockIdx.x % groups_per_head) * kRansWarps + threadIdx.x / 32;
+  const uint32_t hb = tb.head_base[h], he = tb.head_base[h + 1];
+  const uint32_t* cum = tb.cum + hb;
+  if (tables_in_smem) {
+    for (uint32_t i = threadIdx.x; i < he - hb; i += blockDim.x) scum[i] = cum[i];
+    __syncthreads();
+    cum = scum;
+  }
+  if (blk >= nb) return;
+  const int64_t stream = int64_t(h) * nb + blk;
   const int lane = threadIdx.x % 32;
-  const int h = int(stream / nb);
-  const int64_t t0 = (stream % nb) * kT;
+  const int64_t t0 = blk * kT;
   const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
@@ -289,31 +315,32 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
     CodeT* cs = codes + size_t(stream) * kT * KP;
     uint32_t st = uint32_t(data[4 * lane]) | uint32_t(data[4 * lane + 1]) << 8 | uint32_t(data[4 * lane + 2]) << 16 |
                   uint32_t(data[4 * lane + 3]) << 24;
-    const int nsym = n * K;
+    const int passes = (n + 31) / 32;
     // A valid stream has at most 2 bytes per symbol after the states, so the
     // size fits 32 bits from here on; every failure below is warp-uniform.
-    fail = __any_sync(0xffffffffu, st < kVariantRansLow) || size > kStateBytes + 2ull * uint64_t(nsym);
+    fail = __any_sync(0xffffffffu, st < kVariantRansLow) || size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K);
     const uint32_t size32 = uint32_t(size);
     uint32_t pos = kStateBytes;
-    const int steps = (nsym + 31) / 32;
     const uint4* comp = tb.comp + size_t(h) * KP;
-    int k = lane % K;
-    const int dk = 32 % K;
-    uint4 c = __ldg(comp + k);  // this step's component; the next one is fetched early
-    for (int s = 0, i = lane; s < steps && !fail; ++s, i += 32) {
-      k += dk;
-      if (k >= K) k -= K;
-      const uint4 c_next = __ldg(comp + k);
+    int k = 0, pass = 0;
+    for (int s = 0; s < K * passes && !fail; ++s) {
+      const int t = pass * 32 + lane;
+      const uint4 c = __ldg(comp + k);  // the same for every lane
       int ne = 0;
-      if (i < nsym) {
+      if (t < n) {
         const uint32_t scale = c.w;
         const uint32_t slot = st & ((1u << scale) - 1u);
-        const uint64_t slot_base = uint64_t(c.x) | uint64_t(c.y) << 32;
-        const uint32_t sym = __ldg(tb.slot_symbol + slot_base + slot);
-        const uint2 fc = __ldg(tb.sym_fc + c.z + sym);
-        st = fc.x * (st >> scale) + slot - fc.y;
+        const uint32_t* ck = cum + c.x;
+        int base = 0, len = int(c.y);
+        while (len > 1) {
+          const int half = len >> 1;
+          base = ck[base + half] <= slot ? base + half : base;
+          len -= half;
+        }
+        const uint32_t lo = ck[base], hi = ck[base + 1];
+        st = (hi - lo) * (st >> scale) + slot - lo;
         ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
-        cs[i] = CodeT(sym);
+        cs[k * kT + t] = CodeT(base);
       }
       const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
       const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
@@ -324,7 +351,7 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
         st = st << 8 | data[pre];
         if (ne == 2) st = st << 8 | data[pre + 1];
       }
-      c = c_next;
+      if (++pass == passes) pass = 0, ++k;
     }
     if (!fail && (pos != size32 || st != kVariantRansLow)) fail = 1;
   }
@@ -355,11 +382,12 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
   const bool bad0 = bad[stream0] != 0, bad1 = n > kT && bad[stream0 + 1] != 0;
   if (bad0 && (n <= kT || bad1)) return;
   const CodeT* cs = codes + size_t(stream0) * kT * KP;
-  // Both streams' codes: slot s holds tokens [s*kT, s*kT + n_s) token-major.
-  for (int v = threadIdx.x; v < n * K; v += kProjThreads) {
-    const int sidx = v / (kT * K) < 1 ? 0 : 1;
-    const int r = v - sidx * kT * K;
-    const int t = sidx * kT + r / K, k = r % K;
+  // Both streams' codes: slot s holds [K][kT] (component-major), tokens
+  // s*kT + j; entries past the stream's n tokens are not read back.
+  const int slots = n > kT ? 2 : 1;
+  for (int v = threadIdx.x; v < slots * K * kT; v += kProjThreads) {
+    const int sidx = v / (K * kT), r = v - sidx * K * kT;
+    const int k = r / kT, t = sidx * kT + r % kT;
     const size_t q = size_t(h) * KP + k;
     const float code = float(cs[size_t(sidx) * kT * KP + r]);
     vs[k * kTilePad + t] = __fmul_rn(__fsub_rn(code, tb.recon_offset[q]), tb.step[q]);
@@ -369,7 +397,10 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
   const float* bs = tb.basis + size_t(h) * KP * D;
   uint16_t* yh = y + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
   for (int g = threadIdx.x; g < (kTile / 8) * (D / 8); g += kProjThreads) {
-    const int dg = g % (D / 8), tg = g / (D / 8);
+    // 8 token groups x 4 dim groups per warp: 256 + 128 distinct bytes per
+    // k instead of 64 + 512 (measured 2% faster than 16 x 2 here).
+    int tg, dg;
+    warp_tile(g, tg, dg);
     if (tg * 8 >= n) continue;
     if ((tg * 8 < kT ? bad0 : bad1)) continue;
     float acc[8][8];
@@ -457,6 +488,7 @@ struct KvtcGpuCodec::Impl {
   std::vector<void*> owned;
   int64_t max_tokens = 0;
   bool wide_codes = false;  // some alphabet has > 256 symbols: u16 code slots
+  size_t cum_smem = 0;      // bytes of shared memory per decode CTA for the cum tables (0: global)
   uint64_t cap = 0;         // scratch bytes per stream: states + at most 2 bytes per symbol
   uint8_t* scratch = nullptr;
   void* codes = nullptr;    // [n_streams, kT * k_pad] code slots
@@ -489,7 +521,7 @@ struct KvtcGpuCodec::Impl {
   // c + 1 (projection, or rANS decode) runs on the caller's stream while
   // stage 2 of range c (rANS encode, or reconstruction) runs on `side`, so
   // the FFMA-bound and the integer/latency-bound kernels share the SMs.
-  int chunks = 8;
+  int chunks = 1;  // measured: pipelining costs 4-5% since v2 (docs/gpu.md)
   cudaStream_t side = nullptr;
   std::vector<cudaEvent_t> fork;  // [chunks + 1]
 
@@ -527,9 +559,9 @@ struct KvtcGpuCodec::Impl {
   template <typename CodeT>
   void launch_rans_decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, int h0,
                           int h1, cudaStream_t s) {
-    const int64_t nb = n_blocks(tokens, kT), s0 = int64_t(h0) * nb, s1 = int64_t(h1) * nb;
-    rans_decode_kernel<CodeT><<<unsigned((s1 - s0 + kRansWarps - 1) / kRansWarps), 32 * kRansWarps, 0, s>>>(
-        dev, in, in_size, offsets, tokens, nb, s0, s1, static_cast<CodeT*>(codes), bad, err);
+    const int64_t nb = n_blocks(tokens, kT), groups = (nb + kRansWarps - 1) / kRansWarps;
+    rans_decode_kernel<CodeT><<<unsigned(int64_t(h1 - h0) * groups), 32 * kRansWarps, cum_smem, s>>>(
+        dev, in, in_size, offsets, tokens, nb, h0, groups, cum_smem > 0 ? 1 : 0, static_cast<CodeT*>(codes), bad, err);
     check_cuda(cudaGetLastError(), "rans_decode_kernel launch");
   }
   template <typename CodeT>
@@ -606,28 +638,38 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
   m.dev.max_code = upload(f.max_code, m.owned);
   m.dev.step = upload(f.step, m.owned);
   m.dev.recon_offset = upload(f.recon_offset, m.owned);
-  // Packed look-up tables: one load per component, one or two per symbol.
+  // Packed look-up tables: one load per component, one per symbol (encoder);
+  // per head the components' cum[0..levels] one after the other (decoder).
   std::vector<uint4> comp(f.scale_bits.size());
-  std::vector<uint2> sym_fc(std::max<size_t>(1, f.sym_freq.size()));
-  std::vector<uint4> sym_enc(sym_fc.size());
-  for (size_t q = 0; q < comp.size(); ++q) {
-    comp[q] = make_uint4(uint32_t(f.slot_base[q]), uint32_t(f.slot_base[q] >> 32), f.sym_base[q], f.scale_bits[q]);
-    m.wide_codes = m.wide_codes || f.max_code[q] > 255.0f;
-  }
-  for (int h = 0; h < f.n_heads; ++h)
+  std::vector<uint4> sym_enc(std::max<size_t>(1, f.sym_freq.size()));
+  std::vector<uint32_t> cum, head_base;
+  uint64_t max_head = 0;
+  for (int h = 0; h < f.n_heads; ++h) {
+    head_base.push_back(uint32_t(cum.size()));
     for (int k = 0; k < f.kept[size_t(h)]; ++k) {
       const size_t q = f.idx(h, k);
       const uint32_t levels = uint32_t(f.max_code[q]) + 1;
+      m.wide_codes = m.wide_codes || levels > 256;
+      comp[q] = make_uint4(uint32_t(cum.size()) - head_base.back(), levels, f.sym_base[q], f.scale_bits[q]);
       for (uint32_t s = 0; s < levels; ++s) {
         const size_t i = f.sym_base[q] + s;
-        sym_fc[i] = make_uint2(f.sym_freq[i], f.sym_cum[i]);
         sym_enc[i] = encoder_entry(f.sym_freq[i], f.sym_cum[i], f.scale_bits[q]);
+        cum.push_back(f.sym_cum[i]);
       }
+      cum.push_back(1u << f.scale_bits[q]);
+      if (cum.size() >= (uint64_t(1) << 32) - 1)
+        throw Error(ErrorCode::kUnsupported, "kvtc-gpu: the heads' frequency tables exceed 2^32 entries");
     }
+    max_head = std::max<uint64_t>(max_head, cum.size() - head_base.back());
+  }
+  head_base.push_back(uint32_t(cum.size()));
   m.dev.comp = upload(comp, m.owned);
-  m.dev.sym_fc = upload(sym_fc, m.owned);
   m.dev.sym_enc = upload(sym_enc, m.owned);
-  m.dev.slot_symbol = upload(f.slot_symbol, m.owned);
+  m.dev.cum = upload(cum, m.owned);
+  m.dev.head_base = upload(head_base, m.owned);
+  // Tables of up to 48 KiB per head sit in shared memory (small tables keep
+  // many decode CTAs per SM); larger ones are read through the L1.
+  m.cum_smem = max_head * 4 <= 48 * 1024 ? size_t(max_head) * 4 : 0;
   m.max_tokens = max_tokens;
   m.cap = (kStateBytes + 2ull * kT * uint64_t(f.k_pad) + 15) / 16 * 16;
   // Code slots for a whole number of projection tiles (two streams each).
