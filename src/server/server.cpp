@@ -100,6 +100,7 @@ struct ServerState {
   std::unique_ptr<PrefixStore> store;
   int64_t max_prompt = 0;
   Clock::time_point started = Clock::now();
+  std::atomic<int> model_threads{0};  // OpenMP threads the model thread uses (stats)
 
   std::mutex mu;  // guards everything below
   std::condition_variable cv;
@@ -404,6 +405,7 @@ void worker_loop(ServerState& s) {
   // spinning on the loaded 2-core machine, and TTFT of a 5-token prefill over
   // 1441 cached tokens was ~1.2 s).
   if (s.opt.threads > 0) omp_set_num_threads(s.opt.threads);
+  s.model_threads = omp_get_max_threads();
   for (;;) {
     std::shared_ptr<Job> job;
     {
@@ -530,7 +532,7 @@ json stats_json(ServerState& s) {
                        {"superseded", ps.superseded}};
   j["requests"] = {{"served", s.served}, {"queued", s.queue.size()}, {"running", s.busy ? 1 : 0},
                    {"max_queue", s.opt.max_queue}, {"rejected_queue_full", s.rejected_full},
-                   {"cancelled", s.cancelled}, {"failed", s.failed},
+                   {"cancelled", s.cancelled}, {"failed", s.failed}, {"model_threads", s.model_threads.load()},
                    {"note", "one request at a time on the model; others wait in a bounded queue"}};
   json recent = json::array();
   double sum = 0;

@@ -48,7 +48,7 @@ class ServerTest : public ::testing::Test {
       o.default_max_tokens = 4;
       o.max_tokens_limit = 256;
       o.max_queue = 4;
-      o.threads = 2;
+      o.threads = 1;
       int rc = 3;
       try {
         rc = run_server(o, std::cout);
@@ -231,6 +231,8 @@ TEST_F(ServerTest, TokenizeCountsLikeARequest) {
 TEST_F(ServerTest, StatsFields) {
   post("/v1/completions", R"({"prompt":"x = 1","max_tokens":2})", 200);
   const json s = get("/v1/kv/stats");
+  // --threads reaches the model thread (OpenMP's count is per thread).
+  EXPECT_EQ(s["requests"]["model_threads"], 1);
   EXPECT_EQ(s["method"], "fp16");
   EXPECT_EQ(s["coverage"]["layers"], 6);
   for (const char* part : {"key", "value"}) {
