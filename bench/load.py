@@ -7,7 +7,8 @@ time on loopback, each looping over a seeded mix of requests:
   deliberately invalid request (must get 400).
 
 Passes when: every generation request got 200 or a documented 503 (queue
-full; the server answers no 429), every invalid one 400, every stats/health
+full: JSON error of type "overloaded" with Retry-After, which the clients
+honour unless --no-backoff; the server answers no 429), every invalid one 400, every stats/health
 200, no connection failed, the server is still alive and answers /health,
 /v1/kv/stats stayed consistent at every poll (hits <= lookups, bytes <=
 budget, queued <= max_queue, running in {0, 1}, counters never go down), and
@@ -32,14 +33,19 @@ def start(binary, args):
     raise SystemExit("server did not start: " + " ".join(args))
 
 
-def request(port, path, body=None, timeout=120):
-    """(status, body bytes); status None when the connection itself failed."""
+def request(port, path, body=None, timeout=120, headers=None):
+    """(status, body bytes); status None when the connection itself failed.
+    `headers`, a dict, receives the response headers."""
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=None if body is None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
+            if headers is not None:
+                headers.update(r.headers)
             return r.status, r.read()
     except urllib.error.HTTPError as e:
+        if headers is not None:
+            headers.update(e.headers)
         return e.code, e.read()
     except (urllib.error.URLError, OSError) as e:
         return None, str(e).encode()
@@ -48,19 +54,21 @@ def request(port, path, body=None, timeout=120):
 PREFIX = "".join(f"def helper_{i}(value):\n    return value * {i} + {i * i}\n" for i in range(24))
 
 
-def client(cid, port, deadline, out, lock):
+def client(cid, port, deadline, out, lock, a_no_backoff=False):
     rnd = random.Random(1000 + cid)
     seen = {}
     problems = []
     while time.time() < deadline:
         kind = rnd.choices(["complete", "chat_stream", "stats", "health", "invalid"], [5, 3, 2, 1, 1])[0]
+        hdr = {}
         if kind == "complete":
             prompt = PREFIX[: rnd.randrange(200, len(PREFIX))] + f"\nprint(helper_{rnd.randrange(24)}({cid}))\n"
-            status, body = request(port, "/v1/completions", {"prompt": prompt, "max_tokens": rnd.randrange(1, 6), "temperature": 0})
+            status, body = request(port, "/v1/completions", {"prompt": prompt, "max_tokens": rnd.randrange(1, 6), "temperature": 0},
+                                   headers=hdr)
             ok = status in (200, 503)
         elif kind == "chat_stream":
             msgs = [{"role": "user", "content": PREFIX[: rnd.randrange(100, 600)]}]
-            status, body = request(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 3, "stream": True})
+            status, body = request(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 3, "stream": True}, headers=hdr)
             ok = status in (200, 503) and (status != 200 or body.rstrip().endswith(b"data: [DONE]"))
         elif kind == "stats":
             status, body = request(port, "/v1/kv/stats")
@@ -71,6 +79,13 @@ def client(cid, port, deadline, out, lock):
         else:
             status, body = request(port, "/v1/completions", {"prompt": "x", "max_tokens": -1})
             ok = status == 400
+        if status == 503 and kind in ("complete", "chat_stream"):
+            # Documented overload answer: JSON error and Retry-After; a client
+            # honours it (with jitter) instead of hammering the server.
+            retry = hdr.get("Retry-After")
+            ok = ok and retry is not None and b'"overloaded"' in body
+            if not a_no_backoff and retry is not None:
+                time.sleep(float(retry) * rnd.uniform(0.5, 1.0))
         key = f"{kind} {status}"
         seen[key] = seen.get(key, 0) + 1
         if not ok:
@@ -112,6 +127,7 @@ def main():
     ap.add_argument("--max-queue", type=int, default=4, help="small, so that overload (503) happens")
     ap.add_argument("--store-bytes", type=int, default=4 << 20, help="small, so that eviction happens")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-backoff", action="store_true", help="clients ignore Retry-After (hammer the server)")
     ap.add_argument("--json")
     a = ap.parse_args()
     args = ["--method", a.method, "--max-queue", str(a.max_queue), "--prefix-store-bytes", str(a.store_bytes),
@@ -122,7 +138,7 @@ def main():
     polls = []
     t0 = time.time()
     deadline = t0 + a.seconds
-    threads = [threading.Thread(target=client, args=(i, port, deadline, out, lock)) for i in range(a.clients)]
+    threads = [threading.Thread(target=client, args=(i, port, deadline, out, lock, a.no_backoff)) for i in range(a.clients)]
     for t in threads:
         t.start()
     prev = None
@@ -167,7 +183,7 @@ def main():
     if rc != 0:
         out["problems"].append(f"SIGTERM: exit status {rc}")
     ps = final["prefix_store"] if final else {}
-    report = {"clients": a.clients, "seconds": elapsed, "counts": dict(sorted(c.items())),
+    report = {"clients": a.clients, "max_queue": a.max_queue, "backoff": not a.no_backoff, "seconds": elapsed, "counts": dict(sorted(c.items())),
               "requests": sum(c.values()), "requests_per_s": sum(c.values()) / elapsed,
               "generation_200": gen200, "generation_503": gen503, "stats_polls": len(polls),
               "max_queued_seen": max((x["queued"] for x in polls), default=0),
