@@ -568,6 +568,9 @@ void handle_generate(ServerState& s, const httplib::Request& req, httplib::Respo
     job = parse_request(s, parse_body(req.body), chat);
     enqueue(s, job, chat);
   } catch (const HttpError& e) {
+    // Queue full or draining: tell well-behaved clients when to come back
+    // (one model request takes about a second or more on this model).
+    if (e.status == 503) res.set_header("Retry-After", "1");
     send_error(res, e.status, e.message, e.type);
     return;
   }
