@@ -3,12 +3,14 @@
 // After a request, the server saves its per-layer caches (KVCache::save(),
 // so the bytes are as compressed as the method makes them) in one entry: a
 // container of kind kPrefix with the token ids and one section per layer.
-// Entries are found by hashes of token prefixes at block boundaries
+// Entries (any length from one block up: the prompt and the reply tokens)
+// are found by hashes of token prefixes at block boundaries
 // (tokens[0 .. k*block) for every k), so a later prompt that shares only the
-// first part of a stored prefix still finds it: the server loads the entry
-// and trims the caches back to the shared length. Hash hits are confirmed by
+// first part of a stored prefix still finds it; the match is then extended
+// token by token past the boundary, and the server loads the entry and trims
+// the caches back to the shared length. Hash hits are confirmed by
 // comparing the stored token ids, so a hash collision can never serve a
-// wrong cache.
+// wrong cache. An entry that extends a stored one supersedes it.
 //
 // The store is bounded by a byte budget (the entry bytes as stored) with LRU
 // eviction. Two back ends share the index and the policy:
