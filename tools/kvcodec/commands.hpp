@@ -11,5 +11,6 @@ void register_run(CLI::App& app);
 void register_eval(CLI::App& app);
 void register_serve(CLI::App& app);
 void register_calibrate(CLI::App& app);
+void register_compress(CLI::App& app);  // also decompress and inspect
 
 }  // namespace kvcodec::cli

@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "kvcodec 0.1.0");
   kvcodec::cli::register_bench(app);
+  kvcodec::cli::register_compress(app);
   kvcodec::cli::register_run(app);
   kvcodec::cli::register_eval(app);
   kvcodec::cli::register_serve(app);
