@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <mutex>
 #include <sstream>
@@ -205,6 +206,61 @@ void rope_rotate_tokens(float* x, int64_t n, int n_heads, int head_dim, int64_t 
   }
 }
 
+std::shared_ptr<const RopeTable> RopeTable::get(int head_dim, double theta, int64_t positions) {
+  // One table per (head_dim, theta) for the process, shared by every cache of
+  // every layer and sequence. When a longer one is needed it is rebuilt at
+  // the next power of two (>= 4096 positions) and replaces the registry's
+  // entry; caches holding the old one keep it alive until they move on.
+  static std::mutex mutex;
+  static std::map<std::pair<int, double>, std::shared_ptr<const RopeTable>> tables;
+  if (head_dim < 2 || head_dim % 2 != 0 || positions < 0 || positions > (int64_t(1) << 30))
+    throw Error(ErrorCode::kInvalidArgument, "RoPE table: head_dim " + std::to_string(head_dim) + ", positions " +
+                                                 std::to_string(positions));
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = tables[{head_dim, theta}];
+  if (slot && slot->positions() >= positions) return slot;
+  int64_t n = 4096;
+  while (n < positions) n *= 2;
+  auto t = std::make_shared<RopeTable>();
+  t->half_ = head_dim / 2;
+  t->positions_ = n;
+  t->cos_.resize(size_t(n * t->half_));
+  t->sin_.resize(size_t(n * t->half_));
+  const std::vector<double> inv_freq = rope_inv_freq(head_dim, theta);
+  for (int64_t pos = 0; pos < n; ++pos)
+    for (int i = 0; i < t->half_; ++i) {
+      // Same f32 rounding of cos/sin as the model (and rope_rotate_tokens).
+      const double a = double(pos) * inv_freq[size_t(i)];
+      t->cos_[size_t(pos * t->half_ + i)] = float(std::cos(a));
+      t->sin_[size_t(pos * t->half_ + i)] = float(std::sin(a));
+    }
+  slot = t;
+  return slot;
+}
+
+void RopeTable::rotate(float* x, int64_t n, int64_t token_stride, int n_heads, int64_t first_position,
+                       bool inverse) const {
+  if (first_position < 0 || first_position + n > positions_)
+    throw Error(ErrorCode::kInternal, "RoPE table covers " + std::to_string(positions_) + " positions, asked for " +
+                                          std::to_string(first_position) + "+" + std::to_string(n));
+  const int half = half_, head_dim = 2 * half_;
+  const double sign = inverse ? -1.0 : 1.0;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* c = cos_.data() + (first_position + t) * half;
+    const float* s = sin_.data() + (first_position + t) * half;
+    for (int h = 0; h < n_heads; ++h) {
+      float* v = x + t * token_stride + int64_t(h) * head_dim;
+      // Same double arithmetic as rope_rotate_tokens, so both give the same bits.
+      for (int i = 0; i < half; ++i) {
+        const double a = v[i], b = v[i + half];
+        const double ci = c[i], si = double(s[i]) * sign;
+        v[i] = float(a * ci - b * si);
+        v[i + half] = float(b * ci + a * si);
+      }
+    }
+  }
+}
+
 void rope_rotate_token(float* x, int n_heads, int head_dim, int64_t position, double theta, bool inverse) {
   rope_rotate_tokens(x, 1, n_heads, head_dim, position, rope_inv_freq(head_dim, theta), inverse);
 }
@@ -243,7 +299,6 @@ class CalibratedKvtcCache final : public KVCache {
     if (config_.head_dim % 2 != 0)
       throw Error(ErrorCode::kUnsupported, "kvtc calibrated: RoPE needs an even head_dim, got " +
                                                std::to_string(config_.head_dim));
-    inv_freq_ = rope_inv_freq(config_.head_dim, options_.rope_theta);
   }
 
   std::string method() const override { return "kvtc"; }
@@ -267,6 +322,10 @@ class CalibratedKvtcCache final : public KVCache {
   int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
   void encode_ready_blocks();
   void decode(bool is_key, const Block& blk, int64_t first_position, int64_t b, float* out) const;
+  void cover_positions(int64_t positions) {
+    if (!rope_ || rope_->positions() < positions)
+      rope_ = RopeTable::get(config_.head_dim, options_.rope_theta, positions);
+  }
   void reset() {
     offset_ = 0;
     key_ = Stream{};
@@ -277,7 +336,10 @@ class CalibratedKvtcCache final : public KVCache {
   Settings settings_;
   KvtcSettings options_;
   std::shared_ptr<const KvtcCalibration> calibration_;
-  std::vector<double> inv_freq_;
+  std::shared_ptr<const RopeTable> rope_;  // covers every position held (grown in append / load)
+  // Read-path scratch, overwritten by every for_each_block call (never a copy
+  // kept between calls): up to kVisitBlocks decoded blocks, token-major.
+  mutable std::vector<float> key_scratch_, value_scratch_;
   int64_t batch_ = 0;
   DType raw_dtype_ = DType::kF16;
   int64_t offset_ = 0;
@@ -325,6 +387,7 @@ void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& value
     }
   }
   offset_ += S;
+  cover_positions(offset_);
   encode_ready_blocks();
 }
 
@@ -346,7 +409,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
         const auto& raw = stream->raw[size_t(b)];
         convert(raw.data() + size_t(sinks * V), raw_dtype_, x.data(), DType::kF32, size_t(n * V));
         if (is_key)
-          rope_rotate_tokens(x.data(), n, config_.n_kv_heads, config_.head_dim, first_position, inv_freq_, true);
+          rope_->rotate(x.data(), n, V, config_.n_kv_heads, first_position, /*inverse=*/true);
         blk.payload[size_t(b)] = kvtc::encode_block(params(is_key), x.data(), n);
       }
       for (auto& raw : stream->raw) raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + n) * V);
@@ -360,46 +423,68 @@ void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_po
                                  float* out) const {
   const auto& p = blk.payload[size_t(b)];
   kvtc::decode_block(params(is_key), p.data(), p.size(), options_.block, out);
-  if (is_key)
-    rope_rotate_tokens(out, options_.block, config_.n_kv_heads, config_.head_dim, first_position, inv_freq_, false);
+  if (is_key) rope_->rotate(out, options_.block, vdim(), config_.n_kv_heads, first_position, /*inverse=*/false);
 }
 
+// Blocks are visited as token-major views ([B][n][H][D] memory with strides
+// {n*H*D, D, H*D, 1} for [B, H, n, D]): decode_block's output order, so the
+// decoded values go straight to the visitor with no scatter. Up to
+// kVisitBlocks blocks are decoded per visit (with options_.threads threads),
+// which bounds the scratch to 512 tokens per tensor at the default block.
 void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
   if (offset_ == 0) return;
+  constexpr int64_t kVisitBlocks = 8;
   const int64_t H = config_.n_kv_heads, D = config_.head_dim, V = vdim();
-  // token-major [n][h][d] of row b -> [B, H, n, D]
-  auto scatter = [&](const float* tok, int64_t b, int64_t n, float* dst) {
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t h = 0; h < H; ++h)
-        std::copy_n(tok + (t * H + h) * D, D, dst + ((b * H + h) * n + t) * D);
+  auto view = [&](const float* data, int64_t n) {
+    TensorView t;
+    t.data = data;
+    t.dtype = DType::kF32;
+    t.shape = {batch_, H, n, D};
+    t.strides = {n * V, D, V, 1};
+    return t;
   };
-  std::vector<float> tmp;
+  auto scratch = [&](int64_t tokens) {
+    const size_t need = size_t(batch_ * tokens * V);
+    if (key_scratch_.size() < need) key_scratch_.resize(need);
+    if (value_scratch_.size() < need) value_scratch_.resize(need);
+  };
   auto emit_raw = [&](int64_t raw_first, int64_t count, int64_t first_token) {
     if (count <= 0) return;
-    Tensor k(DType::kF32, {batch_, H, count, D}), v(DType::kF32, {batch_, H, count, D});
-    tmp.resize(size_t(count * V));
+    scratch(count);
     for (int64_t b = 0; b < batch_; ++b) {
-      convert(key_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_, tmp.data(), DType::kF32, tmp.size());
-      scatter(tmp.data(), b, count, k.data_as<float>());
-      convert(value_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_, tmp.data(), DType::kF32, tmp.size());
-      scatter(tmp.data(), b, count, v.data_as<float>());
+      convert(key_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_, key_scratch_.data() + b * count * V,
+              DType::kF32, size_t(count * V));
+      convert(value_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_,
+              value_scratch_.data() + b * count * V, DType::kF32, size_t(count * V));
     }
-    visit(first_token, k.view(), v.view());
+    visit(first_token, view(key_scratch_.data(), count), view(value_scratch_.data(), count));
   };
   const int64_t sinks = sink_tokens();
   emit_raw(0, sinks, 0);
   const int64_t n = options_.block;
-  Tensor k(DType::kF32, {batch_, H, n, D}), v(DType::kF32, {batch_, H, n, D});
-  std::vector<float> tk(size_t(n * V)), tv(size_t(n * V));
-  for (size_t j = 0; j < key_.blocks.size(); ++j) {
-    const int64_t first = sinks + int64_t(j) * n;
-    for (int64_t b = 0; b < batch_; ++b) {
-      decode(true, key_.blocks[j], first, b, tk.data());
-      decode(false, value_.blocks[j], first, b, tv.data());
-      scatter(tk.data(), b, n, k.data_as<float>());
-      scatter(tv.data(), b, n, v.data_as<float>());
+  const int64_t n_blocks = int64_t(key_.blocks.size());
+  for (int64_t j0 = 0; j0 < n_blocks; j0 += kVisitBlocks) {
+    const int64_t m = std::min(kVisitBlocks, n_blocks - j0);
+    const int64_t tokens = m * n;
+    scratch(tokens);
+    // One task per (block, batch row, tensor). decode_block throws on bad
+    // bytes; an exception must not leave an OpenMP region, so it is carried out.
+    const int64_t tasks = m * batch_ * 2;
+    std::exception_ptr failure;
+#pragma omp parallel for num_threads(options_.threads) schedule(dynamic, 1) if (options_.threads > 1 && tasks > 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const bool is_key = t % 2 == 0;
+      const int64_t j = t / 2 / batch_, b = t / 2 % batch_;
+      float* out = (is_key ? key_scratch_ : value_scratch_).data() + (b * tokens + j * n) * V;
+      try {
+        decode(is_key, (is_key ? key_ : value_).blocks[size_t(j0 + j)], sinks + (j0 + j) * n, b, out);
+      } catch (...) {
+#pragma omp critical(kvtc_calibrated_decode_failure)
+        if (!failure) failure = std::current_exception();
+      }
     }
-    visit(first, k.view(), v.view());
+    if (failure) std::rethrow_exception(failure);
+    visit(sinks + j0 * n, view(key_scratch_.data(), tokens), view(value_scratch_.data(), tokens));
   }
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
 }
@@ -565,6 +650,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   fresh.batch_ = int64_t(batch);
   fresh.offset_ = int64_t(offset);
   fresh.raw_dtype_ = DType(dtype);
+  fresh.cover_positions(int64_t(offset));
   for (Stream* s : {&fresh.key_, &fresh.value_}) {
     const std::string prefix = s == &fresh.key_ ? "key." : "value.";
     const auto raw_bytes = r.section(prefix + "raw");

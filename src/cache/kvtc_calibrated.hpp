@@ -70,6 +70,25 @@ void rope_rotate_tokens(float* x, int64_t n, int n_heads, int head_dim, int64_t 
                         const std::vector<double>& inv_freq, bool inverse);
 std::vector<double> rope_inv_freq(int head_dim, double theta);
 
+// cos/sin of every (position, frequency) pair, f32-rounded as the model uses
+// them, computed once per process for each (head_dim, theta) and shared: the
+// calibrated cache's read path re-applies RoPE to every decoded key at every
+// decode step, and computing the trigonometry there dominated it.
+class RopeTable {
+ public:
+  // A table covering at least `positions` positions (shared; thread-safe).
+  static std::shared_ptr<const RopeTable> get(int head_dim, double theta, int64_t positions);
+  int64_t positions() const { return positions_; }
+  // rope_rotate_tokens() on n tokens of n_heads * head_dim values whose
+  // starts are token_stride floats apart, bit-identical to it.
+  void rotate(float* x, int64_t n, int64_t token_stride, int n_heads, int64_t first_position, bool inverse) const;
+
+ private:
+  int half_ = 0;
+  int64_t positions_ = 0;
+  std::vector<float> cos_, sin_;  // [positions][head_dim / 2]
+};
+
 // Checks that the calibration fits a cache of this shape; throws
 // Error(kShapeMismatch) naming both shapes.
 void check_calibration_matches(const KvtcCalibration& cal, const CacheConfig& config, double rope_theta,

@@ -33,6 +33,14 @@ struct CalibrateOptions {
   // payload on the calibration tokens is at most f16 / target_ratio (raw
   // sinks and window come on top at run time).
   double target_ratio = 0.0;
+  // > 0: the same for keys / values only (overrides target_ratio for them).
+  double key_target_ratio = 0.0, value_target_ratio = 0.0;
+  // Bit allocation by the exact DP on MEASURED per-component distortion and
+  // entropy-coded rate (measure_component_tables + alloc::
+  // allocate_bits_measured) instead of kvtc::fit_head's allocators. The
+  // budget (bit_budget, or the one bisected for target_ratio) is then in
+  // entropy-coded bits per token vector.
+  bool measured_allocation = false;
 };
 
 struct CalibrationSamples {
@@ -53,6 +61,33 @@ CalibrationSamples collect_calibration_samples(const LlamaModel& model, const st
 KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& config_hash,
                                 const CalibrationSamples& samples, const CalibrateOptions& options,
                                 const CalibrationProgress& progress = {});
+
+// What the measured allocator works from, for one tensor of one layer:
+// per principal component k and width bit_choices[j], the MSE-optimal step of
+// a midrise uniform quantizer with 2^b levels on the calibration
+// coefficients (golden-section search), the squared error per token it
+// leaves (distortion[k][j]; width 0: the coefficient's energy) and the
+// empirical entropy of its codes in bits per token (rate[k][j]).
+struct MeasuredTables {
+  std::vector<int> bit_choices;
+  int64_t tokens = 0;
+  std::vector<float> mean;                      // [D], f16-rounded as stored
+  std::vector<float> axes;                      // [D, D], f16-rounded rows as stored
+  std::vector<float> coeffs;                    // [tokens, D] on the stored axes
+  std::vector<std::vector<double>> rate;        // [D][choices]
+  std::vector<std::vector<double>> distortion;  // [D][choices]
+  std::vector<std::vector<double>> step;        // [D][choices] (0 for width 0)
+};
+
+// x [n, dim]; mean [dim]; components [dim, dim] (PCA rows). Throws
+// Error(kInvalidArgument) on mismatched sizes or widths outside [0, 12].
+MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, const std::vector<float>& mean,
+                                        const std::vector<float>& components, const std::vector<int>& bit_choices);
+
+// Codec parameters for widths `bits` [dim] (each 0 or a measured choice):
+// midrise quantizers with the measured steps, rANS models from x's codes.
+kvtc::HeadParams build_head_params(const MeasuredTables& tables, const float* x, int64_t n, int dim,
+                                   const std::vector<double>& eigenvalues, const std::vector<int>& bits);
 
 // Hex XXH3-64 of DIR/config.json: the model identity stored in calibrations.
 std::string model_config_hash(const std::string& model_dir);

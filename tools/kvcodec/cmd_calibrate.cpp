@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -28,6 +29,8 @@ struct CalibrateArgs {
   int64_t tokens_per_window = 0;
   int sinks = 4;
   int threads = 0;
+  std::string target_ratios;
+  std::string allocators;
 };
 
 void run_calibrate(const CalibrateArgs& a) {
@@ -63,20 +66,96 @@ void run_calibrate(const CalibrateArgs& a) {
   probe.rope_theta = m.config().rope_theta;
   for (const char* f : {"mode", "calibration", "sinks", "window", "block", "rope_theta", "min_fit_tokens"})
     if (s.count(f)) throw_config_error(std::string("kvtc.") + f, s.at(f), "unset for calibrate (a cache setting)");
+  // Calibrate-only fields, taken out before the cache's parser sees them:
+  // allocator=measured (DP on measured distortion and rate) and per-tensor
+  // target ratios.
+  if (s.count("allocator") && s.at("allocator") == "measured") {
+    o.measured_allocation = true;
+    s.erase("allocator");
+  }
+  auto take_ratio = [&](const char* field, double& dst) {
+    if (!s.count(field)) return;
+    const std::string v = s.at(field);
+    char* end = nullptr;
+    dst = std::strtod(v.c_str(), &end);
+    if (v.empty() || end != v.c_str() + v.size() || !(dst >= 1.0) || !(dst <= 1000.0))
+      throw_config_error(std::string("kvtc.") + field, v, "a ratio in [1, 1000]");
+    s.erase(field);
+  };
+  take_ratio("key_target_ratio", o.key_target_ratio);
+  take_ratio("value_target_ratio", o.value_target_ratio);
   const KvtcSettings ks = parse_kvtc_settings(s, probe);
   o.codec = ks.codec;
   o.target_ratio = ks.target_ratio;
+  if (o.measured_allocation && o.codec.basis_bits != 16)
+    throw_config_error("kvtc.basis_bits", std::to_string(o.codec.basis_bits), "16 with allocator=measured");
   const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
   auto progress = [&](int64_t done, int64_t total, const std::string& what) {
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::fprintf(stderr, "[%6.1fs] %lld/%lld %s\n", sec, (long long)done, (long long)total, what.c_str());
   };
   const model::CalibrationSamples samples = model::collect_calibration_samples(m, tokens, o, progress);
-  const KvtcCalibration cal = model::fit_calibration(m.config(), model::model_config_hash(dir), samples, o, progress);
-  cal.write_file(a.output);
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("wrote %s: %s, %llu parameter bytes, %lld tokens per layer, %.1f s\n", a.output.c_str(),
-              cal.shape_string().c_str(), (unsigned long long)cal.params_bytes(), (long long)samples.tokens, sec);
+  // --target-ratios R1,R2,...: one fit per ratio from the same samples (the
+  // model runs once), written to the output path with "{}" replaced by R.
+  std::vector<std::string> ratios;
+  {
+    std::string item;
+    for (char ch : a.target_ratios + ",") {
+      if (ch == ',') {
+        if (!item.empty()) ratios.push_back(item);
+        item.clear();
+      } else {
+        item += ch;
+      }
+    }
+  }
+  if (!ratios.empty() && a.output.find("{}") == std::string::npos)
+    throw_config_error("--output", a.output, "a path containing {} (replaced by each of --target-ratios)");
+  if (ratios.empty()) ratios.push_back("");
+  // --allocators A1,A2 (measured|dp|rate): the same for each allocator, the
+  // path's "{alloc}" replaced by its name (a comparison from one model run).
+  std::vector<std::string> allocators;
+  {
+    std::string item;
+    for (char ch : a.allocators + ",") {
+      if (ch == ',') {
+        if (!item.empty()) allocators.push_back(item);
+        item.clear();
+      } else {
+        item += ch;
+      }
+    }
+  }
+  for (const auto& al : allocators)
+    if (al != "measured" && al != "dp" && al != "rate")
+      throw_config_error("--allocators", a.allocators, "a comma-separated list of measured, dp, rate");
+  if (!allocators.empty() && a.output.find("{alloc}") == std::string::npos)
+    throw_config_error("--output", a.output, "a path containing {alloc} (replaced by each of --allocators)");
+  if (allocators.empty()) allocators.push_back("");
+  const std::string hash = model::model_config_hash(dir);
+  for (const std::string& al : allocators)
+  for (const std::string& r : ratios) {
+    model::CalibrateOptions oi = o;
+    std::string path = a.output;
+    if (!al.empty()) {
+      oi.measured_allocation = al == "measured";
+      if (al != "measured") oi.codec.allocator = al == "dp" ? kvtc::Allocator::kDp : kvtc::Allocator::kRate;
+      path.replace(path.find("{alloc}"), 7, al);
+    }
+    if (!r.empty()) {
+      char* end = nullptr;
+      oi.target_ratio = std::strtod(r.c_str(), &end);
+      if (end != r.c_str() + r.size() || !(oi.target_ratio >= 1.0) || !(oi.target_ratio <= 1000.0))
+        throw_config_error("--target-ratios", a.target_ratios, "comma-separated ratios in [1, 1000]");
+      path.replace(path.find("{}"), 2, r);
+    }
+    const KvtcCalibration cal = model::fit_calibration(m.config(), hash, samples, oi, progress);
+    cal.write_file(path);
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("wrote %s: %s, %llu parameter bytes, %lld tokens per layer, %.1f s\n", path.c_str(),
+                cal.shape_string().c_str(), (unsigned long long)cal.params_bytes(), (long long)samples.tokens, sec);
+    std::fflush(stdout);
+  }
 }
 
 }  // namespace
@@ -92,7 +171,12 @@ void register_calibrate(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--sinks", args->sinks, "First tokens of each window left out of the fit")->capture_default_str();
   cmd->add_option("-o,--output", args->output, "Calibration file to write")->required();
-  cmd->add_option("--set", args->sets, "kvtc.<field>=<value>: bit_budget, target_ratio, allocator, bit_choices, beta, coder, basis_bits");
+  cmd->add_option("--set", args->sets, "kvtc.<field>=<value>: bit_budget, target_ratio, key_target_ratio, value_target_ratio, "
+                                  "allocator (dp|rate|measured), bit_choices, beta, coder, basis_bits");
+  cmd->add_option("--target-ratios", args->target_ratios,
+                  "Comma-separated target ratios: one calibration each from one model run; -o must contain {}");
+  cmd->add_option("--allocators", args->allocators,
+                  "Comma-separated allocators (measured, dp, rate): one calibration each; -o must contain {alloc}");
   cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
   cmd->callback([args] {
     if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");

@@ -1,0 +1,319 @@
+// Calibrated KVTC's pieces on a small random Llama (hidden 48, H_kv 2, D 8):
+// the RoPE table against the per-call reference, sample collection, the
+// measured-distortion allocation, and the calibrated cache's read path
+// against a plain decode of the same blocks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+#include "alloc/allocator.hpp"
+#include "cache/kvtc_calibrated.hpp"
+#include "kvcodec/cache.hpp"
+#include "kvcodec/error.hpp"
+#include "linalg/pca.hpp"
+#include "model/calibrate.hpp"
+#include "model_fixtures.hpp"
+
+namespace kvcodec::model {
+namespace {
+
+using testing::tiny_config;
+using testing::tiny_model;
+
+std::vector<int32_t> random_tokens(size_t n, int vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> u(0, vocab - 1);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = u(rng);
+  return t;
+}
+
+// Correlated data x = z * A + mu with decaying scales, [n, dim].
+std::vector<float> correlated(int64_t n, int dim, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> a(static_cast<size_t>(dim * dim)), mu(static_cast<size_t>(dim));
+  for (auto& v : a) v = g(rng);
+  for (auto& v : mu) v = g(rng);
+  std::vector<float> x(static_cast<size_t>(n * dim), 0.0f), z(static_cast<size_t>(dim));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int k = 0; k < dim; ++k) z[size_t(k)] = g(rng) * std::pow(0.8f, float(k));
+    for (int d = 0; d < dim; ++d) {
+      float s = mu[size_t(d)];
+      for (int k = 0; k < dim; ++k) s += z[size_t(k)] * a[size_t(k * dim + d)];
+      x[size_t(i * dim + d)] = s;
+    }
+  }
+  return x;
+}
+
+TEST(RopeTable, BitIdenticalToPerCallReference) {
+  const int H = 3, D = 16;
+  const double theta = 10000.0;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0.0f, 2.0f);
+  // Positions past the table's first size (4096) make it grow.
+  for (const int64_t first : {int64_t(0), int64_t(700), int64_t(5000)}) {
+    const int64_t n = 37;
+    std::vector<float> x(size_t(n * H * D));
+    for (auto& v : x) v = g(rng);
+    const auto table = RopeTable::get(D, theta, first + n);
+    ASSERT_GE(table->positions(), first + n);
+    for (const bool inverse : {false, true}) {
+      std::vector<float> ref = x, fast = x;
+      rope_rotate_tokens(ref.data(), n, H, D, first, rope_inv_freq(D, theta), inverse);
+      table->rotate(fast.data(), n, H * D, H, first, inverse);
+      ASSERT_EQ(0, std::memcmp(ref.data(), fast.data(), ref.size() * sizeof(float))) << first << " " << inverse;
+    }
+    // Removal after application gives x back to f32 rounding.
+    std::vector<float> y = x;
+    table->rotate(y.data(), n, H * D, H, first, false);
+    table->rotate(y.data(), n, H * D, H, first, true);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(y[i], x[i], 1e-5f * (1.0f + std::fabs(x[i])));
+  }
+  // A strided layout rotates only each token's first H * D values.
+  const auto table = RopeTable::get(D, theta, 10);
+  std::vector<float> s(size_t(2 * (H * D + 5)), 7.0f);
+  table->rotate(s.data(), 2, H * D + 5, H, 3, false);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(s[size_t(H * D + i)], 7.0f);
+  EXPECT_THROW(table->rotate(s.data(), 2, H * D, H, table->positions() - 1, false), Error);
+  EXPECT_THROW(RopeTable::get(7, theta, 10), Error);
+}
+
+class CalibrateTiny : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_ = tiny_config(4, 2);
+    model_ = std::make_unique<LlamaModel>(tiny_model(config_));
+    tokens_ = random_tokens(8 * 128, config_.vocab_size, 11);
+    options_.first_window = 0;
+    options_.windows = 4;
+    options_.window_length = 128;
+    options_.sinks = 2;
+  }
+  ModelConfig config_;
+  std::unique_ptr<LlamaModel> model_;
+  std::vector<int32_t> tokens_;
+  CalibrateOptions options_;
+};
+
+TEST_F(CalibrateTiny, SamplesAreTheCacheKeysWithRopeRemoved) {
+  const CalibrationSamples s = collect_calibration_samples(*model_, tokens_, options_);
+  const int V = config_.kv_dim(), D = config_.head_dim;
+  ASSERT_EQ(s.tokens, 4 * (128 - 2));
+  ASSERT_EQ(s.keys.size(), size_t(config_.n_layers));
+  // Window 1 through an fp16 cache: its keys at position p equal the samples
+  // of that window with RoPE re-applied at p.
+  Session session(*model_, method_cache_factory("fp16"));
+  std::vector<float> logits;
+  session.forward(tokens_.data() + 128, 128, logits, false);
+  for (int l = 0; l < config_.n_layers; ++l) {
+    const KVPair kv = session.caches()[size_t(l)]->fetch(DType::kF32);
+    std::vector<float> k(s.keys[size_t(l)].begin() + 126 * V, s.keys[size_t(l)].begin() + 2 * 126 * V);
+    rope_rotate_tokens(k.data(), 126, config_.n_kv_heads, D, 2, rope_inv_freq(D, config_.rope_theta), false);
+    for (int64_t t = 0; t < 126; ++t)
+      for (int h = 0; h < config_.n_kv_heads; ++h)
+        for (int d = 0; d < D; ++d) {
+          const float want = kv.keys.view().at(0, h, 2 + t, d);
+          ASSERT_NEAR(k[size_t(t * V + h * D + d)], want, 1e-4f * (1.0f + std::fabs(want)));
+          ASSERT_EQ(s.values[size_t(l)][size_t((126 + t) * V + h * D + d)], kv.values.view().at(0, h, 2 + t, d));
+        }
+  }
+  CalibrateOptions bad = options_;
+  bad.windows = 9;  // 9 * 128 > 8 * 128 tokens
+  EXPECT_THROW(collect_calibration_samples(*model_, tokens_, bad), Error);
+}
+
+TEST(MeasuredTables, DistortionFallsAndRateRisesWithWidth) {
+  const int dim = 12;
+  const int64_t n = 3000;
+  const std::vector<float> x = correlated(n, dim, 5);
+  const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
+  const std::vector<int> choices = {0, 1, 2, 3, 4, 6, 8};
+  const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, choices);
+  for (int k = 0; k < dim; ++k) {
+    // Width 0 leaves the coefficient's whole energy (about its eigenvalue).
+    EXPECT_NEAR(t.distortion[size_t(k)][0], pca.eigenvalues[size_t(k)], 0.02 * pca.eigenvalues[size_t(k)] + 1e-4);
+    EXPECT_EQ(t.rate[size_t(k)][0], 0.0);
+    for (size_t j = 1; j < choices.size(); ++j) {
+      EXPECT_LT(t.distortion[size_t(k)][j], t.distortion[size_t(k)][j - 1]) << k << " " << j;
+      EXPECT_GT(t.rate[size_t(k)][j], t.rate[size_t(k)][j - 1]) << k << " " << j;
+      EXPECT_LE(t.rate[size_t(k)][j], double(choices[j]) + 1e-9);
+    }
+    // 8 bits of a near-Gaussian: distortion ~ 1e-4 of the variance or less.
+    EXPECT_LT(t.distortion[size_t(k)][6], 1e-3 * pca.eigenvalues[size_t(k)]);
+  }
+  // The codec built from an allocation reproduces the measured distortion.
+  const alloc::AllocationResult a = alloc::allocate_bits_measured(t.rate, t.distortion, choices, 2.5 * dim);
+  const kvtc::HeadParams p = build_head_params(t, x.data(), n, dim, pca.eigenvalues, a.bits);
+  std::vector<float> y(x.size());
+  const std::vector<uint8_t> bytes = kvtc::encode_block(p, x.data(), n);
+  kvtc::decode_block(p, bytes.data(), bytes.size(), n, y.data());
+  double err = 0.0;
+  for (size_t i = 0; i < x.size(); ++i) err += double(x[i] - y[i]) * double(x[i] - y[i]);
+  err /= double(n);
+  EXPECT_NEAR(err, a.distortion, 0.05 * a.distortion);
+  // Entropy-coded size close to the measured rate (rANS, tables fitted on x).
+  EXPECT_LT(double(bytes.size()) * 8.0 / double(n), a.rate * 1.03 + 0.1);
+  EXPECT_THROW(measure_component_tables(x.data(), n, dim, pca.mean, std::vector<float>(5), choices), Error);
+  EXPECT_THROW(build_head_params(t, x.data(), n, dim, pca.eigenvalues, std::vector<int>(size_t(dim), 5)), Error);
+}
+
+TEST(MeasuredTables, BeatsTheBetaModelAtTheSameMeasuredRate) {
+  // Heavy-tailed coefficients (Laplacian-like products) are where the beta
+  // model's Gaussian assumption is wrong; the measured DP must then give no
+  // more distortion than the dp allocator at no more coded size.
+  const int dim = 16;
+  const int64_t n = 4096;
+  std::vector<float> x = correlated(n, dim, 9);
+  std::mt19937 rng(4);
+  std::exponential_distribution<float> e(1.0f);
+  for (auto& v : x) v *= e(rng);
+  const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
+  kvtc::CodecOptions dp;
+  dp.bit_budget = 3 * dim;
+  const kvtc::HeadParams beta = kvtc::fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, dp);
+  auto measure = [&](const kvtc::HeadParams& p, double* bits) {
+    const std::vector<uint8_t> b = kvtc::encode_block(p, x.data(), n);
+    std::vector<float> y(x.size());
+    kvtc::decode_block(p, b.data(), b.size(), n, y.data());
+    double err = 0.0;
+    for (size_t i = 0; i < x.size(); ++i) err += double(x[i] - y[i]) * double(x[i] - y[i]);
+    *bits = double(b.size()) * 8.0 / double(n);
+    return err / double(n);
+  };
+  double beta_bits = 0.0;
+  const double beta_err = measure(beta, &beta_bits);
+  const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, dp.bit_choices);
+  // The measured allocation at the entropy-coded rate the beta allocation reached.
+  const alloc::AllocationResult a = alloc::allocate_bits_measured(t.rate, t.distortion, dp.bit_choices, beta_bits - 0.2);
+  double measured_bits = 0.0;
+  const double measured_err = measure(build_head_params(t, x.data(), n, dim, pca.eigenvalues, a.bits), &measured_bits);
+  EXPECT_LE(measured_bits, beta_bits);
+  EXPECT_LT(measured_err, beta_err);
+}
+
+TEST_F(CalibrateTiny, CalibratedCacheReadPathMatchesAPlainDecode) {
+  const CalibrationSamples s = collect_calibration_samples(*model_, tokens_, options_);
+  for (const bool measured : {false, true}) {
+    CalibrateOptions o = options_;
+    o.measured_allocation = measured;
+    o.target_ratio = 3.0;
+    const KvtcCalibration cal = fit_calibration(config_, "", s, o);
+    // Every tensor meets the payload ratio on the calibration tokens.
+    for (int l = 0; l < config_.n_layers; ++l)
+      for (const bool is_key : {true, false}) {
+        const auto& p = (is_key ? cal.keys : cal.values)[size_t(l)];
+        const auto& x = (is_key ? s.keys : s.values)[size_t(l)];
+        const int64_t n = (s.tokens / 64) * 64;
+        size_t bytes = 0;
+        for (int64_t i = 0; i < n; i += 64) bytes += kvtc::encode_block(p, x.data() + i * cal.vector_dim(), 64).size();
+        EXPECT_GE(double(n) * cal.vector_dim() * 2.0 / double(bytes), 3.0) << measured << " " << l << " " << is_key;
+      }
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("kvcodec_test_calibrate_" + std::to_string(measured) + ".kvcal"))
+            .string();
+    cal.write_file(path);
+
+    // 2 rows of batch, 150 tokens appended in pieces: sinks 3, window 5,
+    // block 16 -> 8 encoded blocks and a raw tail.
+    CacheConfig cc;
+    cc.layer = 1;
+    cc.n_layers = config_.n_layers;
+    cc.n_kv_heads = config_.n_kv_heads;
+    cc.head_dim = config_.head_dim;
+    cc.rope_theta = config_.rope_theta;
+    const int64_t B = 2, S = 150, H = cc.n_kv_heads, D = cc.head_dim, V = H * D;
+    std::mt19937 rng(21);
+    std::normal_distribution<float> g(0.0f, 1.0f);
+    // Row-major [B, H, S, D] keys: calibration-like tokens (the fit data with
+    // RoPE applied at their positions) so the codec works in its range.
+    std::vector<float> keys(size_t(B * H * S * D)), values(keys.size());
+    const auto table = RopeTable::get(int(D), cc.rope_theta, S);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < S; ++t) {
+        std::vector<float> k(s.keys[1].begin() + (b * 300 + t) * V, s.keys[1].begin() + (b * 300 + t + 1) * V);
+        table->rotate(k.data(), 1, V, int(H), t, false);
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d) {
+            keys[size_t(((b * H + h) * S + t) * D + d)] = f16_to_f32(f32_to_f16(k[size_t(h * D + d)]));
+            values[size_t(((b * H + h) * S + t) * D + d)] =
+                f16_to_f32(f32_to_f16(s.values[1][size_t((b * 300 + t) * V + h * D + d)]));
+          }
+      }
+    for (const int threads : {1, 2}) {
+      auto cache = make_cache("kvtc", cc,
+                              {{"calibration", path}, {"sinks", "3"}, {"window", "5"}, {"block", "16"},
+                               {"threads", std::to_string(threads)}});
+      for (const auto& [begin, count] : {std::pair<int64_t, int64_t>{0, 40}, {40, 1}, {41, 109}}) {
+        Tensor kp(DType::kF16, {B, H, count, D}), vp(DType::kF16, {B, H, count, D});
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t t = 0; t < count; ++t)
+              for (int64_t d = 0; d < D; ++d) {
+                const size_t src = size_t(((b * H + h) * S + begin + t) * D + d);
+                const size_t dst = size_t(((b * H + h) * count + t) * D + d);
+                kp.data_as<uint16_t>()[dst] = f32_to_f16(keys[src]);
+                vp.data_as<uint16_t>()[dst] = f32_to_f16(values[src]);
+              }
+        cache->append(kp.view(), vp.view());
+      }
+      const KVPair got = cache->fetch(DType::kF32);
+      // Plain reference: per block, RoPE removed with the per-call reference,
+      // encode_block, decode_block, RoPE re-applied; raw tokens as given.
+      const int64_t n_blocks = (S - 3 - 5) / 16;
+      ASSERT_EQ(n_blocks, 8);
+      double err = 0.0, energy = 0.0;
+      for (int64_t b = 0; b < B; ++b) {
+        for (const bool is_key : {true, false}) {
+          const std::vector<float>& src = is_key ? keys : values;
+          const Tensor& out = is_key ? got.keys : got.values;
+          for (int64_t j = 0; j < n_blocks; ++j) {
+            const int64_t first = 3 + j * 16;
+            std::vector<float> x(size_t(16 * V)), y(size_t(16 * V));
+            for (int64_t t = 0; t < 16; ++t)
+              for (int64_t h = 0; h < H; ++h)
+                for (int64_t d = 0; d < D; ++d)
+                  x[size_t(t * V + h * D + d)] = src[size_t(((b * H + h) * S + first + t) * D + d)];
+            const std::vector<float> orig = x;
+            const auto inv = rope_inv_freq(int(D), cc.rope_theta);
+            if (is_key) rope_rotate_tokens(x.data(), 16, int(H), int(D), first, inv, true);
+            const auto& p = (is_key ? cal.keys : cal.values)[1];
+            const auto bytes = kvtc::encode_block(p, x.data(), 16);
+            kvtc::decode_block(p, bytes.data(), bytes.size(), 16, y.data());
+            if (is_key) rope_rotate_tokens(y.data(), 16, int(H), int(D), first, inv, false);
+            for (int64_t t = 0; t < 16; ++t)
+              for (int64_t h = 0; h < H; ++h)
+                for (int64_t d = 0; d < D; ++d) {
+                  const float want = y[size_t(t * V + h * D + d)];
+                  ASSERT_EQ(out.view().at(b, h, first + t, d), want) << b << " " << is_key << " " << j;
+                  const double e = want - orig[size_t(t * V + h * D + d)];
+                  err += e * e;
+                  energy += double(orig[size_t(t * V + h * D + d)]) * orig[size_t(t * V + h * D + d)];
+                }
+          }
+          // Sinks and tail come back exactly.
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t d = 0; d < D; ++d) {
+              for (int64_t t = 0; t < 3; ++t)
+                ASSERT_EQ(out.view().at(b, h, t, d), src[size_t(((b * H + h) * S + t) * D + d)]);
+              for (int64_t t = 3 + n_blocks * 16; t < S; ++t)
+                ASSERT_EQ(out.view().at(b, h, t, d), src[size_t(((b * H + h) * S + t) * D + d)]);
+            }
+        }
+      }
+      // Lossy but close at 3x: relative squared error well under 10%.
+      EXPECT_LT(err / energy, 0.1) << measured;
+      const CacheStats st = cache->stats();
+      EXPECT_EQ(st.tokens, S);
+      EXPECT_EQ(st.extras.at("key.side_bytes"), 0.0);
+    }
+    std::filesystem::remove(path);
+  }
+}
+
+}  // namespace
+}  // namespace kvcodec::model
