@@ -82,8 +82,18 @@ void run(const EvalArgs& a) {
   probe.n_kv_heads = m.config().n_kv_heads;
   probe.head_dim = m.config().head_dim;
   probe.rope_theta = m.config().rope_theta;
+  // "method:label" is a variant of method with its own settings
+  // (--set method:label.field=value, on top of method.field=value), so one
+  // run can sweep several settings of a method against one baseline run.
   auto spec = [&](const std::string& name) {
-    model::MethodSpec s{name, model::method_cache_factory(name, settings_for_method(a.sets, name))};
+    const size_t colon = name.find(':');
+    const std::string base = name.substr(0, colon);
+    if (base.empty() || (colon != std::string::npos && colon + 1 == name.size()))
+      throw_config_error("--methods", name, "a method name, or <method>:<label> with a non-empty label");
+    Settings settings = settings_for_method(a.sets, base);
+    if (colon != std::string::npos)
+      for (const auto& [field, value] : settings_for_method(a.sets, name)) settings[field] = value;
+    model::MethodSpec s{name, model::method_cache_factory(base, settings)};
     s.factory(probe);  // a bad method or setting fails now, not after the baseline has run
     return s;
   };
@@ -130,7 +140,8 @@ void register_eval(CLI::App& app) {
   auto* cmd = app.add_subcommand("eval", "Perplexity, KL and top-1 agreement of cache methods vs the fp16 cache");
   cmd->add_option("--model", args->model_dir, "HF Llama checkpoint folder (default: the shipped models/tinycode)");
   cmd->add_option("--tokens", args->tokens, "uint16 token windows (default: ../shared/models/tinycode/eval_tokens.u16)");
-  cmd->add_option("--methods", args->methods, "Comma-separated cache methods")->capture_default_str();
+  cmd->add_option("--methods", args->methods,
+                  "Comma-separated cache methods; <method>:<label> is a variant with its own --set <method>:<label>.<field>=<value>")->capture_default_str();
   cmd->add_option("--baseline", args->baseline, "Method the KL and top-1 agreement are measured against")
       ->capture_default_str();
   cmd->add_option("--context", args->options.context, "Tokens prefilled per window")->capture_default_str();
