@@ -10,6 +10,7 @@
 #include "cache/settings.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
+#include "kvtc/raw_convert.hpp"
 #include "linalg/pca.hpp"
 
 namespace kvcodec {
@@ -63,6 +64,18 @@ class KvtcCache final : public KVCache {
   void encode_ready_blocks();
   void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
   void reset();
+  // Runs body(h) for every (batch, head): an OpenMP team when threads > 1,
+  // a plain loop otherwise (a team per 64-token block costs more than the
+  // block's decode at one thread).
+  template <typename Body>
+  void parallel_heads(int64_t heads, const Body& body) const {
+    if (options_.threads > 1) {
+#pragma omp parallel for num_threads(options_.threads) schedule(static)
+      for (int64_t h = 0; h < heads; ++h) body(h);
+    } else {
+      for (int64_t h = 0; h < heads; ++h) body(h);
+    }
+  }
 
   CacheConfig config_;
   Settings settings_;
@@ -83,7 +96,7 @@ void KvtcCache::reset() {
 
 void KvtcCache::raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const {
   const size_t d = size_t(config_.head_dim);
-  convert(raw.data() + size_t(first) * d, raw_dtype_, out, DType::kF32, size_t(count) * d);
+  kvtc::raw_to_f32(raw.data() + size_t(first) * d, raw_dtype_, out, size_t(count) * d);
 }
 
 void KvtcCache::append(const TensorView& keys, const TensorView& values) {
@@ -108,7 +121,6 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   const int64_t S = keys.shape[2];
   if (S == 0) return;
   const size_t D = size_t(config_.head_dim);
-  std::vector<uint16_t> row(size_t(S) * D);
   for (Stream* stream : {&key_, &value_}) {
     const TensorView& src = stream == &key_ ? keys : values;
     for (int64_t b = 0; b < batch_; ++b)
@@ -117,9 +129,19 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
         head.data = static_cast<const uint8_t*>(src.data) +
                     (b * src.strides[0] + h * src.strides[1]) * int64_t(dtype_size(src.dtype));
         head.shape = {1, 1, S, src.shape[3]};
-        copy_to_contiguous(head, row.data(), raw_dtype_);
+        // Straight into the raw tail, no intermediate row buffer; f32 rows
+        // (the common case) through the SIMD conversion.
         auto& raw = stream->raw[size_t(b * config_.n_kv_heads + h)];
-        raw.insert(raw.end(), row.begin(), row.end());
+        const size_t at = raw.size();
+        raw.resize(at + size_t(S) * D);
+        uint16_t* dst = raw.data() + at;
+        if (src.dtype == DType::kF32 && (src.strides[3] == 1 || D == 1)) {
+          for (int64_t t = 0; t < S; ++t)
+            kvtc::f32_to_raw(static_cast<const float*>(head.data) + t * src.strides[2], dst + size_t(t) * D,
+                             raw_dtype_, D);
+        } else {
+          copy_to_contiguous(head, dst, raw_dtype_);
+        }
       }
   }
   offset_ += S;
@@ -168,25 +190,28 @@ void KvtcCache::encode_ready_blocks() {
   const int D = config_.head_dim;
   const int64_t heads = heads_total();
   const int64_t B = options_.block;
-  std::vector<float> x(size_t(B) * size_t(D));
-  while (offset_ - options_.sinks - encoded_tokens() - options_.window >= B) {
-    // The oldest tail tokens: raw index sinks (they sit right after the sinks).
-    const int64_t sinks = sink_tokens();
-    for (Stream* stream : {&key_, &value_}) {
-      EncodedBlock block;
-      block.payload.resize(size_t(heads));
-#pragma omp parallel for num_threads(options_.threads) firstprivate(x) schedule(static)
-      for (int64_t h = 0; h < heads; ++h) {
-        auto& raw = stream->raw[size_t(h)];
-        raw_to_f32(raw, sinks, B, x.data());
-        block.payload[size_t(h)] = kvtc::encode_block(stream->heads[size_t(h)], x.data(), B);
+  // Every block that is ready now, encoded in one pass; the raw tail is then
+  // cut once (erasing block by block would move the tail once per block:
+  // quadratic in the tokens of one append).
+  const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
+  const int64_t n_new = ready >= B ? ready / B : 0;
+  if (n_new == 0) return;
+  // The oldest tail tokens: raw index sinks (they sit right after the sinks).
+  const int64_t sinks = sink_tokens();
+  for (Stream* stream : {&key_, &value_}) {
+    const size_t first = stream->blocks.size();
+    stream->blocks.resize(first + size_t(n_new));
+    for (int64_t j = 0; j < n_new; ++j) stream->blocks[first + size_t(j)].payload.resize(size_t(heads));
+    const auto encode_head = [&](int64_t h) {
+      std::vector<float> x(size_t(B) * size_t(D));
+      auto& raw = stream->raw[size_t(h)];
+      for (int64_t j = 0; j < n_new; ++j) {
+        raw_to_f32(raw, sinks + j * B, B, x.data());
+        stream->blocks[first + size_t(j)].payload[size_t(h)] = kvtc::encode_block(stream->heads[size_t(h)], x.data(), B);
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        auto& raw = stream->raw[size_t(h)];
-        raw.erase(raw.begin() + sinks * D, raw.begin() + (sinks + B) * D);
-      }
-      stream->blocks.push_back(std::move(block));
-    }
+      raw.erase(raw.begin() + sinks * D, raw.begin() + (sinks + n_new * B) * D);
+    };
+    parallel_heads(heads, encode_head);
   }
 }
 
@@ -209,13 +234,12 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   const int64_t B = options_.block;
   Tensor k(DType::kF32, {batch_, H, B, D}), v(DType::kF32, {batch_, H, B, D});
   for (size_t j = 0; j < key_.blocks.size(); ++j) {
-#pragma omp parallel for num_threads(options_.threads) schedule(static)
-    for (int64_t h = 0; h < heads; ++h) {
+    parallel_heads(heads, [&](int64_t h) {
       const auto& kp = key_.blocks[j].payload[size_t(h)];
       const auto& vp = value_.blocks[j].payload[size_t(h)];
       kvtc::decode_block(key_.heads[size_t(h)], kp.data(), kp.size(), B, k.data_as<float>() + h * B * D);
       kvtc::decode_block(value_.heads[size_t(h)], vp.data(), vp.size(), B, v.data_as<float>() + h * B * D);
-    }
+    });
     visit(sinks + int64_t(j) * B, k.view(), v.view());
   }
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());

@@ -133,6 +133,7 @@ struct FrequencyTable {
 
 inline constexpr size_t kRansLanes = 8;            // interleaved states
 inline constexpr uint32_t kRansLow = 1u << 23;     // states live in [kRansLow, kRansLow << 8)
+inline constexpr uint32_t kRansSearchMax = 33;     // largest alphabet decoded by search (see RansDecodeTable)
 
 // slot -> symbol lookup, built once per frozen table and cached by the caller.
 // Two bytes per slot plus (freq, cum) per symbol: with one table per
@@ -146,9 +147,39 @@ struct RansDecodeTable {
   uint32_t scale_bits = 0;
   std::vector<uint16_t> slot_symbol;  // [1 << scale_bits], entries < alphabet_size
   std::vector<Sym> syms;              // [alphabet_size]
+  // Small alphabets (<= kRansSearchMax symbols, scale_bits <= 14): cum[1..]
+  // as 16-bit entries padded with 0x7fff to kRansSearchMax - 1 + 1 = 32; the
+  // AVX2 decoder finds a slot's symbol by counting the entries <= slot (two
+  // vector compares) instead of reading slot_symbol. A 64-column head then
+  // decodes from 2 KB of tables instead of 512 KB, which thrash the L2
+  // cache (every slot is equally likely, so the whole slot table is hot).
+  std::vector<uint16_t> search;       // [32] or empty
 
   RansDecodeTable() = default;
   explicit RansDecodeTable(const FrequencyTable& table);
+};
+
+// Division-free encoder constants of one frozen table, built once and cached
+// by the caller. Encoding symbol s from state x (after renormalisation):
+// q = floor(x / freq) = (x * rcp) >> (32 + shift), exact for x < 2^31 (every
+// state is), then x' = x + bias + q * cmpl_freq, which equals the textbook
+// (q << scale) + x % freq + cum. freq == 1 uses rcp = 2^32 - 1 (q = x - 1)
+// with the difference folded into bias.
+struct RansEncodeTable {
+  struct Sym {
+    uint32_t x_max;      // renormalise (emit bytes) while x >= x_max
+    uint32_t rcp;        // ceil(2^(31 + l) / freq), l = ceil(log2 freq)
+    uint32_t bias;       // cum (+ 2^scale - 1 when freq == 1)
+    uint16_t cmpl_freq;  // 2^scale - freq
+    uint16_t shift;      // l - 1 (0 when freq == 1)
+  };
+  uint32_t alphabet_size = 0;
+  uint32_t scale_bits = 0;
+  std::vector<Sym> syms;  // [alphabet_size]
+
+  RansEncodeTable() = default;
+  // Throws Error(kInvalidArgument) for a table that is not a valid model.
+  explicit RansEncodeTable(const FrequencyTable& table);
 };
 
 // Codes the non-skipped columns of symbols[n_rows x n_cols] (token-major).
@@ -158,6 +189,10 @@ struct RansDecodeTable {
 // A symbol >= its table's alphabet throws Error(kInvalidArgument).
 std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
                                  const std::vector<const FrequencyTable*>& tables);
+// Same bytes as rans_encode, through the precomputed constants (no division,
+// no separate validation pass): the encoder the KVTC codec runs.
+std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                 const std::vector<const RansEncodeTable*>& tables);
 // Inverse of rans_encode; out has n_rows * n_cols entries, skipped columns get
 // 0. Throws Error(kFormat) when the stream is truncated, has trailing bytes or
 // ends in states other than the initial ones.

@@ -10,6 +10,11 @@
 
 #include "entropy/entropy.hpp"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define KVCODEC_RANS_AVX2 1
+#endif
+
 namespace kvcodec::entropy {
 namespace {
 
@@ -81,7 +86,7 @@ void check_decode_tables(const std::vector<uint32_t>& cols, const std::vector<co
   for (uint32_t c : cols) {
     const RansDecodeTable& t = *tables[c];
     if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.slot_symbol.size() != (size_t(1) << t.scale_bits) ||
-        t.syms.size() != t.alphabet_size)
+        t.syms.size() != t.alphabet_size || t.alphabet_size == 0 || (!t.search.empty() && t.search.size() != 32))
       throw Error(ErrorCode::kInvalidArgument,
                   "rans_decode: decode table of column " + std::to_string(c) + " is not built from a FrequencyTable");
   }
@@ -91,9 +96,29 @@ void check_decode_tables(const std::vector<uint32_t>& cols, const std::vector<co
 struct DecCol {
   const uint16_t* slot_symbol;
   const RansDecodeTable::Sym* syms;
+  const uint16_t* search;  // RansDecodeTable::search, or null: use slot_symbol
   uint32_t scale;
   uint32_t mask;
+  uint32_t last;  // alphabet_size - 1
 };
+
+// The symbol owning slot: the slot table, or (AVX2, small alphabets) the
+// number of cumulative frequencies cum[1..] that are <= slot.
+inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
+#ifdef KVCODEC_RANS_AVX2
+  if (c.search) {
+    // Entries and slot + 1 are < 2^14, pads 0x7fff: signed compares are exact.
+    const __m256i sv = _mm256_set1_epi16(int16_t(slot + 1));
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.search));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.search + 16));
+    const uint32_t ma = uint32_t(_mm256_movemask_epi8(_mm256_cmpgt_epi16(sv, a)));
+    const uint32_t mb = uint32_t(_mm256_movemask_epi8(_mm256_cmpgt_epi16(sv, b)));
+    const uint32_t sym = uint32_t(__builtin_popcount(ma) + __builtin_popcount(mb)) >> 1;
+    return sym < c.last ? sym : c.last;  // a table built by the constructor never needs the clamp
+  }
+#endif
+  return c.slot_symbol[slot];
+}
 
 }  // namespace
 
@@ -113,6 +138,146 @@ RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alph
   }
   if (slot != slot_symbol.size())
     throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: frequencies do not sum to 2^scale_bits");
+  if (alphabet_size <= kRansSearchMax && scale_bits <= 14) {
+    search.assign(32, 0x7fff);
+    for (uint32_t s = 1; s < alphabet_size; ++s) search[s - 1] = uint16_t(syms[s].cum);
+  }
+}
+
+RansEncodeTable::RansEncodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
+  if (t.alphabet_size == 0 || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.freq.size() != t.alphabet_size ||
+      t.cum.size() != size_t(t.alphabet_size) + 1 || t.cum.back() != t.total())
+    throw Error(ErrorCode::kInvalidArgument, "RansEncodeTable: invalid frequency table");
+  const uint32_t M = t.total();
+  syms.resize(alphabet_size);
+  for (uint32_t s = 0; s < alphabet_size; ++s) {
+    const uint32_t f = t.freq[s];
+    if (f == 0 || f > M || t.cum[s] + f != t.cum[s + 1])
+      throw Error(ErrorCode::kInvalidArgument, "RansEncodeTable: frequencies do not match the cumulative table");
+    Sym& e = syms[s];
+    // Same bound as encode_step: ((kRansLow >> scale) << 8) * f <= 2^31.
+    e.x_max = ((kRansLow >> scale_bits) << 8) * f;
+    e.cmpl_freq = uint16_t(M - f);
+    if (f == 1) {
+      e.rcp = 0xffffffffu;
+      e.shift = 0;
+      e.bias = t.cum[s] + M - 1;
+    } else {
+      uint32_t l = 0;
+      while ((1u << l) < f) ++l;
+      // ceil(2^(31 + l) / f) < 2^32 for f >= 2; x * rcp's error stays below
+      // 2^(31 + l) for x < 2^31, so the quotient is exact.
+      e.rcp = uint32_t(((uint64_t(1) << (31 + l)) + f - 1) / f);
+      e.shift = uint16_t(l - 1);
+      e.bias = t.cum[s];
+    }
+  }
+}
+
+namespace {
+
+// Per-column data of the encoder's inner loop.
+struct EncCol {
+  const RansEncodeTable::Sym* syms;
+  uint32_t alphabet;
+  uint32_t col;  // index in the caller's row (for error messages)
+};
+
+// One division-free encode step of symbol s of column c into state v, writing
+// renormalisation bytes below p. Branchless: emits 0, 1 or 2 bytes (v < 2^31
+// and x_max >= 2^15). The two bytes below p are always written (the low 16
+// bits, high byte first); p then steps back by n, so a byte written but not
+// claimed is overwritten by the next emission or by the flushed states.
+inline uint32_t encode_fast(uint32_t v, uint8_t*& p, const RansEncodeTable::Sym& e) {
+  const uint32_t n = uint32_t(v >= e.x_max) + uint32_t(uint64_t(v) >= (uint64_t(e.x_max) << 8));
+  p[-1] = uint8_t(v);
+  p[-2] = uint8_t(v >> 8);
+  p -= n;
+  v >>= 8 * n;
+  const uint32_t q = uint32_t((uint64_t(v) * e.rcp) >> 32) >> e.shift;
+  return v + e.bias + q * e.cmpl_freq;
+}
+
+}  // namespace
+
+std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                 const std::vector<const RansEncodeTable*>& tables) {
+  if (tables.size() != n_cols)
+    throw Error(ErrorCode::kInvalidArgument, "rans_encode: " + std::to_string(tables.size()) + " tables for " +
+                                                 std::to_string(n_cols) + " columns");
+  checked_count(n_rows, n_cols, "rans_encode");
+  // Scratch reused across calls, without a heap allocation per block.
+  thread_local std::vector<EncCol> ext;
+  thread_local std::vector<uint16_t> compact;
+  thread_local std::vector<uint8_t> buf;
+  ext.clear();
+  for (size_t c = 0; c < n_cols; ++c)
+    if (const RansEncodeTable* t = tables[c]) {
+      if (t->scale_bits < 1 || t->scale_bits > kMaxScaleBits || t->syms.size() != t->alphabet_size || t->alphabet_size == 0)
+        throw Error(ErrorCode::kInvalidArgument,
+                    "rans_encode: encode table of column " + std::to_string(c) + " is not built from a FrequencyTable");
+      ext.push_back(EncCol{t->syms.data(), t->alphabet_size, uint32_t(c)});
+    }
+  const size_t n_active = ext.size();
+  const size_t n_coded = n_rows * n_active;
+  if (n_coded == 0) return {};
+  // Columns unrolled (as in the decoder) so a group of kRansLanes symbols
+  // starting at column k0 reads ext[k0 .. k0 + kRansLanes) without wrapping.
+  for (size_t k = 0; k < kRansLanes; ++k) ext.push_back(ext[k % n_active]);
+  // The coded symbols in coding order: the input itself when no column is skipped.
+  const uint16_t* flat = symbols;
+  if (n_active != n_cols) {
+    compact.resize(n_coded);
+    size_t q = 0;
+    for (size_t r = 0; r < n_rows; ++r)
+      for (size_t k = 0; k < n_active; ++k) compact[q++] = symbols[r * n_cols + ext[k].col];
+    flat = compact.data();
+  }
+  // Validate first: an error must not leave a half-written stream behind
+  // (cheap: one compare per symbol, vectorised).
+  {
+    bool bad = false;
+    for (size_t i = 0, k = 0; i < n_coded; ++i) {
+      bad |= flat[i] >= ext[k].alphabet;
+      if (++k == n_active) k = 0;
+    }
+    if (bad)
+      for (size_t i = 0; i < n_coded; ++i) {
+        const EncCol& c = ext[i % n_active];
+        if (flat[i] >= c.alphabet) symbol_out_of_range(i / n_active, c.col, flat[i], c.alphabet);
+      }
+  }
+  const EncCol* const cols = ext.data();
+  const size_t lanes_used = std::min(kRansLanes, n_coded);
+  // At most 2 bytes per symbol, plus the flushed states.
+  buf.resize(2 * n_coded + 4 * kRansLanes);
+  uint8_t* const end = buf.data() + buf.size();
+  uint8_t* p = end;
+  uint32_t x[kRansLanes];
+  for (auto& v : x) v = kRansLow;
+
+  // Coded symbol i goes to lane i % kRansLanes; the encoder runs backwards.
+  // First the incomplete last group, then whole groups with every lane's
+  // state in a register.
+  const size_t full = n_coded / kRansLanes * kRansLanes;
+  for (size_t i = n_coded; i-- > full;) {
+    const EncCol& c = cols[i % n_active];
+    x[i % kRansLanes] = encode_fast(x[i % kRansLanes], p, c.syms[flat[i]]);
+  }
+  size_t k0 = full % n_active;  // column of symbol `full`
+  for (size_t i0 = full; i0 > 0;) {
+    i0 -= kRansLanes;
+    k0 = k0 >= kRansLanes % n_active ? k0 - kRansLanes % n_active : k0 + n_active - kRansLanes % n_active;
+    const EncCol* c = cols + k0;
+    const uint16_t* sy = flat + i0;
+#pragma GCC unroll 8
+    for (size_t j = kRansLanes; j-- > 0;) x[j] = encode_fast(x[j], p, c[j].syms[sy[j]]);
+  }
+  for (size_t l = lanes_used; l-- > 0;) {
+    p -= 4;
+    put_state(p, x[l]);
+  }
+  return std::vector<uint8_t>(p, end);
 }
 
 std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
@@ -153,11 +318,20 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
 
 void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
                  const std::vector<const RansDecodeTable*>& tables, uint16_t* out) {
-  const std::vector<uint32_t> cols = active_columns(n_cols, tables, "rans_decode");
+  // Scratch reused across calls: a 64-token block is a few microseconds of
+  // work, so per-call heap allocations would show.
+  thread_local std::vector<uint32_t> cols;
+  if (tables.size() != n_cols)
+    throw Error(ErrorCode::kInvalidArgument, "rans_decode: " + std::to_string(tables.size()) + " tables for " +
+                                                 std::to_string(n_cols) + " columns");
+  cols.clear();
+  for (size_t c = 0; c < n_cols; ++c)
+    if (tables[c]) cols.push_back(uint32_t(c));
   const size_t total_out = checked_count(n_rows, n_cols, "rans_decode");
   const size_t n_active = cols.size();
   const size_t n_coded = n_rows * n_active;
-  if (total_out) std::memset(out, 0, total_out * sizeof(uint16_t));
+  // Skipped columns decode to 0 (with none skipped every entry is written).
+  if (total_out && n_active != n_cols) std::memset(out, 0, total_out * sizeof(uint16_t));
   if (n_coded == 0) {
     if (size != 0) bad_stream(std::to_string(size) + " bytes where no symbols are coded");
     return;
@@ -181,14 +355,16 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
 
   // Columns unrolled so that positions k0 .. k0 + kRansLanes - 1 of the
   // cyclic column sequence never wrap inside one group.
-  std::vector<DecCol> ext(n_active + kRansLanes);
+  thread_local std::vector<DecCol> ext;
+  ext.resize(n_active + kRansLanes);
   for (size_t k = 0; k < ext.size(); ++k) {
     const RansDecodeTable& t = *tables[cols[k % n_active]];
-    ext[k] = DecCol{t.slot_symbol.data(), t.syms.data(), t.scale_bits, (1u << t.scale_bits) - 1};
+    ext[k] = DecCol{t.slot_symbol.data(), t.syms.data(), t.search.empty() ? nullptr : t.search.data(),
+                    t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
   }
   // With no skipped columns the coded order is the output order.
   const bool dense = n_active == n_cols;
-  std::vector<uint16_t> compact;
+  thread_local std::vector<uint16_t> compact;
   uint16_t* dst = out;
   if (!dense) {
     compact.resize(n_coded);
@@ -205,9 +381,9 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
     for (size_t j = 0; j < kRansLanes; ++j) {
       uint32_t s = x[j];
       const uint32_t slot = s & c[j].mask;
-      const uint16_t sym = c[j].slot_symbol[slot];
+      const uint32_t sym = lookup_symbol(c[j], slot);
       const RansDecodeTable::Sym e = c[j].syms[sym];
-      dst[i + j] = sym;
+      dst[i + j] = uint16_t(sym);
       s = e.freq * (s >> c[j].scale) + slot - e.cum;
       // Branchless renormalisation. The bytes to pull follow from s alone
       // (s << 8 | b < 2^23 iff s < 2^15), so the shared stream pointer
@@ -230,9 +406,9 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
     const DecCol& c = ext[k0];
     uint32_t& s = x[i % kRansLanes];
     const uint32_t slot = s & c.mask;
-    const uint16_t sym = c.slot_symbol[slot];
+    const uint32_t sym = lookup_symbol(c, slot);
     const RansDecodeTable::Sym e = c.syms[sym];
-    dst[i] = sym;
+    dst[i] = uint16_t(sym);
     s = e.freq * (s >> c.scale) + slot - e.cum;
     while (s < kRansLow) {
       if (p == end) bad_stream("truncated: ran out of bytes at symbol " + std::to_string(i) + " of " + std::to_string(n_coded));

@@ -287,28 +287,58 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
 
 void HeadParams::build_decoders() {
   rans_decode.clear();
-  for (const auto& t : rans_tables) rans_decode.emplace_back(t);
+  rans_encode.clear();
+  for (const auto& t : rans_tables) {
+    rans_decode.emplace_back(t);
+    rans_encode.emplace_back(t);
+  }
 }
 
 // --- quantization: fast path (Eigen) and plain reference ------------------
 
+// Per-thread scratch of the block hot paths: a block is ~10 us of work, so
+// heap allocations and Eigen temporaries per call would show.
+struct BlockScratch {
+  RowMatrix centred, coeffs;
+  std::vector<uint16_t> codes;
+  std::vector<float> a, b, c;
+};
+BlockScratch& scratch() {
+  thread_local BlockScratch s;
+  return s;
+}
+
 void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
   const int kept = p.n_kept();
   if (n == 0 || kept == 0) return;
-  RowMatrix coeffs = project_all(x, n, p.dim, p.mean, p.basis, kept);  // [n, K]
+  BlockScratch& s = scratch();
+  const int dim = p.dim;
+  // Same arithmetic as project_all (centre, then one product), into reused buffers.
+  s.centred.resize(n, dim);
+  ConstRowMap xm(x, n, dim);
+  Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
+  s.centred.noalias() = xm.rowwise() - mu;
+  ConstRowMap basis(p.basis.data(), kept, dim);
+  s.coeffs.resize(n, kept);
+  s.coeffs.noalias() = s.centred * basis.transpose();
   const size_t K = static_cast<size_t>(kept);
-  std::vector<float> inv_step(K), offset(K), max_code(K);
-  for (int k = 0; k < kept; ++k) {
-    inv_step[size_t(k)] = 1.0f / p.quant[size_t(k)].step;
-    offset[size_t(k)] = code_offset(p.quant[size_t(k)]);
-    max_code[size_t(k)] = float(p.quant[size_t(k)].levels - 1);
+  s.a.resize(K), s.b.resize(K), s.c.resize(K);
+  float* const inv_step = s.a.data();
+  float* const offset = s.b.data();
+  float* const max_code = s.c.data();
+  for (size_t k = 0; k < K; ++k) {
+    inv_step[k] = 1.0f / p.quant[k].step;
+    offset[k] = code_offset(p.quant[k]);
+    max_code[k] = float(p.quant[k].levels - 1);
   }
   for (int64_t i = 0; i < n; ++i) {
-    const float* c = coeffs.data() + i * kept;
+    const float* c = s.coeffs.data() + i * kept;
     uint16_t* out = codes + i * kept;
-    for (int k = 0; k < kept; ++k) {
-      const float v = std::floor(c[k] * inv_step[size_t(k)] + offset[size_t(k)]);
-      out[k] = uint16_t(std::clamp(v, 0.0f, max_code[size_t(k)]));
+    // The clamp of quantize_block_reference, written so the loop vectorises
+    // (max(0, NaN) is 0 here, where std::clamp would pass the NaN on).
+    for (size_t k = 0; k < K; ++k) {
+      const float v = std::floor(c[k] * inv_step[k] + offset[k]);
+      out[k] = uint16_t(int32_t(std::min(std::max(0.0f, v), max_code[k])));
     }
   }
 }
@@ -322,20 +352,23 @@ void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, flo
     xo.rowwise() = mu;
     return;
   }
-  RowMatrix coeffs(n, kept);
+  BlockScratch& s = scratch();
+  s.coeffs.resize(n, kept);
   const size_t K = static_cast<size_t>(kept);
-  std::vector<float> step(K), offset(K);
-  for (int k = 0; k < kept; ++k) {
-    step[size_t(k)] = p.quant[size_t(k)].step;
-    offset[size_t(k)] = recon_offset(p.quant[size_t(k)]);
+  s.a.resize(K), s.b.resize(K);
+  float* const step = s.a.data();
+  float* const offset = s.b.data();
+  for (size_t k = 0; k < K; ++k) {
+    step[k] = p.quant[k].step;
+    offset[k] = recon_offset(p.quant[k]);
   }
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t* c = codes + i * kept;
-    float* o = coeffs.data() + i * kept;
-    for (int k = 0; k < kept; ++k) o[k] = (float(c[k]) - offset[size_t(k)]) * step[size_t(k)];
+    float* o = s.coeffs.data() + i * kept;
+    for (size_t k = 0; k < K; ++k) o[k] = (float(c[k]) - offset[k]) * step[k];
   }
   ConstRowMap basis(p.basis.data(), kept, dim);
-  xo.noalias() = coeffs * basis;
+  xo.noalias() = s.coeffs * basis;
   xo.rowwise() += mu;
 }
 
@@ -370,55 +403,76 @@ void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int6
 
 std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n) {
   const int kept = p.n_kept();
-  std::vector<uint16_t> codes(size_t(n) * size_t(kept));
-  quantize_block(p, x, n, codes.data());
+  BlockScratch& s = scratch();
+  s.codes.resize(size_t(n) * size_t(kept));
+  // quantize_block reuses s.coeffs/s.a..c but not s.codes.
+  quantize_block(p, x, n, s.codes.data());
+  const uint16_t* codes = s.codes.data();
   switch (p.coder) {
     case CoderChoice::kRans: {
-      std::vector<const entropy::FrequencyTable*> tables;
-      for (const auto& t : p.rans_tables) tables.push_back(&t);
-      return entropy::rans_encode(codes.data(), size_t(n), size_t(kept), tables);
+      thread_local std::vector<const entropy::RansEncodeTable*> tables;
+      tables.clear();
+      if (p.rans_encode.size() == p.rans_tables.size()) {
+        for (const auto& t : p.rans_encode) tables.push_back(&t);
+        return entropy::rans_encode(codes, size_t(n), size_t(kept), tables);
+      }
+      // Parameters assembled by hand without build_decoders(): same bytes, slower.
+      std::vector<const entropy::FrequencyTable*> freq;
+      for (const auto& t : p.rans_tables) freq.push_back(&t);
+      return entropy::rans_encode(codes, size_t(n), size_t(kept), freq);
     }
     case CoderChoice::kHuffman: {
       std::vector<const entropy::HuffmanTable*> tables;
       for (const auto& t : p.huffman_tables) tables.push_back(&t);
-      return entropy::huffman_encode(codes.data(), size_t(n), size_t(kept), tables);
+      return entropy::huffman_encode(codes, size_t(n), size_t(kept), tables);
     }
     case CoderChoice::kFixed:
     case CoderChoice::kAuto:
-      return entropy::pack_fixed(codes.data(), size_t(n), size_t(kept), p.fixed_widths);
+      return entropy::pack_fixed(codes, size_t(n), size_t(kept), p.fixed_widths);
   }
   return {};
 }
 
 void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out) {
   const int kept = p.n_kept();
-  std::vector<uint16_t> codes(size_t(n) * size_t(kept));
+  BlockScratch& s = scratch();
+  s.codes.resize(size_t(n) * size_t(kept));
+  uint16_t* codes = s.codes.data();
   switch (p.coder) {
     case CoderChoice::kRans: {
-      std::vector<const entropy::RansDecodeTable*> tables;
-      for (const auto& t : p.rans_decode) tables.push_back(&t);
-      entropy::rans_decode(data, size, size_t(n), size_t(kept), tables, codes.data());
+      thread_local std::vector<const entropy::RansDecodeTable*> tables;
+      tables.clear();
+      std::vector<entropy::RansDecodeTable> built;  // only for hand-assembled parameters
+      if (p.rans_decode.size() != p.rans_tables.size())
+        for (const auto& t : p.rans_tables) built.emplace_back(t);
+      for (const auto& t : built.empty() ? p.rans_decode : built) tables.push_back(&t);
+      entropy::rans_decode(data, size, size_t(n), size_t(kept), tables, codes);
       break;
     }
     case CoderChoice::kHuffman: {
       std::vector<const entropy::HuffmanTable*> tables;
       for (const auto& t : p.huffman_tables) tables.push_back(&t);
-      entropy::huffman_decode(data, size, size_t(n), size_t(kept), tables, codes.data());
+      entropy::huffman_decode(data, size, size_t(n), size_t(kept), tables, codes);
       break;
     }
     case CoderChoice::kFixed:
     case CoderChoice::kAuto:
-      entropy::unpack_fixed(data, size, size_t(n), size_t(kept), p.fixed_widths, codes.data());
+      entropy::unpack_fixed(data, size, size_t(n), size_t(kept), p.fixed_widths, codes);
       break;
   }
   // A decoder may hand back a code past a component's levels on corrupt input
-  // only if its table allowed it; clamp so reconstruction stays in range.
-  for (int64_t i = 0; i < n; ++i)
-    for (int k = 0; k < kept; ++k) {
-      uint16_t& c = codes[size_t(i) * size_t(kept) + size_t(k)];
-      if (c >= p.quant[size_t(k)].levels) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
-    }
-  dequantize_block(p, codes.data(), n, out);
+  // only if its table allowed it; reject so reconstruction stays in range.
+  // (One flag over the block, vectorised, instead of a branch per code.)
+  thread_local std::vector<uint16_t> levels;
+  levels.resize(size_t(kept));
+  for (int k = 0; k < kept; ++k) levels[size_t(k)] = p.quant[size_t(k)].levels;
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t* row = codes + size_t(i) * size_t(kept);
+    for (int k = 0; k < kept; ++k) bad |= row[k] >= levels[size_t(k)];
+  }
+  if (bad) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
+  dequantize_block(p, codes, n, out);
 }
 
 // --- side information --------------------------------------------------------

@@ -75,8 +75,11 @@ struct HeadParams {
   static HeadParams deserialize(ByteReader& in, int expected_dim);
   size_t serialized_size() const;
 
-  // Decoder tables built once after fit/deserialize (not serialised).
+  // Coder tables built once after fit/deserialize (not serialised): the
+  // decoder's slot tables and the encoder's division-free constants.
+  // encode_block/decode_block build them on the fly (slowly) when missing.
   std::vector<entropy::RansDecodeTable> rans_decode;
+  std::vector<entropy::RansEncodeTable> rans_encode;
   void build_decoders();
 };
 

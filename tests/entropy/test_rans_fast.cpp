@@ -1,0 +1,170 @@
+// The division-free rANS encoder (RansEncodeTable) against the textbook one:
+// its quotient is exact for every frequency and every reachable state, and it
+// writes the same bytes on random and worst-case inputs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "entropy/entropy.hpp"
+#include "entropy_test_util.hpp"
+
+namespace kvcodec::entropy {
+namespace {
+
+// floor(x / f) as the encoder computes it.
+uint32_t quotient(const RansEncodeTable::Sym& e, uint32_t x) {
+  return uint32_t((uint64_t(x) * e.rcp) >> 32) >> e.shift;
+}
+
+TEST(RansFast, QuotientIsExactForEveryFrequency) {
+  std::mt19937 rng(21);
+  const uint32_t x_hi = (kRansLow << 8) - 1;  // largest state (2^31 - 1)
+  for (uint32_t f = 2; f < 65536; ++f) {
+    const FrequencyTable t = FrequencyTable::from_freqs({f, 65536 - f}, 16);
+    const RansEncodeTable enc(t);
+    const RansEncodeTable::Sym& e = enc.syms[0];
+    // The worst cases sit just below multiples of f; check those near both
+    // ends of the range, the top of the range, and random states.
+    for (uint32_t x : std::initializer_list<uint32_t>{f - 1, f, 2 * f - 1, 2 * f, x_hi, x_hi - 1, x_hi - x_hi % f, x_hi - x_hi % f - 1, uint32_t(rng() >> 1),
+                       uint32_t(rng() >> 1), uint32_t(kRansLow), (x_hi / f) * f - 1})
+      ASSERT_EQ(quotient(e, x), x / f) << "f " << f << " x " << x;
+  }
+  // f == 1 and f == M (a one-symbol alphabet) take the special constants.
+  const FrequencyTable ones = FrequencyTable::from_freqs({1, 65535}, 16);
+  const RansEncodeTable one(ones);
+  for (uint32_t x : {1u, 2u, kRansLow, x_hi}) {
+    const auto& e = one.syms[0];
+    ASSERT_EQ(x + e.bias + quotient(e, x) * e.cmpl_freq, x * 65536u + 0u) << x;
+  }
+  const RansEncodeTable full(FrequencyTable::from_freqs({65536}, 16));
+  for (uint32_t x : {kRansLow, x_hi}) ASSERT_EQ(quotient(full.syms[0], x), x >> 16);
+}
+
+struct Case {
+  size_t rows, cols;
+  std::vector<uint16_t> symbols;
+  std::vector<FrequencyTable> ft;  // one per column; skipped columns hold a dummy
+  std::vector<bool> skip;
+};
+
+Case random_case(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Case c;
+  c.rows = rng() % 5 == 0 ? rng() % 10 : rng() % 300;
+  c.cols = 1 + rng() % 70;
+  c.symbols.resize(c.rows * c.cols);
+  for (size_t k = 0; k < c.cols; ++k) {
+    c.skip.push_back(rng() % 6 == 0);
+    const uint32_t kind = uint32_t(rng() % 5);
+    const uint32_t alphabet = kind == 0 ? 1 : kind == 1 ? 2 + rng() % 4 : kind == 2 ? 4096 : uint32_t(1 + rng() % 400);
+    const uint32_t scale = rng() % 3 == 0 ? 16 : std::max<uint32_t>(FrequencyTable::default_scale_bits(alphabet), 12);
+    // Skewed counts: a dominant symbol (max-frequency entries) and rare ones
+    // (frequency 1) in the same table.
+    std::vector<uint64_t> counts(alphabet, 0);
+    const double sigma = 0.02 + 0.3 * double(rng() % 100) / 100.0;
+    testing::Sampler sample(testing::gaussian_probs(alphabet, std::max(0.3, alphabet * sigma)));
+    for (size_t r = 0; r < c.rows; ++r) {
+      const uint16_t s = rng() % 50 == 0 ? uint16_t(rng() % alphabet) : sample(rng);
+      c.symbols[r * c.cols + k] = c.skip.back() ? uint16_t(rng()) : s;  // junk in skipped columns
+      if (!c.skip.back()) ++counts[s];
+    }
+    c.ft.push_back(FrequencyTable::from_counts(counts, scale, rng() % 2 ? 0.0 : kDefaultPrecisionLoss));
+  }
+  return c;
+}
+
+TEST(RansFast, SameBytesAsTheTextbookEncoder) {
+  for (uint64_t seed = 0; seed < 100; ++seed) {
+    const Case c = random_case(1000 + seed);
+    std::vector<RansEncodeTable> et;
+    std::vector<RansDecodeTable> dt;
+    for (const auto& t : c.ft) et.emplace_back(t), dt.emplace_back(t);
+    std::vector<const FrequencyTable*> fp;
+    std::vector<const RansEncodeTable*> ep;
+    std::vector<const RansDecodeTable*> dp;
+    for (size_t k = 0; k < c.cols; ++k) {
+      fp.push_back(c.skip[k] ? nullptr : &c.ft[k]);
+      ep.push_back(c.skip[k] ? nullptr : &et[k]);
+      dp.push_back(c.skip[k] ? nullptr : &dt[k]);
+    }
+    const auto ref = rans_encode(c.symbols.data(), c.rows, c.cols, fp);
+    const auto fast = rans_encode(c.symbols.data(), c.rows, c.cols, ep);
+    ASSERT_EQ(fast, ref) << "seed " << seed;
+    std::vector<uint16_t> out(c.rows * c.cols, 0xbeef);
+    rans_decode(fast.data(), fast.size(), c.rows, c.cols, dp, out.data());
+    for (size_t r = 0; r < c.rows; ++r)
+      for (size_t k = 0; k < c.cols; ++k)
+        ASSERT_EQ(out[r * c.cols + k], c.skip[k] ? 0 : c.symbols[r * c.cols + k]) << seed << " " << r << " " << k;
+  }
+}
+
+// The AVX2 search lookup (small alphabets) against the slot table: the same
+// stream decoded through a table with its search entries and through a copy
+// without them (which takes the slot-table path) gives the same symbols, for
+// every scale the search serves and alphabets up to the largest it takes.
+TEST(RansFast, SearchLookupMatchesSlotTable) {
+  std::mt19937_64 rng(31);
+  for (int trial = 0; trial < 400; ++trial) {
+    const uint32_t alphabet = 1 + uint32_t(rng() % (kRansSearchMax + 3));
+    uint32_t min_scale = 1;
+    while ((1u << min_scale) < alphabet) ++min_scale;
+    const uint32_t scale = min_scale + uint32_t(rng() % (15 - std::min<uint32_t>(min_scale, 14)));
+    // Random frequencies summing to 2^scale, each >= 1: uniform cut points.
+    std::vector<uint32_t> cuts{0, 1u << scale};
+    std::vector<uint32_t> freq;
+    {
+      std::vector<uint32_t> pos;
+      for (uint32_t i = 1; i < (1u << scale); ++i) pos.push_back(i);
+      for (uint32_t i = 0; i + 1 < alphabet; ++i) std::swap(pos[i], pos[i + rng() % (pos.size() - i)]);
+      cuts.insert(cuts.end(), pos.begin(), pos.begin() + (alphabet - 1));
+      std::sort(cuts.begin(), cuts.end());
+      for (size_t i = 0; i + 1 < cuts.size(); ++i) freq.push_back(cuts[i + 1] - cuts[i]);
+    }
+    const FrequencyTable t = FrequencyTable::from_freqs(freq, scale);
+    const RansDecodeTable with(t);
+    RansDecodeTable without = with;
+    without.search.clear();
+    ASSERT_EQ(!with.search.empty(), alphabet <= kRansSearchMax && scale <= 14) << alphabet << " " << scale;
+    const size_t rows = 1 + rng() % 600;
+    std::vector<uint16_t> sym(rows);
+    for (auto& v : sym) v = uint16_t(rng() % alphabet);
+    const auto bytes = rans_encode(sym.data(), rows, 1, std::vector<const FrequencyTable*>{&t});
+    std::vector<uint16_t> a(rows), b(rows);
+    rans_decode(bytes.data(), bytes.size(), rows, 1, {&with}, a.data());
+    rans_decode(bytes.data(), bytes.size(), rows, 1, {&without}, b.data());
+    ASSERT_EQ(a, sym) << trial;
+    ASSERT_EQ(b, sym) << trial;
+  }
+}
+
+TEST(RansFast, EdgeCases) {
+  const FrequencyTable t = FrequencyTable::from_counts({5, 1, 0, 9}, 12);
+  const RansEncodeTable e(t);
+  std::vector<const RansEncodeTable*> one{&e}, none{nullptr};
+  EXPECT_TRUE(rans_encode(nullptr, 0, 1, one).empty());
+  const uint16_t sym[3] = {3, 0, 2};
+  EXPECT_TRUE(rans_encode(sym, 3, 1, none).empty());
+  // A symbol outside its alphabet, and mismatched table counts.
+  const uint16_t bad[2] = {1, 4};
+  try {
+    rans_encode(bad, 2, 1, one);
+    ADD_FAILURE();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), ErrorCode::kInvalidArgument);
+  }
+  EXPECT_THROW(rans_encode(sym, 1, 2, one), Error);
+  // Invalid models are refused when the constants are built.
+  FrequencyTable broken = t;
+  broken.freq[0] += 1;
+  EXPECT_THROW(RansEncodeTable{broken}, Error);
+  // Every symbol of a max-frequency / min-frequency table round-trips.
+  std::vector<uint16_t> all;
+  for (int r = 0; r < 100; ++r) all.push_back(uint16_t(r % 4));
+  const auto bytes = rans_encode(all.data(), all.size(), 1, one);
+  const std::vector<const FrequencyTable*> fp{&t};
+  EXPECT_EQ(bytes, rans_encode(all.data(), all.size(), 1, fp));
+}
+
+}  // namespace
+}  // namespace kvcodec::entropy
