@@ -134,6 +134,24 @@ int main(int argc, char** argv) {
   const double dec_seq_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 5);
   codec.check_errors();
   codec.set_pipeline_chunks(1);
+  // Decode with the tensor-core (TF32) reconstruction, same streams.
+  using Recon = gpu::KvtcGpuCodec::Reconstruction;
+  codec.set_reconstruction(Recon::kTf32TensorCores);
+  const double dec_tc_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+  codec.check_errors();
+  codec.set_pipeline_chunks(8);
+  const double dec_tc_pipe_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 5);
+  codec.check_errors();
+  codec.set_pipeline_chunks(1);
+  codec.set_phase_timing(true);
+  codec.decode(dout, total, doff, S, dy);
+  const std::vector<double> dec_tc_ph = codec.last_phase_ms();
+  codec.check_errors();
+  codec.set_phase_timing(false);
+  const int check_heads_tc = 4;
+  std::vector<uint16_t> y_tc(size_t(check_heads_tc) * size_t(S) * D);
+  CK(cudaMemcpy(y_tc.data(), dy, y_tc.size() * 2, cudaMemcpyDeviceToHost));
+  codec.set_reconstruction(Recon::kExactFp32);
   // Where the time goes: one more call of each with events between kernels.
   codec.set_phase_timing(true);
   codec.encode(dx, S, dout, cap, doff);
@@ -156,6 +174,31 @@ int main(int argc, char** argv) {
   gpu::decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), S, 64, yref.data());
   CK(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));
   const bool recon_equal = y == yref;
+  // Tensor-core outputs against the bound of include/kvcodec/gpu.hpp:
+  // |y_tc - y_exact| <= 2^-9 * sum_k |v_k b_kd| + one bf16 ulp.
+  size_t tc_viol = 0, tc_diff = 0;
+  for (int h = 0; h < check_heads_tc; ++h) {
+    const int K = t.kept[size_t(h)];
+    std::vector<uint16_t> codes(size_t(S) * size_t(std::max(K, 1)));
+    gpu::quantize_reference(t, h, x.data() + size_t(h) * size_t(S) * D, S, codes.data());
+    std::vector<double> v(size_t(std::max(K, 1)));
+    for (int64_t i = 0; i < S; ++i) {
+      for (int k = 0; k < K; ++k) {
+        const size_t q = t.idx(h, k);
+        v[size_t(k)] = double((float(codes[size_t(i) * size_t(K) + size_t(k)]) - t.recon_offset[q]) * t.step[q]);
+      }
+      for (int d = 0; d < D; ++d) {
+        double sum = 0;
+        for (int k = 0; k < K; ++k)
+          sum += std::abs(v[size_t(k)] * double(t.basis[(size_t(h) * size_t(t.k_pad) + size_t(k)) * D + size_t(d)]));
+        const size_t e = (size_t(h) * size_t(S) + size_t(i)) * D + size_t(d);
+        const double a = gpu::bf16_bits_to_f32(y_tc[e]), r = gpu::bf16_bits_to_f32(yref[e]);
+        const double mag = std::max({std::abs(a), std::abs(r), 1e-30});
+        tc_diff += y_tc[e] != yref[e];
+        if (!(std::abs(a - r) <= std::ldexp(sum, -9) + std::ldexp(1.0, std::ilogb(mag) - 7))) ++tc_viol;
+      }
+    }
+  }
   double err = 0, nrm = 0;
   for (size_t i = 0; i < y.size(); ++i) {
     const double a = gpu::bf16_bits_to_f32(x[i]), b = gpu::bf16_bits_to_f32(y[i]);
@@ -168,12 +211,17 @@ int main(int argc, char** argv) {
       "\"encode_ms\": %.3f, \"encode_gb_s\": %.1f, \"encode_frac_copy\": %.3f, \"decode_ms\": %.3f, "
       "\"decode_gb_s\": %.1f, \"decode_frac_copy\": %.3f, \"encode_pipelined_ms\": %.3f, \"decode_pipelined_ms\": %.3f, "
       "\"encode_phases_ms\": [%.3f, %.3f, %.3f], "
-      "\"decode_phases_ms\": [%.3f, %.3f], \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s}\n",
+      "\"decode_phases_ms\": [%.3f, %.3f], \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s, "
+      "\"decode_tc_ms\": %.3f, \"decode_tc_gb_s\": %.1f, \"decode_tc_frac_copy\": %.3f, "
+      "\"decode_tc_pipelined_ms\": %.3f, \"decode_tc_phases_ms\": [%.3f, %.3f], "
+      "\"tc_checked_outputs\": %zu, \"tc_outputs_differ\": %zu, \"tc_bound_violations\": %zu}\n",
       layers, kv_heads, (long long)S, D, bytes, (unsigned long long)total, double(bytes) / double(total), err / nrm,
       copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms, bytes * gbs / dec_ms,
       copy_ms / dec_ms, enc_seq_ms, dec_seq_ms, enc_ph.size() > 2 ? enc_ph[0] : -1.0, enc_ph.size() > 2 ? enc_ph[1] : -1.0,
       enc_ph.size() > 2 ? enc_ph[2] : -1.0, dec_ph.size() > 1 ? dec_ph[0] : -1.0, dec_ph.size() > 1 ? dec_ph[1] : -1.0,
-      bytes_equal ? "true" : "false", recon_equal ? "true" : "false");
+      bytes_equal ? "true" : "false", recon_equal ? "true" : "false", dec_tc_ms, bytes * gbs / dec_tc_ms,
+      copy_ms / dec_tc_ms, dec_tc_pipe_ms, dec_tc_ph.size() > 1 ? dec_tc_ph[0] : -1.0,
+      dec_tc_ph.size() > 1 ? dec_tc_ph[1] : -1.0, y_tc.size(), tc_diff, tc_viol);
   std::fflush(stdout);
 
   // PALU on the same bf16 KV: one projection (fitted on base head 0, default
@@ -221,5 +269,5 @@ int main(int argc, char** argv) {
       proj.rank, proj.average_bits(), double(pbytes) / double(palu_total), penc_ms, pbytes * gbs / penc_ms,
       copy_ms / penc_ms, pdec_ms, pbytes * gbs / pdec_ms, copy_ms / pdec_ms, palu_bytes_equal ? "true" : "false",
       palu_recon_equal ? "true" : "false");
-  return bytes_equal && recon_equal && palu_bytes_equal && palu_recon_equal ? 0 : 2;
+  return bytes_equal && recon_equal && tc_viol == 0 && palu_bytes_equal && palu_recon_equal ? 0 : 2;
 }

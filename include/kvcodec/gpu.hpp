@@ -72,6 +72,15 @@ class KvtcGpuCodec {
   void set_pipeline_chunks(int chunks);
   std::vector<double> last_phase_ms() const;
 
+  // How decode turns codes back into bf16. kExactFp32 (default): the
+  // variant's specified fp32 FMA order, bit-identical to the CPU reference.
+  // kTf32TensorCores: the same product on tensor cores with TF32 operands
+  // and fp32 accumulation; codes and streams are unchanged, each output is
+  // within 2^-9 * sum_k |v_k * basis[k][d]| of the exact fp32 value before
+  // the bf16 rounding (v_k the dequantized coefficients; tested).
+  enum class Reconstruction { kExactFp32 = 0, kTf32TensorCores = 1 };
+  void set_reconstruction(Reconstruction r);
+
   struct Impl;
 
  private:

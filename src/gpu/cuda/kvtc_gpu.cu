@@ -32,8 +32,10 @@
 //                   ascending; bf16 stored 16 bytes at a time. Tokens of a
 //                   flagged stream are left untouched.
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <cub/device/device_scan.cuh>
+#include <cstring>
 #include <string>
 
 #include "gpu/kvtc_variant.hpp"
@@ -60,6 +62,7 @@ struct DeviceTables {
   const float* mean;
   const float* basis;
   const float* basis_t;
+  const float* basis_tf32;   // basis rounded to TF32 (tensor-core reconstruction)
   const float* inv_step;
   const float* code_offset;
   const float* max_code;
@@ -437,6 +440,156 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
   }
 }
 
+// Tensor-core reconstruction (Reconstruction::kTf32TensorCores): the same
+// [128 tokens, K] x [K, D] product as reconstruct_kernel, as TF32 WMMA tiles
+// (m16n16k8) with fp32 accumulation. Operands are rounded to TF32 (10-bit
+// mantissa; coefficients here when staged, the basis once on the host), so
+// y differs from the exact path by at most ~2^-10 * sum_k |v_k b_kd| before
+// the bf16 rounding (bound tested in tests/gpu). Warp w owns rows
+// 32*(w%4)..+31 and columns (D/2)*(w/4)..+D/2-1: 2 x D/32 accumulator tiles.
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 2) reconstruct_tc_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
+                                                                      const uint8_t* __restrict__ bad, int64_t tokens,
+                                                                      int64_t nb, int64_t tiles_per_head, int head0,
+                                                                      uint16_t* __restrict__ y) {
+  using namespace nvcuda;
+  constexpr int NF = D / 32;      // accumulator tiles per warp along D
+  constexpr int kOutPad = D + 4;  // row stride of the fp32 output staging
+  extern __shared__ __align__(16) unsigned char smem[];  // dynamic: starts at offset 0, aligned for WMMA
+  float* vs = reinterpret_cast<float*>(smem);  // [K8][kTilePad], vs[k][t]: A column-major
+  const int h = head0 + int(blockIdx.x / tiles_per_head);
+  const int64_t tile = blockIdx.x % tiles_per_head;
+  const int64_t t0 = tile * kTile;
+  const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
+  const int K = tb.kept[h];
+  const int K8 = (K + 7) / 8 * 8;
+  const int KP = tb.k_pad;
+  const int64_t stream0 = int64_t(h) * nb + tile * 2;
+  const bool bad0 = bad[stream0] != 0, bad1 = n > kT && bad[stream0 + 1] != 0;
+  if (bad0 && (n <= kT || bad1)) return;
+  const CodeT* cs = codes + size_t(stream0) * kT * KP;
+  const int slots = n > kT ? 2 : 1;
+  // Dequantize (the exact path's fp32 ops), round to TF32; rows K..K8-1 are
+  // zero so the last k-step adds nothing. Token rows of a missing second
+  // slot are never read (their tiles are skipped below). Thread j takes 16
+  // tokens of one (slot, k): its codes in 16-byte loads, all of a thread's
+  // loads issued before any is used (one memory latency per CTA instead of
+  // one per element: the element-wise loop of reconstruct_kernel is hidden
+  // behind its FFMAs, here it was not).
+  constexpr int kVec = 16 * int(sizeof(CodeT)) / 16;  // uint4 per 16 codes
+  constexpr int kPer = 4;                               // groups of 16 per thread per round
+  const int n_groups = slots * K8 * (kT / 16);
+  for (int j0 = 0; j0 < n_groups; j0 += kPer * kProjThreads) {
+    uint4 raw[kPer][kVec];
+    float off[kPer], stp[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int j = j0 + u * kProjThreads + int(threadIdx.x);
+      const int sidx = j / (K8 * (kT / 16)), r = j - sidx * K8 * (kT / 16);
+      const int k = r / (kT / 16), tq = (r % (kT / 16)) * 16;
+      off[u] = 0.0f;
+      stp[u] = 0.0f;
+      if (j < n_groups && k < K) {
+        const size_t q = size_t(h) * KP + k;
+        off[u] = tb.recon_offset[q];
+        stp[u] = tb.step[q];
+        const uint4* src = reinterpret_cast<const uint4*>(cs + size_t(sidx) * kT * KP + size_t(k) * kT + tq);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) raw[u][e] = __ldcs(src + e);  // read once: do not keep in L2
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) raw[u][e] = make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int j = j0 + u * kProjThreads + int(threadIdx.x);
+      if (j >= n_groups) continue;
+      const int sidx = j / (K8 * (kT / 16)), r = j - sidx * K8 * (kT / 16);
+      const int k = r / (kT / 16), tq = (r % (kT / 16)) * 16;
+      uint32_t w[4 * kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        w[4 * e] = raw[u][e].x;
+        w[4 * e + 1] = raw[u][e].y;
+        w[4 * e + 2] = raw[u][e].z;
+        w[4 * e + 3] = raw[u][e].w;
+      }
+      float val[16];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        // Code e of the 16 (little-endian within the words).
+        constexpr int per_word = 4 / int(sizeof(CodeT));
+        const uint32_t code = (w[e / per_word] >> (8 * int(sizeof(CodeT)) * (e % per_word))) &
+                              (sizeof(CodeT) == 1 ? 0xffu : 0xffffu);
+        val[e] = k < K ? wmma::__float_to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
+      }
+      float4* dst = reinterpret_cast<float4*>(vs + k * kTilePad + sidx * kT + tq);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[e] = make_float4(val[4 * e], val[4 * e + 1], val[4 * e + 2], val[4 * e + 3]);
+    }
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  const int m0 = (warp % 4) * 32, n0 = (warp / 4) * (D / 2);
+  const bool active = m0 < slots * kT;
+  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[2][NF];
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+    const float* bs = tb.basis_tf32 + size_t(h) * KP * D;
+#pragma unroll 2
+    for (int k = 0; k < K8; k += 8) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a[2];
+      wmma::load_matrix_sync(a[0], vs + k * kTilePad + m0, kTilePad);
+      wmma::load_matrix_sync(a[1], vs + k * kTilePad + m0 + 16, kTilePad);
+#pragma unroll
+      for (int j = 0; j < NF; ++j) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b;
+        wmma::load_matrix_sync(b, bs + size_t(k) * D + n0 + 16 * j, D);
+        wmma::mma_sync(acc[0][j], a[0], b, acc[0][j]);
+        wmma::mma_sync(acc[1][j], a[1], b, acc[1][j]);
+      }
+    }
+  }
+  __syncthreads();  // vs is reused as the output staging
+  float* os = reinterpret_cast<float*>(smem);  // [kTile][kOutPad]
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < NF; ++j)
+        wmma::store_matrix_sync(os + (m0 + 16 * i) * kOutPad + n0 + 16 * j, acc[i][j], kOutPad, wmma::mem_row_major);
+  }
+  __syncthreads();
+  const float* mean = tb.mean + size_t(h) * D;
+  uint16_t* yh = y + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
+  // Thread v: 8 consecutive dims of one token, 16-byte bf16 stores.
+  for (int v = threadIdx.x; v < n * (D / 8); v += kProjThreads) {
+    const int t = v / (D / 8), d0 = (v % (D / 8)) * 8;
+    if (t < kT ? bad0 : bad1) continue;
+    const float4 a = *reinterpret_cast<const float4*>(os + t * kOutPad + d0);
+    const float4 b = *reinterpret_cast<const float4*>(os + t * kOutPad + d0 + 4);
+    const float4 ma = __ldg(reinterpret_cast<const float4*>(mean + d0));
+    const float4 mb = __ldg(reinterpret_cast<const float4*>(mean + d0 + 4));
+    const float r[8] = {__fadd_rn(a.x, ma.x), __fadd_rn(a.y, ma.y), __fadd_rn(a.z, ma.z), __fadd_rn(a.w, ma.w),
+                        __fadd_rn(b.x, mb.x), __fadd_rn(b.y, mb.y), __fadd_rn(b.z, mb.z), __fadd_rn(b.w, mb.w)};
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      w[e] = uint32_t(f32_to_bf16_dev(r[2 * e])) | uint32_t(f32_to_bf16_dev(r[2 * e + 1])) << 16;
+    *reinterpret_cast<uint4*>(yh + size_t(t) * D + d0) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Shared memory of reconstruct_tc_kernel: the coefficients [k_pad][kTilePad],
+// then (reused) the fp32 output [kTile][D + 4].
+size_t tc_smem_bytes(int k_pad, int dim) {
+  return std::max(size_t(k_pad) * kTilePad, size_t(kTile) * size_t(dim + 4)) * 4;
+}
+
 template <typename T>
 T* upload(const std::vector<T>& v, std::vector<void*>& owned) {
   void* p = nullptr;
@@ -488,6 +641,7 @@ struct KvtcGpuCodec::Impl {
   std::vector<void*> owned;
   int64_t max_tokens = 0;
   bool wide_codes = false;  // some alphabet has > 256 symbols: u16 code slots
+  Reconstruction recon = Reconstruction::kExactFp32;
   size_t cum_smem = 0;      // bytes of shared memory per decode CTA for the cum tables (0: global)
   uint64_t cap = 0;         // scratch bytes per stream: states + at most 2 bytes per symbol
   uint8_t* scratch = nullptr;
@@ -568,8 +722,17 @@ struct KvtcGpuCodec::Impl {
   void launch_reconstruct(int64_t tokens, int h0, int h1, uint16_t* y, cudaStream_t s) {
     const int64_t nb = n_blocks(tokens, kT), tiles = (nb + 1) / 2;
     const unsigned grid = unsigned(int64_t(h1 - h0) * tiles);
-    const size_t smem = size_t(flat.k_pad) * kTilePad * 4;
     const CodeT* c = static_cast<const CodeT*>(codes);
+    if (recon == Reconstruction::kTf32TensorCores) {
+      const size_t tsmem = tc_smem_bytes(flat.k_pad, flat.dim);
+      if (flat.dim == 64)
+        reconstruct_tc_kernel<64, CodeT><<<grid, kProjThreads, tsmem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
+      else
+        reconstruct_tc_kernel<128, CodeT><<<grid, kProjThreads, tsmem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
+      check_cuda(cudaGetLastError(), "reconstruct_tc_kernel launch");
+      return;
+    }
+    const size_t smem = size_t(flat.k_pad) * kTilePad * 4;
     if (flat.dim == 64)
       reconstruct_kernel<64, CodeT><<<grid, kProjThreads, smem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
     else
@@ -633,6 +796,18 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
   m.dev.mean = upload(f.mean, m.owned);
   m.dev.basis = upload(f.basis, m.owned);
   m.dev.basis_t = upload(f.basis_t, m.owned);
+  {
+    // TF32 operand of the tensor-core reconstruction: round to nearest (ties
+    // away, as cvt.rna.tf32.f32) to a 10-bit mantissa, once, here.
+    std::vector<float> b32(f.basis.size());
+    for (size_t i = 0; i < b32.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &f.basis[i], 4);
+      if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+      std::memcpy(&b32[i], &u, 4);
+    }
+    m.dev.basis_tf32 = upload(b32, m.owned);
+  }
   m.dev.inv_step = upload(f.inv_step, m.owned);
   m.dev.code_offset = upload(f.code_offset, m.owned);
   m.dev.max_code = upload(f.max_code, m.owned);
@@ -694,6 +869,7 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
   m.total_host = static_cast<uint64_t*>(p);
   const int proj_smem = int(size_t(f.dim) * kTilePad * 4 + 2 * size_t(kT) * f.k_pad * code_bytes);
   const int rec_smem = int(size_t(f.k_pad) * kTilePad * 4);
+  const int tc_smem = int(tc_smem_bytes(f.k_pad, f.dim));
   auto attr = [](const void* fn, int bytes) {
     check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
   };
@@ -702,11 +878,15 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
     attr(reinterpret_cast<const void*>(project_kernel<64, uint16_t>), proj_smem);
     attr(reinterpret_cast<const void*>(reconstruct_kernel<64, uint8_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_kernel<64, uint16_t>), rec_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint8_t>), tc_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint16_t>), tc_smem);
   } else {
     attr(reinterpret_cast<const void*>(project_kernel<128, uint8_t>), proj_smem);
     attr(reinterpret_cast<const void*>(project_kernel<128, uint16_t>), proj_smem);
     attr(reinterpret_cast<const void*>(reconstruct_kernel<128, uint8_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_kernel<128, uint16_t>), rec_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint8_t>), tc_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint16_t>), tc_smem);
   }
 }
 
@@ -729,6 +909,12 @@ void KvtcGpuCodec::set_pipeline_chunks(int chunks) {
   if (chunks < 1 || chunks > 1024)
     throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: pipeline chunks = " + std::to_string(chunks) + " (allowed 1..1024)");
   impl_->chunks = chunks;
+}
+
+void KvtcGpuCodec::set_reconstruction(Reconstruction r) {
+  if (r != Reconstruction::kExactFp32 && r != Reconstruction::kTf32TensorCores)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: unknown reconstruction mode " + std::to_string(int(r)));
+  impl_->recon = r;
 }
 
 std::vector<double> KvtcGpuCodec::last_phase_ms() const {

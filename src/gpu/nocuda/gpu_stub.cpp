@@ -26,6 +26,7 @@ void KvtcGpuCodec::decode(const uint8_t*, uint64_t, const uint64_t*, int64_t, ui
 void KvtcGpuCodec::check_errors(void*) { absent(); }
 void KvtcGpuCodec::set_phase_timing(bool) { absent(); }
 void KvtcGpuCodec::set_pipeline_chunks(int) { absent(); }
+void KvtcGpuCodec::set_reconstruction(Reconstruction) { absent(); }
 std::vector<double> KvtcGpuCodec::last_phase_ms() const { absent(); }
 
 struct PaluGpuCodec::Impl {};
