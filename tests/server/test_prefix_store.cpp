@@ -199,6 +199,24 @@ void flip_byte_in_each(const fs::path& dir, size_t at) {
   }
 }
 
+TEST_F(DiskStoreTest, SupersededEntryFileIsRemoved) {
+  DiskPrefixStore store("m", 4, 1 << 20, dir_.string());
+  ASSERT_TRUE(store.put(make_entry("m", seq(6))));
+  ASSERT_TRUE(store.put(make_entry("m", seq(11))));  // extends it
+  size_t files = 0;
+  for (const auto& f : fs::directory_iterator(dir_)) files += f.path().extension() == ".kvprefix";
+  EXPECT_EQ(files, 1u);
+  EXPECT_EQ(store.stats().superseded, 1u);
+  // After a restart the one file still serves the shorter prefix, token-exact.
+  DiskPrefixStore again("m", 4, 1 << 20, dir_.string());
+  std::vector<int32_t> q = seq(7);
+  q.push_back(-5);
+  auto m = again.lookup(q.data(), 8, 7);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->matched_tokens, 7);
+  EXPECT_EQ(m->entry.tokens, seq(11));
+}
+
 TEST_F(DiskStoreTest, CorruptedEntryAtLookupIsDroppedNotServed) {
   DiskPrefixStore store("m", 4, 1 << 20, dir_.string());
   ASSERT_TRUE(store.put(make_entry("m", seq(8))));
