@@ -440,60 +440,59 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
   }
 }
 
-// Tensor-core reconstruction (Reconstruction::kTf32TensorCores): the same
-// [128 tokens, K] x [K, D] product as reconstruct_kernel, as TF32 WMMA tiles
-// (m16n16k8) with fp32 accumulation. Operands are rounded to TF32 (10-bit
-// mantissa; coefficients here when staged, the basis once on the host), so
-// y differs from the exact path by at most ~2^-10 * sum_k |v_k b_kd| before
-// the bf16 rounding (bound tested in tests/gpu). Warp w owns rows
-// 32*(w%4)..+31 and columns (D/2)*(w/4)..+D/2-1: 2 x D/32 accumulator tiles.
+// Tensor-core reconstruction (Reconstruction::kTf32TensorCores): the
+// product [64 tokens, K] x [K, D] of one stream as TF32 WMMA tiles (m16n16k8)
+// with fp32 accumulation. Operands are rounded to TF32 (10-bit mantissa; the
+// coefficients when staged, the basis once on the host), so y differs from
+// the exact path by at most ~2^-10 * sum_k |v_k b_kd| before the bf16
+// rounding (bound tested in tests/gpu). One stream (64 tokens) per CTA and
+// 8 warps of 32 tokens x D/4 dims: few accumulators (64 registers), so 4
+// CTAs per SM overlap one CTA's code loads with another's MMAs (a 128-token
+// CTA at 128 registers, 2 per SM, took 2.14 ms here; measured in docs/gpu.md).
+constexpr int kTcPad = kT + 4;  // row stride of the staged coefficients vs[k][t]
+
 template <int D, typename CodeT>
-__global__ void __launch_bounds__(kProjThreads, 2) reconstruct_tc_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
+__global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
                                                                       const uint8_t* __restrict__ bad, int64_t tokens,
-                                                                      int64_t nb, int64_t tiles_per_head, int head0,
-                                                                      uint16_t* __restrict__ y) {
+                                                                      int64_t nb, int head0, uint16_t* __restrict__ y) {
   using namespace nvcuda;
-  constexpr int NF = D / 32;      // accumulator tiles per warp along D
+  constexpr int NF = D / 64;      // accumulator tiles per warp along D (per 16 tokens)
   constexpr int kOutPad = D + 4;  // row stride of the fp32 output staging
   extern __shared__ __align__(16) unsigned char smem[];  // dynamic: starts at offset 0, aligned for WMMA
-  float* vs = reinterpret_cast<float*>(smem);  // [K8][kTilePad], vs[k][t]: A column-major
-  const int h = head0 + int(blockIdx.x / tiles_per_head);
-  const int64_t tile = blockIdx.x % tiles_per_head;
-  const int64_t t0 = tile * kTile;
-  const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
+  float* vs = reinterpret_cast<float*>(smem);  // [K8][kTcPad], vs[k][t]: A column-major
+  const int h = head0 + int(blockIdx.x / nb);
+  const int64_t blk = blockIdx.x % nb;
+  const int64_t stream = int64_t(h) * nb + blk;
+  if (bad[stream]) return;  // tokens of a malformed stream are left untouched
+  const int64_t t0 = blk * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
   const int K = tb.kept[h];
   const int K8 = (K + 7) / 8 * 8;
   const int KP = tb.k_pad;
-  const int64_t stream0 = int64_t(h) * nb + tile * 2;
-  const bool bad0 = bad[stream0] != 0, bad1 = n > kT && bad[stream0 + 1] != 0;
-  if (bad0 && (n <= kT || bad1)) return;
-  const CodeT* cs = codes + size_t(stream0) * kT * KP;
-  const int slots = n > kT ? 2 : 1;
+  const CodeT* cs = codes + size_t(stream) * kT * KP;
   // Dequantize (the exact path's fp32 ops), round to TF32; rows K..K8-1 are
-  // zero so the last k-step adds nothing. Token rows of a missing second
-  // slot are never read (their tiles are skipped below). Thread j takes 16
-  // tokens of one (slot, k): its codes in 16-byte loads, all of a thread's
-  // loads issued before any is used (one memory latency per CTA instead of
-  // one per element: the element-wise loop of reconstruct_kernel is hidden
-  // behind its FFMAs, here it was not).
+  // zero so the last k-step adds nothing. Token columns past n hold finite
+  // stale codes; their rows are not stored. Thread j takes 16 tokens of one
+  // k: its codes in 16-byte loads, all of a thread's loads issued before any
+  // is used (one memory latency per CTA instead of one per element: 4.19 ms
+  // element-wise vs 2.14 ms so in the 128-token version).
   constexpr int kVec = 16 * int(sizeof(CodeT)) / 16;  // uint4 per 16 codes
-  constexpr int kPer = 4;                               // groups of 16 per thread per round
-  const int n_groups = slots * K8 * (kT / 16);
+  constexpr int kPer = 2;                               // groups of 16 per thread per round
+  const int n_groups = K8 * (kT / 16);
   for (int j0 = 0; j0 < n_groups; j0 += kPer * kProjThreads) {
     uint4 raw[kPer][kVec];
     float off[kPer], stp[kPer];
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
       const int j = j0 + u * kProjThreads + int(threadIdx.x);
-      const int sidx = j / (K8 * (kT / 16)), r = j - sidx * K8 * (kT / 16);
-      const int k = r / (kT / 16), tq = (r % (kT / 16)) * 16;
+      const int k = j / (kT / 16), tq = (j % (kT / 16)) * 16;
       off[u] = 0.0f;
       stp[u] = 0.0f;
       if (j < n_groups && k < K) {
         const size_t q = size_t(h) * KP + k;
         off[u] = tb.recon_offset[q];
         stp[u] = tb.step[q];
-        const uint4* src = reinterpret_cast<const uint4*>(cs + size_t(sidx) * kT * KP + size_t(k) * kT + tq);
+        const uint4* src = reinterpret_cast<const uint4*>(cs + size_t(k) * kT + tq);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) raw[u][e] = __ldcs(src + e);  // read once: do not keep in L2
       } else {
@@ -505,8 +504,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_tc_kernel(DeviceT
     for (int u = 0; u < kPer; ++u) {
       const int j = j0 + u * kProjThreads + int(threadIdx.x);
       if (j >= n_groups) continue;
-      const int sidx = j / (K8 * (kT / 16)), r = j - sidx * K8 * (kT / 16);
-      const int k = r / (kT / 16), tq = (r % (kT / 16)) * 16;
+      const int k = j / (kT / 16), tq = (j % (kT / 16)) * 16;
       uint32_t w[4 * kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
@@ -524,52 +522,46 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_tc_kernel(DeviceT
                               (sizeof(CodeT) == 1 ? 0xffu : 0xffffu);
         val[e] = k < K ? wmma::__float_to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
       }
-      float4* dst = reinterpret_cast<float4*>(vs + k * kTilePad + sidx * kT + tq);
+      float4* dst = reinterpret_cast<float4*>(vs + k * kTcPad + tq);
 #pragma unroll
       for (int e = 0; e < 4; ++e) dst[e] = make_float4(val[4 * e], val[4 * e + 1], val[4 * e + 2], val[4 * e + 3]);
     }
   }
   __syncthreads();
   const int warp = threadIdx.x / 32;
-  const int m0 = (warp % 4) * 32, n0 = (warp / 4) * (D / 2);
-  const bool active = m0 < slots * kT;
+  const int m0 = (warp % 2) * 32, n0 = (warp / 2) * (D / 4);
   wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[2][NF];
-  if (active) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
-    const float* bs = tb.basis_tf32 + size_t(h) * KP * D;
+    for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  const float* bs = tb.basis_tf32 + size_t(h) * KP * D;
 #pragma unroll 2
-    for (int k = 0; k < K8; k += 8) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a[2];
-      wmma::load_matrix_sync(a[0], vs + k * kTilePad + m0, kTilePad);
-      wmma::load_matrix_sync(a[1], vs + k * kTilePad + m0 + 16, kTilePad);
+  for (int k = 0; k < K8; k += 8) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a[2];
+    wmma::load_matrix_sync(a[0], vs + k * kTcPad + m0, kTcPad);
+    wmma::load_matrix_sync(a[1], vs + k * kTcPad + m0 + 16, kTcPad);
 #pragma unroll
-      for (int j = 0; j < NF; ++j) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b;
-        wmma::load_matrix_sync(b, bs + size_t(k) * D + n0 + 16 * j, D);
-        wmma::mma_sync(acc[0][j], a[0], b, acc[0][j]);
-        wmma::mma_sync(acc[1][j], a[1], b, acc[1][j]);
-      }
+    for (int j = 0; j < NF; ++j) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b;
+      wmma::load_matrix_sync(b, bs + size_t(k) * D + n0 + 16 * j, D);
+      wmma::mma_sync(acc[0][j], a[0], b, acc[0][j]);
+      wmma::mma_sync(acc[1][j], a[1], b, acc[1][j]);
     }
   }
   __syncthreads();  // vs is reused as the output staging
-  float* os = reinterpret_cast<float*>(smem);  // [kTile][kOutPad]
-  if (active) {
+  float* os = reinterpret_cast<float*>(smem);  // [kT][kOutPad]
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int j = 0; j < NF; ++j)
-        wmma::store_matrix_sync(os + (m0 + 16 * i) * kOutPad + n0 + 16 * j, acc[i][j], kOutPad, wmma::mem_row_major);
-  }
+    for (int j = 0; j < NF; ++j)
+      wmma::store_matrix_sync(os + (m0 + 16 * i) * kOutPad + n0 + 16 * j, acc[i][j], kOutPad, wmma::mem_row_major);
   __syncthreads();
   const float* mean = tb.mean + size_t(h) * D;
   uint16_t* yh = y + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
   // Thread v: 8 consecutive dims of one token, 16-byte bf16 stores.
   for (int v = threadIdx.x; v < n * (D / 8); v += kProjThreads) {
     const int t = v / (D / 8), d0 = (v % (D / 8)) * 8;
-    if (t < kT ? bad0 : bad1) continue;
     const float4 a = *reinterpret_cast<const float4*>(os + t * kOutPad + d0);
     const float4 b = *reinterpret_cast<const float4*>(os + t * kOutPad + d0 + 4);
     const float4 ma = __ldg(reinterpret_cast<const float4*>(mean + d0));
@@ -580,14 +572,14 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_tc_kernel(DeviceT
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       w[e] = uint32_t(f32_to_bf16_dev(r[2 * e])) | uint32_t(f32_to_bf16_dev(r[2 * e + 1])) << 16;
-    *reinterpret_cast<uint4*>(yh + size_t(t) * D + d0) = make_uint4(w[0], w[1], w[2], w[3]);
+    __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + d0), make_uint4(w[0], w[1], w[2], w[3]));
   }
 }
 
-// Shared memory of reconstruct_tc_kernel: the coefficients [k_pad][kTilePad],
-// then (reused) the fp32 output [kTile][D + 4].
+// Shared memory of reconstruct_tc_kernel: the coefficients [k_pad][kTcPad],
+// then (reused) the fp32 output [kT][D + 4].
 size_t tc_smem_bytes(int k_pad, int dim) {
-  return std::max(size_t(k_pad) * kTilePad, size_t(kTile) * size_t(dim + 4)) * 4;
+  return std::max(size_t(k_pad) * kTcPad, size_t(kT) * size_t(dim + 4)) * 4;
 }
 
 template <typename T>
@@ -725,10 +717,11 @@ struct KvtcGpuCodec::Impl {
     const CodeT* c = static_cast<const CodeT*>(codes);
     if (recon == Reconstruction::kTf32TensorCores) {
       const size_t tsmem = tc_smem_bytes(flat.k_pad, flat.dim);
+      const unsigned sgrid = unsigned(int64_t(h1 - h0) * nb);  // one stream per CTA
       if (flat.dim == 64)
-        reconstruct_tc_kernel<64, CodeT><<<grid, kProjThreads, tsmem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
+        reconstruct_tc_kernel<64, CodeT><<<sgrid, kProjThreads, tsmem, s>>>(dev, c, bad, tokens, nb, h0, y);
       else
-        reconstruct_tc_kernel<128, CodeT><<<grid, kProjThreads, tsmem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
+        reconstruct_tc_kernel<128, CodeT><<<sgrid, kProjThreads, tsmem, s>>>(dev, c, bad, tokens, nb, h0, y);
       check_cuda(cudaGetLastError(), "reconstruct_tc_kernel launch");
       return;
     }
