@@ -111,9 +111,10 @@ inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
     const __m256i sv = _mm256_set1_epi16(int16_t(slot + 1));
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.search));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.search + 16));
-    const uint32_t ma = uint32_t(_mm256_movemask_epi8(_mm256_cmpgt_epi16(sv, a)));
-    const uint32_t mb = uint32_t(_mm256_movemask_epi8(_mm256_cmpgt_epi16(sv, b)));
-    const uint32_t sym = uint32_t(__builtin_popcount(ma) + __builtin_popcount(mb)) >> 1;
+    // The two 16-bit masks packed to one byte per entry: one movemask, one
+    // popcount (the pack's lane interleave does not change the count).
+    const __m256i m = _mm256_packs_epi16(_mm256_cmpgt_epi16(sv, a), _mm256_cmpgt_epi16(sv, b));
+    const uint32_t sym = uint32_t(__builtin_popcount(uint32_t(_mm256_movemask_epi8(m))));
     return sym < c.last ? sym : c.last;  // a table built by the constructor never needs the clamp
   }
 #endif
@@ -236,10 +237,13 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
   // Validate first: an error must not leave a half-written stream behind
   // (cheap: one compare per symbol, vectorised).
   {
+    thread_local std::vector<uint32_t> alphabet;
+    alphabet.resize(n_active);
+    for (size_t k = 0; k < n_active; ++k) alphabet[k] = ext[k].alphabet;
     bool bad = false;
-    for (size_t i = 0, k = 0; i < n_coded; ++i) {
-      bad |= flat[i] >= ext[k].alphabet;
-      if (++k == n_active) k = 0;
+    for (size_t r = 0; r < n_rows; ++r) {
+      const uint16_t* row = flat + r * n_active;
+      for (size_t k = 0; k < n_active; ++k) bad |= row[k] >= alphabet[k];
     }
     if (bad)
       for (size_t i = 0; i < n_coded; ++i) {
