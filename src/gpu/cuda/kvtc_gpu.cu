@@ -62,7 +62,7 @@ struct DeviceTables {
   const float* mean;
   const float* basis;
   const float* basis_t;
-  const float* basis_tf32;   // basis rounded to TF32 (tensor-core reconstruction)
+  const float* basis_frag;   // basis rounded to TF32, in mma B-fragment order (tensor-core reconstruction)
   const float* inv_step;
   const float* code_offset;
   const float* max_code;
@@ -441,25 +441,51 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
 }
 
 // Tensor-core reconstruction (Reconstruction::kTf32TensorCores): the
-// product [64 tokens, K] x [K, D] of one stream as TF32 WMMA tiles (m16n16k8)
-// with fp32 accumulation. Operands are rounded to TF32 (10-bit mantissa; the
-// coefficients when staged, the basis once on the host), so y differs from
-// the exact path by at most ~2^-10 * sum_k |v_k b_kd| before the bf16
-// rounding (bound tested in tests/gpu). One stream (64 tokens) per CTA and
-// 8 warps of 32 tokens x D/4 dims: few accumulators (64 registers), so 4
-// CTAs per SM overlap one CTA's code loads with another's MMAs (a 128-token
-// CTA at 128 registers, 2 per SM, took 2.14 ms here; measured in docs/gpu.md).
-constexpr int kTcPad = kT + 4;  // row stride of the staged coefficients vs[k][t]
+// product [64 tokens, K] x [K, D] of one stream on tensor cores
+// (mma.sync m16n8k8, TF32 operands, fp32 accumulation). Operands are rounded
+// to TF32 (10-bit mantissa; the coefficients when staged, the basis once on
+// the host), so y differs from the exact path by at most ~2^-10 * sum_k
+// |v_k b_kd| before the bf16 rounding (bound tested in tests/gpu).
+// Both operands sit in fragment order: the basis in global memory (host
+// side, basis_frag: per (head, k-step of 8, 32 dims) each lane's 8 B
+// registers contiguous, one 32-byte load per lane), the coefficients in
+// shared memory (per (k-step, 16 tokens) each lane's 4 A registers, one
+// conflict-free 16-byte load). The WMMA version (load_matrix_sync, scalar
+// loads) was bound by load instructions: 1.96 ms for the dump batch.
+// One stream (64 tokens) per CTA, 8 warps of (D/64)*16 tokens x 32 dims, 64
+// registers, 4 CTAs per SM (one CTA's code loads overlap another's MMAs).
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const float4& a, float b0, float b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(__float_as_uint(a.x)), "r"(__float_as_uint(a.y)), "r"(__float_as_uint(a.z)), "r"(__float_as_uint(a.w)),
+        "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+__device__ __forceinline__ float to_tf32(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return __uint_as_float(r);
+}
+
+// Position of coefficient (token t < 64, component k) in the staged A
+// operand: per (k-step ks, 16-token tile mt) 32 lanes x 4 registers, lane
+// (t%8)*4 + k%4, register (t%16)/8 + 2*((k%8)/4) (the m16n8k8 A layout).
+__device__ __forceinline__ int a_frag_index(int t, int k) {
+  const int ks = k >> 3, kk = k & 7, mt = t >> 4, tt = t & 15;
+  return (((ks * 4 + mt) * 32) + (tt & 7) * 4 + (kk & 3)) * 4 + (tt >> 3) + 2 * (kk >> 2);
+}
 
 template <int D, typename CodeT>
 __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
                                                                       const uint8_t* __restrict__ bad, int64_t tokens,
                                                                       int64_t nb, int head0, uint16_t* __restrict__ y) {
-  using namespace nvcuda;
-  constexpr int NF = D / 64;      // accumulator tiles per warp along D (per 16 tokens)
-  constexpr int kOutPad = D + 4;  // row stride of the fp32 output staging
-  extern __shared__ __align__(16) unsigned char smem[];  // dynamic: starts at offset 0, aligned for WMMA
-  float* vs = reinterpret_cast<float*>(smem);  // [K8][kTcPad], vs[k][t]: A column-major
+  constexpr int NG = D / 32;       // 32-dim column groups
+  constexpr int WM = 8 / NG;       // warps along tokens
+  constexpr int MT = kT / 16 / WM; // 16-token tiles per warp
+  constexpr int kOutPad = D + 4;   // row stride of the fp32 output staging
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* vs = reinterpret_cast<float*>(smem);  // [K8 / 8][4][32 lanes][4]: A in fragment order
   const int h = head0 + int(blockIdx.x / nb);
   const int64_t blk = blockIdx.x % nb;
   const int64_t stream = int64_t(h) * nb + blk;
@@ -474,8 +500,8 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
   // zero so the last k-step adds nothing. Token columns past n hold finite
   // stale codes; their rows are not stored. Thread j takes 16 tokens of one
   // k: its codes in 16-byte loads, all of a thread's loads issued before any
-  // is used (one memory latency per CTA instead of one per element: 4.19 ms
-  // element-wise vs 2.14 ms so in the 128-token version).
+  // is used (one memory latency per CTA instead of one per element: an
+  // element-wise loop took 4.19 ms here, 2.14 ms so).
   constexpr int kVec = 16 * int(sizeof(CodeT)) / 16;  // uint4 per 16 codes
   constexpr int kPer = 2;                               // groups of 16 per thread per round
   const int n_groups = K8 * (kT / 16);
@@ -513,49 +539,53 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
         w[4 * e + 2] = raw[u][e].z;
         w[4 * e + 3] = raw[u][e].w;
       }
-      float val[16];
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         // Code e of the 16 (little-endian within the words).
         constexpr int per_word = 4 / int(sizeof(CodeT));
         const uint32_t code = (w[e / per_word] >> (8 * int(sizeof(CodeT)) * (e % per_word))) &
                               (sizeof(CodeT) == 1 ? 0xffu : 0xffffu);
-        val[e] = k < K ? wmma::__float_to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
+        vs[a_frag_index(tq + e, k)] = k < K ? to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
       }
-      float4* dst = reinterpret_cast<float4*>(vs + k * kTcPad + tq);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dst[e] = make_float4(val[4 * e], val[4 * e + 1], val[4 * e + 2], val[4 * e + 3]);
     }
   }
   __syncthreads();
-  const int warp = threadIdx.x / 32;
-  const int m0 = (warp % 2) * 32, n0 = (warp / 2) * (D / 4);
-  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[2][NF];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp % WM, ng = warp / WM;
+  float acc[MT][4][4];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
-  const float* bs = tb.basis_tf32 + size_t(h) * KP * D;
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.0f;
+  const float4* bsrc = reinterpret_cast<const float4*>(tb.basis_frag) + (size_t(h) * (KP / 8) * NG + ng) * 64 + lane * 2;
+  const float4* asrc = reinterpret_cast<const float4*>(vs) + wm * MT * 32 + lane;
 #pragma unroll 2
-  for (int k = 0; k < K8; k += 8) {
-    wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a[2];
-    wmma::load_matrix_sync(a[0], vs + k * kTcPad + m0, kTcPad);
-    wmma::load_matrix_sync(a[1], vs + k * kTcPad + m0 + 16, kTcPad);
+  for (int ks = 0; ks < K8 / 8; ++ks) {
+    const float4 b01 = __ldg(bsrc + size_t(ks) * NG * 64), b23 = __ldg(bsrc + size_t(ks) * NG * 64 + 1);
 #pragma unroll
-    for (int j = 0; j < NF; ++j) {
-      wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b;
-      wmma::load_matrix_sync(b, bs + size_t(k) * D + n0 + 16 * j, D);
-      wmma::mma_sync(acc[0][j], a[0], b, acc[0][j]);
-      wmma::mma_sync(acc[1][j], a[1], b, acc[1][j]);
+    for (int m = 0; m < MT; ++m) {
+      const float4 a = asrc[(ks * 4 + m) * 32];
+      mma_tf32(acc[m][0], a, b01.x, b01.y);
+      mma_tf32(acc[m][1], a, b01.z, b01.w);
+      mma_tf32(acc[m][2], a, b23.x, b23.y);
+      mma_tf32(acc[m][3], a, b23.z, b23.w);
     }
   }
   __syncthreads();  // vs is reused as the output staging
   float* os = reinterpret_cast<float*>(smem);  // [kT][kOutPad]
+  {
+    const int g = lane / 4, tq = lane % 4;
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int j = 0; j < NF; ++j)
-      wmma::store_matrix_sync(os + (m0 + 16 * i) * kOutPad + n0 + 16 * j, acc[i][j], kOutPad, wmma::mem_row_major);
+      for (int i = 0; i < 4; ++i) {
+        const int row = (wm * MT + m) * 16 + g, col = ng * 32 + i * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(os + row * kOutPad + col) = make_float2(acc[m][i][0], acc[m][i][1]);
+        *reinterpret_cast<float2*>(os + (row + 8) * kOutPad + col) = make_float2(acc[m][i][2], acc[m][i][3]);
+      }
+  }
   __syncthreads();
   const float* mean = tb.mean + size_t(h) * D;
   uint16_t* yh = y + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
@@ -576,10 +606,10 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
   }
 }
 
-// Shared memory of reconstruct_tc_kernel: the coefficients [k_pad][kTcPad],
-// then (reused) the fp32 output [kT][D + 4].
+// Shared memory of reconstruct_tc_kernel: the coefficients (k_pad x kT, in
+// fragment order), then (reused) the fp32 output [kT][D + 4].
 size_t tc_smem_bytes(int k_pad, int dim) {
-  return std::max(size_t(k_pad) * kTcPad, size_t(kT) * size_t(dim + 4)) * 4;
+  return std::max(size_t(k_pad) * kT, size_t(kT) * size_t(dim + 4)) * 4;
 }
 
 template <typename T>
@@ -790,16 +820,28 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
   m.dev.basis = upload(f.basis, m.owned);
   m.dev.basis_t = upload(f.basis_t, m.owned);
   {
-    // TF32 operand of the tensor-core reconstruction: round to nearest (ties
-    // away, as cvt.rna.tf32.f32) to a 10-bit mantissa, once, here.
-    std::vector<float> b32(f.basis.size());
-    for (size_t i = 0; i < b32.size(); ++i) {
-      uint32_t u;
-      std::memcpy(&u, &f.basis[i], 4);
-      if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
-      std::memcpy(&b32[i], &u, 4);
-    }
-    m.dev.basis_tf32 = upload(b32, m.owned);
+    // B operand of the tensor-core reconstruction: the basis rounded to
+    // nearest TF32 (ties away, as cvt.rna.tf32.f32), laid out per (head,
+    // k-step of 8, group of 32 dims) as 32 lanes x 8 registers: lane l holds
+    // for its four 8-dim tiles i the m16n8k8 B registers (k = 8ks + l%4 + 4r,
+    // n = 32g + 8i + l/4), r = 0, 1, at index 2i + r.
+    const int D = f.dim, KP = f.k_pad;
+    std::vector<float> frag(f.basis.size());
+    for (int h = 0; h < f.n_heads; ++h)
+      for (int ks = 0; ks < KP / 8; ++ks)
+        for (int g = 0; g < D / 32; ++g)
+          for (int l = 0; l < 32; ++l)
+            for (int j = 0; j < 8; ++j) {
+              const int i = j / 2, r = j % 2;
+              const int k = ks * 8 + l % 4 + 4 * r, d = g * 32 + i * 8 + l / 4;
+              uint32_t u;
+              std::memcpy(&u, &f.basis[(size_t(h) * KP + size_t(k)) * D + size_t(d)], 4);
+              if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+              std::memcpy(&frag[((((size_t(h) * (KP / 8) + size_t(ks)) * (D / 32) + size_t(g)) * 32 + size_t(l)) * 8) +
+                                size_t(j)],
+                          &u, 4);
+            }
+    m.dev.basis_frag = upload(frag, m.owned);
   }
   m.dev.inv_step = upload(f.inv_step, m.owned);
   m.dev.code_offset = upload(f.code_offset, m.owned);
