@@ -206,3 +206,36 @@ TEST(Codec, DropsEverythingAtZeroBudgetGracefully) {
 }
 
 }  // namespace
+
+// The vectorised quantiser's clamp: coefficients far outside every range
+// land on the end codes exactly as in the reference, and a NaN token gives
+// codes in range (0) instead of an undefined conversion.
+TEST(Codec, QuantizerClampsExtremesLikeTheReference) {
+  const int dim = 64;
+  const int64_t n = 300;
+  auto x = correlated(n, dim, 12);
+  CodecOptions o;
+  o.allocator = Allocator::kRate;
+  o.target_rel_mse = 0.01;
+  const HeadParams p = fit(x, n, dim, o);
+  const int K = p.n_kept();
+  ASSERT_GT(K, 8);  // the 8-wide path and a tail both run
+  // Tokens at the mean but for one huge coordinate: every coefficient is
+  // either exactly 0 or saturates, in float and in double alike.
+  std::vector<float> ext(size_t(3 * dim));
+  for (int d = 0; d < dim; ++d) ext[size_t(d)] = ext[size_t(dim + d)] = ext[size_t(2 * dim + d)] = p.mean[size_t(d)];
+  ext[5] += 1e30f;
+  ext[size_t(dim + 7)] -= 1e30f;
+  ext[size_t(2 * dim + 3)] = std::nanf("");
+  std::vector<uint16_t> fast(size_t(3 * K)), ref(size_t(2 * K));
+  quantize_block(p, ext.data(), 3, fast.data());
+  quantize_block_reference(p, ext.data(), 2, ref.data());
+  int saturated = 0;
+  for (int i = 0; i < 2 * K; ++i) {
+    EXPECT_EQ(fast[size_t(i)], ref[size_t(i)]) << i;
+    const auto& q = p.quant[size_t(i % K)];
+    saturated += fast[size_t(i)] == 0 || fast[size_t(i)] == q.levels - 1;
+  }
+  EXPECT_GT(saturated, K);  // most components see the huge coordinate
+  for (int k = 0; k < K; ++k) EXPECT_EQ(fast[size_t(2 * K + k)], 0) << "NaN token, component " << k;
+}
