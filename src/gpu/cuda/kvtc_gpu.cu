@@ -31,6 +31,11 @@
 //                   dequantized [K, 128] in shared; 8x8 register tiles, k
 //                   ascending; bf16 stored 16 bytes at a time. Tokens of a
 //                   flagged stream are left untouched.
+//   reconstruct_tc_kernel  (set_reconstruction(kTf32TensorCores)) the same
+//                   product on tensor cores: one stream per CTA, mma.sync
+//                   m16n8k8 TF32 with both operands in fragment order (the
+//                   basis pre-swizzled on the host); within a stated bound of
+//                   the exact path, not bit-exact (comment at the kernel).
 #include <cuda_runtime.h>
 #include <mma.h>
 
