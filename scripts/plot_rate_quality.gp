@@ -1,18 +1,19 @@
-# Rate-quality curve: compression ratio against perplexity increase and KL.
-# Input: docs/rate_quality.tsv with columns
-#   method  compression_ratio  ppl_increase_percent  kl
-# (one block per method, blocks separated by two blank lines, a '# name'
-# comment line first). Driven by scripts/plot_rate_quality.sh.
-set terminal pngcairo size 1200,500 font ",10"
+# Rate-quality curves: compression ratio against perplexity increase and KL.
+# Driven by scripts/plot_rate_quality.sh, which sets `series` (space-separated
+# data files "<method>.dat.sorted" with columns ratio, ppl increase %, KL)
+# and `outfile`.
+set terminal pngcairo size 1200,500 font ",10" noenhanced
 set output outfile
-set multiplot layout 1,2 title "tinycode, windows 0-7 (context 1024, score 512): quality vs compression"
+name(f) = system("basename " . f . " .dat.sorted")
+set multiplot layout 1,2 title "tinycode: quality vs compression, all stored bytes counted (protocol of each data file: docs/calibrated.md)"
 set logscale x 2
 set grid
 set key top left
 set xlabel "compression ratio (f16 bytes / all stored bytes)"
 set ylabel "perplexity increase vs fp16 cache (%)"
-plot for [i=0:*] datafile index i using 2:3 with linespoints pt 7 title columnheader(1)
+plot for [f in series] f using 1:2 with linespoints pt 7 title name(f)
 set ylabel "KL(fp16 || method), nats/token"
 set logscale y
-plot for [i=0:*] datafile index i using 2:4 with linespoints pt 7 title columnheader(1)
+set key bottom right
+plot for [f in series] f using 1:3 with linespoints pt 7 title name(f)
 unset multiplot
