@@ -54,6 +54,10 @@ constexpr int kT = KvtcGpuCodec::kBlockTokens;  // tokens per stream
 constexpr int kTile = 2 * kT;                    // tokens per projection CTA
 constexpr int kProjThreads = 256;
 constexpr int kRansWarps = 4;
+// Decoder guide buckets per component: 2^min(scale, ceil(log2(levels)) + 2,
+// kGuideMaxBits), i.e. >= 4 buckets per symbol where the scale allows, so
+// the scan after the look-up is usually empty.
+constexpr uint32_t kGuideMaxBits = 10;
 constexpr int kTilePad = kTile + 4;  // row stride of transposed tiles (16-byte aligned rows)
 
 void check_cuda(cudaError_t e, const char* what) {
@@ -73,10 +77,17 @@ struct DeviceTables {
   const float* max_code;
   const float* step;
   const float* recon_offset;
-  const uint4* comp;          // [NH, k_pad] {cum offset in the head's table, levels, sym_base, scale_bits}
+  // [NH, k_pad] {cum offset in the head's table, guide offset in the head's
+  // guide, sym_base, scale_bits | guide shift << 8}
+  const uint4* comp;
   const uint4* sym_enc;       // per symbol {rcp, bias, freq, shift | cmpl_freq << 8} (encoder)
   const uint32_t* cum;        // per head, per component: cum[0..levels] (levels + 1 entries; decoder)
   const uint32_t* head_base;  // [NH + 1] start of each head's entries in cum
+  // Decoder guide, per head per component 2^gbits entries (CodeT: u8, or u16
+  // with wide codes): guide[j] = the symbol of slot j << shift (shift = scale
+  // - gbits), the first candidate for any slot of that bucket.
+  const void* guide;
+  const uint32_t* guide_base;  // [NH + 1] start of each head's guide (multiples of 16 entries)
 };
 
 __device__ __forceinline__ float bf16_to_f32_dev(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
@@ -221,7 +232,7 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_encode_kernel(DeviceTabl
     int ne = 0;
     uint4 e = make_uint4(0, 0, 1, 0);
     const uint4 c = __ldg(comp + k);  // the same for every lane
-    const uint32_t scale = c.w;
+    const uint32_t scale = c.w & 0xffu;  // bits 8+: the decoder's guide shift
     if (t < n) {
       e = __ldg(tb.sym_enc + c.z + uint32_t(cs[k * kT + t]));
       const uint32_t x_max = (1u << (31 - scale)) * e.z;
@@ -278,10 +289,14 @@ __global__ void pack_kernel(const uint8_t* __restrict__ scratch, uint64_t cap, c
 // ---------------------------------------------------------------- decode ---
 
 // A CTA decodes kRansWarps consecutive blocks of one head, one per warp, with
-// the head's cumulative-frequency tables in shared memory (or read from
-// global memory when they do not fit). The symbol of a slot is found by a
-// branch-free binary search over cum[0..levels]: the trip count depends on
-// the component only, which every lane shares at a given step.
+// the head's guide and cumulative-frequency tables in shared memory (or read
+// from global memory when they do not fit). The symbol of a slot is found by
+// a direct look-up: the guide gives the symbol of the slot's bucket start (the
+// top gbits bits of the slot), then a linear scan over cum moves up past the
+// bucket's symbol boundaries (usually none: >= 4 buckets per symbol). This
+// replaced a binary search of ceil(log2(levels)) dependent shared loads per
+// symbol; the result is the same symbol (the one s with cum[s] <= slot <
+// cum[s+1]), so bytes and codes are unchanged.
 template <typename CodeT>
 __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
                                                                       uint64_t in_size,
@@ -290,15 +305,23 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
                                                                       int64_t groups_per_head, int tables_in_smem,
                                                                       CodeT* __restrict__ codes,
                                                                       uint8_t* __restrict__ bad, int* __restrict__ err) {
-  extern __shared__ uint32_t scum[];
+  extern __shared__ __align__(16) uint32_t ssm[];
   const int h = head0 + int(blockIdx.x / groups_per_head);
   const int64_t blk = (blockIdx.x % groups_per_head) * kRansWarps + threadIdx.x / 32;
   const uint32_t hb = tb.head_base[h], he = tb.head_base[h + 1];
   const uint32_t* cum = tb.cum + hb;
+  const uint32_t gb = tb.guide_base[h];
+  const CodeT* guide = static_cast<const CodeT*>(tb.guide) + gb;
   if (tables_in_smem) {
-    for (uint32_t i = threadIdx.x; i < he - hb; i += blockDim.x) scum[i] = cum[i];
+    // Shared layout: the head's cum entries, then its guide (16-byte
+    // aligned in global memory, copied as words).
+    const uint32_t cw = he - hb, gw = (tb.guide_base[h + 1] - gb) * uint32_t(sizeof(CodeT)) / 4;
+    const uint32_t* gsrc = reinterpret_cast<const uint32_t*>(guide);
+    for (uint32_t i = threadIdx.x; i < cw; i += blockDim.x) ssm[i] = cum[i];
+    for (uint32_t i = threadIdx.x; i < gw; i += blockDim.x) ssm[cw + i] = gsrc[i];
     __syncthreads();
-    cum = scum;
+    cum = ssm;
+    guide = reinterpret_cast<const CodeT*>(ssm + cw);
   }
   if (blk >= nb) return;
   const int64_t stream = int64_t(h) * nb + blk;
@@ -336,16 +359,12 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
       const uint4 c = __ldg(comp + k);  // the same for every lane
       int ne = 0;
       if (t < n) {
-        const uint32_t scale = c.w;
+        const uint32_t scale = c.w & 0xffu;
         const uint32_t slot = st & ((1u << scale) - 1u);
         const uint32_t* ck = cum + c.x;
-        int base = 0, len = int(c.y);
-        while (len > 1) {
-          const int half = len >> 1;
-          base = ck[base + half] <= slot ? base + half : base;
-          len -= half;
-        }
-        const uint32_t lo = ck[base], hi = ck[base + 1];
+        uint32_t base = guide[c.y + (slot >> (c.w >> 8))];
+        uint32_t lo = ck[base], hi = ck[base + 1];
+        while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
         st = (hi - lo) * (st >> scale) + slot - lo;
         ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
         cs[k * kT + t] = CodeT(base);
@@ -669,7 +688,7 @@ struct KvtcGpuCodec::Impl {
   int64_t max_tokens = 0;
   bool wide_codes = false;  // some alphabet has > 256 symbols: u16 code slots
   Reconstruction recon = Reconstruction::kExactFp32;
-  size_t cum_smem = 0;      // bytes of shared memory per decode CTA for the cum tables (0: global)
+  size_t cum_smem = 0;      // bytes of shared memory per decode CTA for guide + cum tables (0: global)
   uint64_t cap = 0;         // scratch bytes per stream: states + at most 2 bytes per symbol
   uint8_t* scratch = nullptr;
   void* codes = nullptr;    // [n_streams, kT * k_pad] code slots
@@ -858,33 +877,63 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
   std::vector<uint4> comp(f.scale_bits.size());
   std::vector<uint4> sym_enc(std::max<size_t>(1, f.sym_freq.size()));
   std::vector<uint32_t> cum, head_base;
-  uint64_t max_head = 0;
+  std::vector<uint16_t> guide;
+  std::vector<uint32_t> guide_base;
+  uint64_t max_head = 0, max_guide = 0;
   for (int h = 0; h < f.n_heads; ++h) {
     head_base.push_back(uint32_t(cum.size()));
+    guide_base.push_back(uint32_t(guide.size()));
     for (int k = 0; k < f.kept[size_t(h)]; ++k) {
       const size_t q = f.idx(h, k);
       const uint32_t levels = uint32_t(f.max_code[q]) + 1;
       m.wide_codes = m.wide_codes || levels > 256;
-      comp[q] = make_uint4(uint32_t(cum.size()) - head_base.back(), levels, f.sym_base[q], f.scale_bits[q]);
+      const uint32_t scale = f.scale_bits[q];
+      uint32_t lg = 0;
+      while ((1u << lg) < levels) ++lg;
+      const uint32_t gbits = std::min(std::min(scale, lg + 2), kGuideMaxBits), shift = scale - gbits;
+      comp[q] = make_uint4(uint32_t(cum.size()) - head_base.back(), uint32_t(guide.size()) - guide_base.back(),
+                           f.sym_base[q], scale | shift << 8);
       for (uint32_t s = 0; s < levels; ++s) {
         const size_t i = f.sym_base[q] + s;
         sym_enc[i] = encoder_entry(f.sym_freq[i], f.sym_cum[i], f.scale_bits[q]);
         cum.push_back(f.sym_cum[i]);
       }
+      // guide[j]: the last symbol s with cum[s] <= j << shift (the symbol of
+      // the bucket's first slot; the decoder scans up from it).
+      uint32_t sym = 0;
+      for (uint32_t j = 0; j < (1u << gbits); ++j) {
+        const uint32_t x = j << shift;
+        while (sym + 1 < levels && f.sym_cum[f.sym_base[q] + sym + 1] <= x) ++sym;
+        guide.push_back(uint16_t(sym));
+      }
       cum.push_back(1u << f.scale_bits[q]);
       if (cum.size() >= (uint64_t(1) << 32) - 1)
         throw Error(ErrorCode::kUnsupported, "kvtc-gpu: the heads' frequency tables exceed 2^32 entries");
     }
+    while (guide.size() % 16) guide.push_back(0);  // 16-byte aligned heads
+    if (guide.size() >= (uint64_t(1) << 32) - 16)
+      throw Error(ErrorCode::kUnsupported, "kvtc-gpu: the heads' decoder guides exceed 2^32 entries");
     max_head = std::max<uint64_t>(max_head, cum.size() - head_base.back());
+    max_guide = std::max<uint64_t>(max_guide, guide.size() - guide_base.back());
   }
   head_base.push_back(uint32_t(cum.size()));
+  guide_base.push_back(uint32_t(guide.size()));
   m.dev.comp = upload(comp, m.owned);
   m.dev.sym_enc = upload(sym_enc, m.owned);
   m.dev.cum = upload(cum, m.owned);
   m.dev.head_base = upload(head_base, m.owned);
-  // Tables of up to 48 KiB per head sit in shared memory (small tables keep
-  // many decode CTAs per SM); larger ones are read through the L1.
-  m.cum_smem = max_head * 4 <= 48 * 1024 ? size_t(max_head) * 4 : 0;
+  m.dev.guide_base = upload(guide_base, m.owned);
+  const size_t guide_bytes = size_t(max_guide) * (m.wide_codes ? 2 : 1);
+  if (guide.empty()) guide.assign(16, 0);
+  if (m.wide_codes) {
+    m.dev.guide = upload(guide, m.owned);
+  } else {
+    m.dev.guide = upload(std::vector<uint8_t>(guide.begin(), guide.end()), m.owned);
+  }
+  // Tables of up to 48 KiB per head (guide + cum) sit in shared memory (small
+  // tables keep many decode CTAs per SM); larger ones are read through the L1.
+  const size_t smem = guide_bytes + size_t(max_head) * 4;  // at most the max of the sums
+  m.cum_smem = smem <= 48 * 1024 ? smem : 0;
   m.max_tokens = max_tokens;
   m.cap = (kStateBytes + 2ull * kT * uint64_t(f.k_pad) + 15) / 16 * 16;
   // Code slots for a whole number of projection tiles (two streams each).
