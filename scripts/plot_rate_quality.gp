@@ -10,8 +10,10 @@ set logscale x 2
 set grid
 set key top left
 set xlabel "compression ratio (f16 bytes / all stored bytes)"
-set ylabel "perplexity increase vs fp16 cache (%)"
+set ylabel "perplexity increase vs fp16 cache (%), clipped at 12"
+set yrange [-3:12]
 plot for [f in series] f using 1:2 with linespoints pt 7 title name(f)
+set autoscale y
 set ylabel "KL(fp16 || method), nats/token"
 set logscale y
 set key bottom right
