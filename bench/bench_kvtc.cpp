@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "kvcodec/cache.hpp"
 #include "kvcodec/safetensors.hpp"
 #include "kvtc/codec.hpp"
 #include "linalg/pca.hpp"
@@ -85,9 +86,67 @@ void BM_Decode(benchmark::State& state) {
   state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(blocks.size()) * 64 * f.dim * 2);
 }
 
+// The whole dump through the local-mode cache, as `kvcodec bench` drives it
+// (issue-2 settings: rate allocator, 1% target, int8 basis; Arg = target in
+// thousandths, 0 = default settings): steady-state append of every layer to
+// fitted caches, and for_each_block over them.
+struct CacheFixture {
+  std::vector<Tensor> keys, values;
+  std::vector<std::unique_ptr<KVCache>> fitted;
+  CacheConfig config;
+  Settings settings;
+  double f16_bytes = 0;
+};
+
+CacheFixture make_cache_fixture(int arg) {
+  CacheFixture f;
+  const std::string path = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  for (int i = 0; file.contains("layers." + std::to_string(i) + ".key"); ++i) {
+    f.keys.push_back(Tensor::from_view(file.view4("layers." + std::to_string(i) + ".key"), DType::kF32));
+    f.values.push_back(Tensor::from_view(file.view4("layers." + std::to_string(i) + ".value"), DType::kF32));
+    f.f16_bytes += 2.0 * double(f.keys.back().numel()) * 2.0;
+  }
+  f.config.n_layers = int(f.keys.size());
+  f.config.n_kv_heads = int(f.keys[0].shape()[1]);
+  f.config.head_dim = int(f.keys[0].shape()[3]);
+  if (arg > 0)
+    f.settings = {{"allocator", "rate"}, {"target_rel_mse", std::to_string(arg / 1000.0)}, {"basis_bits", "8"}};
+  for (size_t i = 0; i < f.keys.size(); ++i) {
+    f.config.layer = int(i);
+    f.fitted.push_back(make_cache("kvtc", f.config, f.settings));
+    f.fitted.back()->append(f.keys[i].view(), f.values[i].view());
+  }
+  return f;
+}
+
+void BM_CacheAppendSteady(benchmark::State& state) {
+  CacheFixture f = make_cache_fixture(int(state.range(0)));
+  for (auto _ : state) {
+    state.PauseTiming();
+    // Fresh fitted caches: copy by save/load would cost more than the fit, so refit.
+    for (size_t i = 0; i < f.fitted.size(); ++i) f.fitted[i]->trim(f.fitted[i]->offset() - int64_t(f.keys[i].shape()[2]));
+    state.ResumeTiming();
+    for (size_t i = 0; i < f.fitted.size(); ++i) f.fitted[i]->append(f.keys[i].view(), f.values[i].view());
+  }
+  state.SetBytesProcessed(int64_t(double(state.iterations()) * f.f16_bytes));
+}
+
+void BM_CacheDecode(benchmark::State& state) {
+  CacheFixture f = make_cache_fixture(int(state.range(0)));
+  double sink = 0;
+  for (auto _ : state)
+    for (const auto& c : f.fitted)
+      c->for_each_block([&](int64_t, const TensorView& k, const TensorView&) { sink += static_cast<const float*>(k.data)[0]; });
+  benchmark::DoNotOptimize(sink);
+  state.SetBytesProcessed(int64_t(double(state.iterations()) * f.f16_bytes));
+}
+
 }  // namespace
 
 BENCHMARK(BM_Memcpy);
 BENCHMARK(BM_Encode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Decode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
+BENCHMARK(BM_CacheAppendSteady)->Arg(10)->Arg(50)->Arg(0)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CacheDecode)->Arg(10)->Arg(50)->Arg(0)->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

@@ -289,6 +289,20 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
   return p;
 }
 
+namespace {
+
+size_t round_up8(size_t v) { return (v + 7) / 8 * 8; }
+
+// basis [K, D] -> out [D, K8] (zero-padded columns K..K8).
+void transpose_basis(const HeadParams& p, std::vector<float>& out) {
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim), K8 = round_up8(K);
+  out.assign(D * K8, 0.0f);
+  for (size_t k = 0; k < K; ++k)
+    for (size_t d = 0; d < D; ++d) out[d * K8 + k] = p.basis[k * D + d];
+}
+
+}  // namespace
+
 void HeadParams::build_decoders() {
   rans_decode.clear();
   rans_encode.clear();
@@ -296,7 +310,78 @@ void HeadParams::build_decoders() {
     rans_decode.emplace_back(t);
     rans_encode.emplace_back(t);
   }
+  basis_t.clear();
+  if (basis.size() == size_t(n_kept()) * size_t(dim)) transpose_basis(*this, basis_t);
 }
+
+// --- small dense products -----------------------------------------------------
+//
+// A block is [n, D] x [D, K] (projection) or [n, K] x [K, D] (reconstruction)
+// with n = 64 and D, K <= 128 typically: Eigen's general product spends much
+// of such a call packing operands. The kernel below keeps a tile of R rows x
+// 8*NV columns of the result in registers, broadcasts one A element per row
+// and loads NV vectors of B per inner step (the whole B of a head sits in L1).
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVCODEC_KVTC_GEMM 1
+// Accumulators as named variables: GCC keeps an array of __m256 in
+// registers but also stores it back on every iteration.
+#define KVTC_TILE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int R, int NV>
+inline void gemm_tile(const float* A, size_t lda, const float* B, size_t ldb, size_t K, const float* init, float* C,
+                      size_t ldc) {
+  static_assert(R >= 1 && R <= 6 && (NV == 1 || NV == 2), "tile shape");
+  const __m256 i0 = init ? _mm256_loadu_ps(init) : _mm256_setzero_ps();
+  const __m256 i1 = NV == 2 ? (init ? _mm256_loadu_ps(init + 8) : _mm256_setzero_ps()) : _mm256_setzero_ps();
+#define KVTC_DECL(r) __m256 c##r##0 = i0, c##r##1 = i1;
+  KVTC_TILE_ROWS(KVTC_DECL)
+#undef KVTC_DECL
+  for (size_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
+    const __m256 b1 = NV == 2 ? _mm256_loadu_ps(B + k * ldb + 8) : _mm256_setzero_ps();
+#define KVTC_FMA(r)                                               \
+  if constexpr (R > r) {                                          \
+    const __m256 a = _mm256_broadcast_ss(A + size_t(r) * lda + k); \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                    \
+    if constexpr (NV == 2) c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1); \
+  }
+    KVTC_TILE_ROWS(KVTC_FMA)
+#undef KVTC_FMA
+  }
+#define KVTC_STORE(r)                                                    \
+  if constexpr (R > r) {                                                 \
+    _mm256_storeu_ps(C + size_t(r) * ldc, c##r##0);                      \
+    if constexpr (NV == 2) _mm256_storeu_ps(C + size_t(r) * ldc + 8, c##r##1); \
+  }
+  KVTC_TILE_ROWS(KVTC_STORE)
+#undef KVTC_STORE
+}
+#undef KVTC_TILE_ROWS
+
+template <int NV>
+void gemm_panel(const float* A, size_t lda, const float* B, size_t ldb, size_t M, size_t K, const float* init,
+                float* C, size_t ldc) {
+  size_t i = 0;
+  for (; i + 6 <= M; i += 6) gemm_tile<6, NV>(A + i * lda, lda, B, ldb, K, init, C + i * ldc, ldc);
+  if (i + 4 <= M) {
+    gemm_tile<4, NV>(A + i * lda, lda, B, ldb, K, init, C + i * ldc, ldc);
+    i += 4;
+  }
+  for (; i < M; ++i) gemm_tile<1, NV>(A + i * lda, lda, B, ldb, K, init, C + i * ldc, ldc);
+}
+
+// C[M, N] = A[M, K] * B[K, N] (+ init[N] on every row, when not null);
+// row-major with leading dimensions; N a multiple of 8.
+void gemm(const float* A, size_t lda, const float* B, size_t ldb, size_t M, size_t N, size_t K, const float* init,
+          float* C, size_t ldc) {
+  size_t j = 0;
+  for (; j + 16 <= N; j += 16) gemm_panel<2>(A, lda, B + j, ldb, M, K, init ? init + j : nullptr, C + j, ldc);
+  if (j < N) gemm_panel<1>(A, lda, B + j, ldb, M, K, init ? init + j : nullptr, C + j, ldc);
+}
+#endif
+
+}  // namespace
 
 // --- quantization: fast path (Eigen) and plain reference ------------------
 
@@ -306,6 +391,7 @@ struct BlockScratch {
   RowMatrix centred, coeffs;
   std::vector<uint16_t> codes;
   std::vector<float> a, b, c;
+  std::vector<float> basis_t;
 };
 BlockScratch& scratch() {
   thread_local BlockScratch s;
@@ -322,10 +408,26 @@ void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* co
   ConstRowMap xm(x, n, dim);
   Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
   s.centred.noalias() = xm.rowwise() - mu;
+  const size_t K = static_cast<size_t>(kept);
+  // Coefficients [n, ldc]: the kernel's zero-padded width, or K.
+  size_t ldc = K;
+#ifdef KVCODEC_KVTC_GEMM
+  {
+    const size_t K8 = round_up8(K);
+    const std::vector<float>* bt = &p.basis_t;
+    if (bt->size() != size_t(dim) * K8) {
+      transpose_basis(p, s.basis_t);  // parameters assembled without build_decoders()
+      bt = &s.basis_t;
+    }
+    s.coeffs.resize(n, int64_t(K8));
+    gemm(s.centred.data(), size_t(dim), bt->data(), K8, size_t(n), K8, size_t(dim), nullptr, s.coeffs.data(), K8);
+    ldc = K8;
+  }
+#else
   ConstRowMap basis(p.basis.data(), kept, dim);
   s.coeffs.resize(n, kept);
   s.coeffs.noalias() = s.centred * basis.transpose();
-  const size_t K = static_cast<size_t>(kept);
+#endif
   s.a.resize(K), s.b.resize(K), s.c.resize(K);
   float* const inv_step = s.a.data();
   float* const offset = s.b.data();
@@ -336,7 +438,7 @@ void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* co
     max_code[k] = float(p.quant[k].levels - 1);
   }
   for (int64_t i = 0; i < n; ++i) {
-    const float* c = s.coeffs.data() + i * kept;
+    const float* c = s.coeffs.data() + size_t(i) * ldc;
     uint16_t* out = codes + i * kept;
     // The clamp of quantize_block_reference (max(0, NaN) is 0 here, where
     // std::clamp would pass the NaN on). GCC does not vectorise the scalar
@@ -385,6 +487,12 @@ void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, flo
     float* o = s.coeffs.data() + i * kept;
     for (size_t k = 0; k < K; ++k) o[k] = (float(c[k]) - offset[k]) * step[k];
   }
+#ifdef KVCODEC_KVTC_GEMM
+  if (dim % 8 == 0) {
+    gemm(s.coeffs.data(), K, p.basis.data(), size_t(dim), size_t(n), size_t(dim), K, p.mean.data(), out, size_t(dim));
+    return;
+  }
+#endif
   ConstRowMap basis(p.basis.data(), kept, dim);
   xo.noalias() = s.coeffs * basis;
   xo.rowwise() += mu;

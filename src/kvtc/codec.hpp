@@ -80,6 +80,10 @@ struct HeadParams {
   // encode_block/decode_block build them on the fly (slowly) when missing.
   std::vector<entropy::RansDecodeTable> rans_decode;
   std::vector<entropy::RansEncodeTable> rans_encode;
+  // basis transposed to [D, K8] (K8 = K rounded up to 8, zero columns), the
+  // operand layout of the projection kernel; rebuilt by build_decoders()
+  // (call it again after editing basis), built per call when missing.
+  std::vector<float> basis_t;
   void build_decoders();
 };
 

@@ -129,6 +129,42 @@ TEST(Codec, FastPathMatchesReference) {
   }
 }
 
+// The register-tiled product kernels (projection and reconstruction) on
+// shapes that exercise every remainder: rows not a multiple of 6 or 4, kept
+// components not a multiple of 8 or 16, dims that are and are not multiples
+// of 8 (the reconstruction kernel needs D % 8 == 0, else Eigen runs); the
+// transposed basis both cached (build_decoders) and built per call.
+TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
+  for (int dim : {8, 24, 40, 13, 64}) {
+    for (int64_t n : {int64_t(1), int64_t(5), int64_t(7), int64_t(64), int64_t(71)}) {
+      const auto x = correlated(std::max<int64_t>(n, 4 * dim), dim, uint32_t(100 + dim));
+      for (int budget : {dim / 2 + 1, 3 * dim}) {
+        CodecOptions o;
+        o.bit_budget = budget;
+        HeadParams p = fit(x, std::max<int64_t>(n, 4 * dim), dim, o);
+        for (bool cached : {true, false}) {
+          if (!cached) p.basis_t.clear();
+          const size_t K = size_t(p.n_kept());
+          std::vector<uint16_t> fast(size_t(n) * K), ref(fast.size());
+          quantize_block(p, x.data(), n, fast.data());
+          quantize_block_reference(p, x.data(), n, ref.data());
+          size_t differ = 0;
+          for (size_t i = 0; i < fast.size(); ++i) {
+            ASSERT_LE(std::abs(int(fast[i]) - int(ref[i])), 1) << "dim " << dim << " n " << n << " K " << K;
+            differ += fast[i] != ref[i];
+          }
+          EXPECT_LT(differ, fast.size() / 500 + 2) << "dim " << dim << " n " << n << " K " << K;
+          std::vector<float> out_fast(size_t(n * dim)), out_ref(out_fast.size());
+          dequantize_block(p, fast.data(), n, out_fast.data());
+          dequantize_block_reference(p, fast.data(), n, out_ref.data());
+          for (size_t i = 0; i < out_fast.size(); ++i)
+            ASSERT_NEAR(out_fast[i], out_ref[i], 1e-4 * (1 + std::fabs(out_ref[i]))) << "dim " << dim << " n " << n;
+        }
+      }
+    }
+  }
+}
+
 TEST(Codec, MoreBudgetLessError) {
   const int dim = 64;
   const int64_t n = 512;
