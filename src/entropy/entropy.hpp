@@ -198,6 +198,10 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
 // ends in states other than the initial ones.
 void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
                  const std::vector<const RansDecodeTable*>& tables, uint16_t* out);
+// rans_decode without the AVX2 group decoder (scalar lanes only): the plain
+// path the vectorised one is tested against; same results and errors.
+void rans_decode_portable(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                          const std::vector<const RansDecodeTable*>& tables, uint16_t* out);
 
 // Plain single-lane coder: the reference the interleaved one is tested
 // against (same symbol order, one state, 4 flush bytes).

@@ -121,6 +121,136 @@ inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
   return c.slot_symbol[slot];
 }
 
+#ifdef KVCODEC_RANS_AVX2
+// --- 8-lane AVX2 decoder (same bitstream) --------------------------------------
+//
+// All 8 lane states sit in one __m256i. With K coded columns the group of 8
+// symbols starting at coded index i covers columns k0 .. k0 + 7 of the
+// (unrolled) column cycle, k0 = i mod K: at most K distinct groups. For each
+// the lanes' models are stored transposed: row s (s >= 1) holds, per lane,
+// key = cum[s] << 16 | freq[s] (2^scale << 16 past a column's alphabet, which
+// no slot reaches). A lane's symbol is the number of rows with cum[s] <= slot,
+// and the largest such key (or cum[0] = 0 with freq[0]) carries both cum and
+// freq of that symbol: per row one compare, one and, one max, one subtract.
+// Renormalisation reads n_j = 0..2 bytes per lane in lane order: an
+// exclusive prefix sum of n gives every lane's offset and one byte shuffle of
+// the next 16 stream bytes gathers each lane's two candidate bytes.
+constexpr uint32_t kSimdMaxRows = 64;       // alphabets up to 65 symbols per column
+constexpr uint32_t kSimdMaxScale = 14;      // slot + 1 <= 2^14: (slot + 1) << 16 stays a positive int32
+
+struct SimdGroup {
+  alignas(32) int32_t scale[8];
+  alignas(32) int32_t mask[8];
+  alignas(32) int32_t key0[8];  // freq[0] (cum[0] = 0)
+  size_t first = 0;   // offset of row 1 in the transposed table
+  uint32_t rows = 0;  // max alphabet - 1
+};
+
+// Builds the tables of every group start k0 reachable from 0 in steps of 8;
+// false when a column's alphabet or scale is too large for the compare search.
+bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup>& groups, std::vector<int32_t>& rows) {
+  groups.resize(n_active);
+  rows.clear();
+  size_t k0 = 0;
+  do {
+    SimdGroup& g = groups[k0];
+    uint32_t amax = 1;
+    for (size_t j = 0; j < kRansLanes; ++j) {
+      if (ext[k0 + j].scale > kSimdMaxScale) return false;
+      amax = std::max(amax, ext[k0 + j].last + 1);
+    }
+    if (amax - 1 > kSimdMaxRows) return false;
+    g.rows = amax - 1;
+    g.first = rows.size();
+    for (size_t j = 0; j < kRansLanes; ++j) {
+      const DecCol& c = ext[k0 + j];
+      g.scale[j] = int32_t(c.scale);
+      g.mask[j] = int32_t(c.mask);
+      g.key0[j] = int32_t(c.syms[0].freq);
+    }
+    rows.resize(g.first + size_t(g.rows) * kRansLanes);
+    int32_t* t = rows.data() + g.first;
+    for (size_t j = 0; j < kRansLanes; ++j) {
+      const DecCol& c = ext[k0 + j];
+      uint32_t s = 1;
+      for (; s <= c.last; ++s) t[(s - 1) * kRansLanes + j] = int32_t(c.syms[s].cum << 16 | c.syms[s].freq);
+      for (; s <= g.rows; ++s) t[(s - 1) * kRansLanes + j] = int32_t((c.mask + 1) << 16);
+    }
+    k0 = (k0 + kRansLanes) % n_active;
+  } while (k0 != 0);
+  return true;
+}
+
+// Decodes whole groups while at least 16 stream bytes remain (a group reads
+// at most 2 per lane); advances i, k0, p and the states x.
+void decode_groups_avx2(const std::vector<SimdGroup>& groups, const std::vector<int32_t>& rows, size_t n_active,
+                        size_t n_coded, const uint8_t*& p, const uint8_t* end, uint32_t* x, uint16_t* dst, size_t& i,
+                        size_t& k0) {
+  __m256i X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i low23 = _mm256_set1_epi32(int32_t(kRansLow));
+  const __m256i low15 = _mm256_set1_epi32(int32_t(kRansLow >> 8));
+  const __m256i sixteen = _mm256_set1_epi32(16);
+  const __m256i ctrl_base = _mm256_set1_epi32(int32_t(0x80800001u));
+  const __m256i freq_mask = _mm256_set1_epi32(0xffff);
+  while (i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes) {
+    const SimdGroup& g = groups[k0];
+    const __m256i scale = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.scale));
+    const __m256i slot = _mm256_and_si256(X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.mask)));
+    // key <= ... iff cum[s] <= slot (freq < 2^16 sits below the compare).
+    const __m256i bound = _mm256_slli_epi32(_mm256_add_epi32(slot, one), 16);
+    // Two interleaved accumulator pairs halve the dependency chains.
+    __m256i sym_a = _mm256_setzero_si256(), sym_b = sym_a;
+    __m256i key_a = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.key0)), key_b = key_a;
+    const int32_t* t = rows.data() + g.first;
+    uint32_t s = 0;
+    for (; s + 2 <= g.rows; s += 2) {
+      const __m256i ca = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + s * kRansLanes));
+      const __m256i cb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + (s + 1) * kRansLanes));
+      const __m256i le_a = _mm256_cmpgt_epi32(bound, ca), le_b = _mm256_cmpgt_epi32(bound, cb);
+      sym_a = _mm256_sub_epi32(sym_a, le_a);
+      sym_b = _mm256_sub_epi32(sym_b, le_b);
+      key_a = _mm256_max_epi32(key_a, _mm256_and_si256(le_a, ca));
+      key_b = _mm256_max_epi32(key_b, _mm256_and_si256(le_b, cb));
+    }
+    if (s < g.rows) {
+      const __m256i ca = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + s * kRansLanes));
+      const __m256i le_a = _mm256_cmpgt_epi32(bound, ca);
+      sym_a = _mm256_sub_epi32(sym_a, le_a);
+      key_a = _mm256_max_epi32(key_a, _mm256_and_si256(le_a, ca));
+    }
+    const __m256i sym = _mm256_add_epi32(sym_a, sym_b);
+    const __m256i key = _mm256_max_epi32(key_a, key_b);
+    const __m256i lo = _mm256_srli_epi32(key, 16);
+    const __m256i freq = _mm256_and_si256(key, freq_mask);
+    // x' = freq * (x >> scale) + slot - cum: the scalar step, lane-wise.
+    const __m256i xn = _mm256_sub_epi32(
+        _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srlv_epi32(X, scale)), slot), lo);
+    // Bytes per lane: (x' < 2^23) + (x' < 2^15); x' < 2^31, so signed compares are exact.
+    const __m256i n = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                       _mm256_add_epi32(_mm256_cmpgt_epi32(low23, xn), _mm256_cmpgt_epi32(low15, xn)));
+    __m256i incl = _mm256_add_epi32(n, _mm256_slli_si256(n, 4));
+    incl = _mm256_add_epi32(incl, _mm256_slli_si256(incl, 8));
+    const __m256i carry = _mm256_shuffle_epi32(incl, 0xff);  // each half's total in its every lane
+    incl = _mm256_add_epi32(incl, _mm256_permute2x128_si256(carry, carry, 0x08));  // low half's total to the high half
+    const __m256i excl = _mm256_sub_epi32(incl, n);  // <= 14: lane j's two bytes are p[o], p[o + 1]
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    // Per lane the 32-bit word p[o + 1] | p[o] << 8 (bytes 2, 3 zeroed by 0x80).
+    const __m256i ctrl = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(excl, 8), excl), ctrl_base);
+    const __m256i v = _mm256_shuffle_epi8(bytes, ctrl);
+    const __m256i bits = _mm256_slli_epi32(n, 3);
+    X = _mm256_or_si256(_mm256_sllv_epi32(xn, bits), _mm256_srlv_epi32(v, _mm256_sub_epi32(sixteen, bits)));
+    p += uint32_t(_mm256_extract_epi32(incl, 7));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(sym, sym), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+    i += kRansLanes;
+    k0 += kRansLanes;
+    while (k0 >= n_active) k0 -= n_active;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), X);
+}
+#endif
+
 }  // namespace
 
 RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
@@ -320,8 +450,10 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
   return std::vector<uint8_t>(p, end);
 }
 
-void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
-                 const std::vector<const RansDecodeTable*>& tables, uint16_t* out) {
+namespace {
+
+void rans_decode_impl(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                      const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd) {
   // Scratch reused across calls: a 64-token block is a few microseconds of
   // work, so per-call heap allocations would show.
   thread_local std::vector<uint32_t> cols;
@@ -376,6 +508,16 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
   }
 
   size_t i = 0, k0 = 0;
+#ifdef KVCODEC_RANS_AVX2
+  if (allow_simd && n_coded >= 4 * kRansLanes) {
+    thread_local std::vector<SimdGroup> groups;
+    thread_local std::vector<int32_t> rows;
+    if (build_simd_groups(ext.data(), n_active, groups, rows))
+      decode_groups_avx2(groups, rows, n_active, n_coded, p, end, x, dst, i, k0);
+  }
+#else
+  (void)allow_simd;
+#endif
   // Fast path: a group of kRansLanes symbols reads at most 2 bytes each
   // (after a decode step x >= 2^(23 - scale) >= 2^7), so with that many bytes
   // left no per-byte bound check is needed.
@@ -431,6 +573,18 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
       for (uint32_t c : cols) row[c] = compact[q++];
     }
   }
+}
+
+}  // namespace
+
+void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                 const std::vector<const RansDecodeTable*>& tables, uint16_t* out) {
+  rans_decode_impl(data, size, n_rows, n_cols, tables, out, /*allow_simd=*/true);
+}
+
+void rans_decode_portable(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                          const std::vector<const RansDecodeTable*>& tables, uint16_t* out) {
+  rans_decode_impl(data, size, n_rows, n_cols, tables, out, /*allow_simd=*/false);
 }
 
 // --- single-lane reference ------------------------------------------------------

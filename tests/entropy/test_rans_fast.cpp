@@ -138,6 +138,104 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
   }
 }
 
+// Random frequencies summing to 2^scale, each >= 1: uniform cut points, or
+// (extreme) one symbol holding all but alphabet - 1 slots.
+FrequencyTable random_freqs(std::mt19937_64& rng, uint32_t alphabet, uint32_t scale, bool extreme) {
+  std::vector<uint32_t> freq;
+  if (extreme) {
+    freq.assign(alphabet, 1);
+    freq[rng() % alphabet] = (1u << scale) - (alphabet - 1);
+    return FrequencyTable::from_freqs(freq, scale);
+  }
+  std::vector<uint32_t> cuts{0, 1u << scale};
+  for (uint32_t i = 0; i + 1 < alphabet; ++i) {
+    uint32_t c;
+    do c = 1 + uint32_t(rng() % ((1u << scale) - 1));
+    while (std::find(cuts.begin(), cuts.end(), c) != cuts.end());
+    cuts.push_back(c);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) freq.push_back(cuts[i + 1] - cuts[i]);
+  return FrequencyTable::from_freqs(freq, scale);
+}
+
+// The AVX2 group decoder (8 lanes per vector; alphabets <= 65, scales <= 14)
+// against the scalar lanes: same symbols on streams that take it (column
+// counts that are and are not multiples of 8, skipped columns, one-symbol
+// and max-frequency alphabets, the largest alphabet and scale it serves) and
+// on ones that fall back (one column past its limits), and the same errors
+// on truncated, extended and corrupted streams.
+TEST(RansFast, SimdDecoderMatchesPortable) {
+  std::mt19937_64 rng(77);
+  for (int trial = 0; trial < 300; ++trial) {
+    const size_t cols = trial % 4 == 0 ? 64 : 1 + rng() % 70;
+    const size_t rows = trial % 7 == 0 ? rng() % 4 : 1 + rng() % 200;
+    std::vector<FrequencyTable> ft;
+    std::vector<bool> skip;
+    for (size_t k = 0; k < cols; ++k) {
+      const uint32_t kind = uint32_t(rng() % 6);
+      uint32_t alphabet = kind == 0 ? 1 : kind == 1 ? 65 : kind == 2 ? 2 + uint32_t(rng() % 4) : 1 + uint32_t(rng() % 65);
+      // Now and then one column past the group decoder's limits (fallback).
+      if (trial % 5 == 1 && k == cols / 2) alphabet = 66 + uint32_t(rng() % 100);
+      uint32_t min_scale = 1;
+      while ((1u << min_scale) < alphabet + 1) ++min_scale;
+      uint32_t scale = std::min<uint32_t>(14, min_scale + uint32_t(rng() % 8));
+      if (rng() % 8 == 0) scale = 14;
+      if (trial % 5 == 2 && k == 0) scale = 15 + uint32_t(rng() % 2);
+      ft.push_back(random_freqs(rng, alphabet, scale, rng() % 4 == 0));
+      skip.push_back(rng() % 8 == 0);
+    }
+    std::vector<uint16_t> sym(rows * cols);
+    for (size_t r = 0; r < rows; ++r)
+      for (size_t k = 0; k < cols; ++k) {
+        // Mostly the most frequent symbol now and then (long renorm-free runs), else uniform.
+        const FrequencyTable& t = ft[k];
+        const uint32_t top = uint32_t(std::max_element(t.freq.begin(), t.freq.end()) - t.freq.begin());
+        sym[r * cols + k] = skip[k] ? 0 : uint16_t(rng() % 3 == 0 ? top : rng() % t.alphabet_size);
+      }
+    std::vector<RansDecodeTable> dt;
+    for (const auto& t : ft) dt.emplace_back(t);
+    std::vector<const FrequencyTable*> fp;
+    std::vector<const RansDecodeTable*> dp;
+    for (size_t k = 0; k < cols; ++k) {
+      fp.push_back(skip[k] ? nullptr : &ft[k]);
+      dp.push_back(skip[k] ? nullptr : &dt[k]);
+    }
+    const auto bytes = rans_encode(sym.data(), rows, cols, fp);
+    std::vector<uint16_t> a(rows * cols, 1), b(rows * cols, 2);
+    rans_decode(bytes.data(), bytes.size(), rows, cols, dp, a.data());
+    rans_decode_portable(bytes.data(), bytes.size(), rows, cols, dp, b.data());
+    ASSERT_EQ(a, sym) << "trial " << trial;
+    ASSERT_EQ(b, sym) << "trial " << trial;
+    // Damaged copies: both decoders agree (same symbols, or the same error).
+    for (int d = 0; d < 6 && !bytes.empty(); ++d) {
+      std::vector<uint8_t> bad = bytes;
+      if (d == 0) bad.pop_back();
+      else if (d == 1) bad.push_back(uint8_t(rng()));
+      else if (d == 2) bad.resize(bad.size() / 2);
+      else for (int f = 0; f < d; ++f) bad[rng() % bad.size()] ^= uint8_t(1u << (rng() % 8));
+      std::string ea = "ok", eb = "ok";
+      std::fill(a.begin(), a.end(), 1);
+      std::fill(b.begin(), b.end(), 2);
+      try {
+        rans_decode(bad.data(), bad.size(), rows, cols, dp, a.data());
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kFormat);
+        ea = e.what();
+      }
+      try {
+        rans_decode_portable(bad.data(), bad.size(), rows, cols, dp, b.data());
+      } catch (const Error& e) {
+        eb = e.what();
+      }
+      ASSERT_EQ(ea, eb) << "trial " << trial << " damage " << d;
+      if (ea == "ok") {
+        ASSERT_EQ(a, b) << "trial " << trial << " damage " << d;
+      }
+    }
+  }
+}
+
 TEST(RansFast, EdgeCases) {
   const FrequencyTable t = FrequencyTable::from_counts({5, 1, 0, 9}, 12);
   const RansEncodeTable e(t);
