@@ -193,6 +193,9 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
 // no separate validation pass): the encoder the KVTC codec runs.
 std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
                                  const std::vector<const RansEncodeTable*>& tables);
+// The same without the AVX2 group encoder (scalar lanes only); same bytes.
+std::vector<uint8_t> rans_encode_portable(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                          const std::vector<const RansEncodeTable*>& tables);
 // Inverse of rans_encode; out has n_rows * n_cols entries, skipped columns get
 // 0. Throws Error(kFormat) when the stream is truncated, has trailing bytes or
 // ends in states other than the initial ones.

@@ -91,6 +91,8 @@ TEST(RansFast, SameBytesAsTheTextbookEncoder) {
     const auto ref = rans_encode(c.symbols.data(), c.rows, c.cols, fp);
     const auto fast = rans_encode(c.symbols.data(), c.rows, c.cols, ep);
     ASSERT_EQ(fast, ref) << "seed " << seed;
+    // The scalar lanes of the division-free encoder (the AVX2 one's reference).
+    ASSERT_EQ(rans_encode_portable(c.symbols.data(), c.rows, c.cols, ep), ref) << "seed " << seed;
     std::vector<uint16_t> out(c.rows * c.cols, 0xbeef);
     rans_decode(fast.data(), fast.size(), c.rows, c.cols, dp, out.data());
     for (size_t r = 0; r < c.rows; ++r)
@@ -231,6 +233,40 @@ TEST(RansFast, SimdDecoderMatchesPortable) {
       ASSERT_EQ(ea, eb) << "trial " << trial << " damage " << d;
       if (ea == "ok") {
         ASSERT_EQ(a, b) << "trial " << trial << " damage " << d;
+      }
+    }
+  }
+}
+
+// The vectorised validation (16 columns at a time) finds an out-of-range
+// symbol wherever it sits, before any byte is written, and accepts the
+// largest symbol of the largest alphabet.
+TEST(RansFast, ValidationFindsEveryBadSymbol) {
+  std::mt19937_64 rng(5);
+  const size_t rows = 9, cols = 37;
+  std::vector<FrequencyTable> ft;
+  for (size_t k = 0; k < cols; ++k)
+    ft.push_back(k == 3 ? FrequencyTable::from_freqs(std::vector<uint32_t>(65536, 1), 16)
+                        : random_freqs(rng, 2 + uint32_t(rng() % 30), 12, false));
+  std::vector<RansEncodeTable> et;
+  for (const auto& t : ft) et.emplace_back(t);
+  std::vector<const RansEncodeTable*> ep;
+  for (const auto& t : et) ep.push_back(&t);
+  std::vector<uint16_t> sym(rows * cols);
+  for (size_t i = 0; i < sym.size(); ++i) sym[i] = uint16_t(rng() % ft[i % cols].alphabet_size);
+  sym[3] = 65535;  // the largest symbol of a 65536-symbol alphabet is valid
+  EXPECT_FALSE(rans_encode(sym.data(), rows, cols, ep).empty());
+  for (size_t pos = 0; pos < sym.size(); pos += 7) {
+    if (pos % cols == 3) continue;
+    std::vector<uint16_t> bad = sym;
+    bad[pos] = uint16_t(ft[pos % cols].alphabet_size + rng() % 5);
+    for (bool portable : {false, true}) {
+      try {
+        portable ? rans_encode_portable(bad.data(), rows, cols, ep) : rans_encode(bad.data(), rows, cols, ep);
+        ADD_FAILURE() << "no error for position " << pos;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find("column " + std::to_string(pos % cols)), std::string::npos) << e.what();
       }
     }
   }
