@@ -237,8 +237,9 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
     parallel_heads(heads, [&](int64_t h) {
       const auto& kp = key_.blocks[j].payload[size_t(h)];
       const auto& vp = value_.blocks[j].payload[size_t(h)];
-      kvtc::decode_block(key_.heads[size_t(h)], kp.data(), kp.size(), B, k.data_as<float>() + h * B * D);
-      kvtc::decode_block(value_.heads[size_t(h)], vp.data(), vp.size(), B, v.data_as<float>() + h * B * D);
+      // Keys and values together: their two rANS streams decode interleaved.
+      kvtc::decode_block_pair(key_.heads[size_t(h)], kp.data(), kp.size(), k.data_as<float>() + h * B * D,
+                              value_.heads[size_t(h)], vp.data(), vp.size(), v.data_as<float>() + h * B * D, B);
     });
     visit(sinks + int64_t(j) * B, k.view(), v.view());
   }

@@ -201,6 +201,18 @@ std::vector<uint8_t> rans_encode_portable(const uint16_t* symbols, size_t n_rows
 // ends in states other than the initial ones.
 void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
                  const std::vector<const RansDecodeTable*>& tables, uint16_t* out);
+// Two independent streams decoded together (e.g. a block's keys and values):
+// the same results and errors as two rans_decode calls (the first failing
+// stream's error is thrown), faster where the vectorised decoder is
+// latency-bound, since the two streams' steps overlap.
+struct RansDecodeJob {
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  size_t n_rows = 0, n_cols = 0;
+  const std::vector<const RansDecodeTable*>* tables = nullptr;
+  uint16_t* out = nullptr;
+};
+void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b);
 // rans_decode without the AVX2 group decoder (scalar lanes only): the plain
 // path the vectorised one is tested against; same results and errors.
 void rans_decode_portable(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,

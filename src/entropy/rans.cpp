@@ -137,6 +137,8 @@ inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
 // the next 16 stream bytes gathers each lane's two candidate bytes.
 constexpr uint32_t kSimdMaxRows = 64;       // alphabets up to 65 symbols per column
 constexpr uint32_t kSimdMaxScale = 14;      // slot + 1 <= 2^14: (slot + 1) << 16 stays a positive int32
+constexpr uint32_t kPackedMaxScale = 12;    // packed keys: cum in bits 19..30, symbol 13..18, freq 0..12
+constexpr uint32_t kPackedMaxRows = 63;
 
 struct SimdGroup {
   alignas(32) int32_t scale[8];
@@ -148,9 +150,15 @@ struct SimdGroup {
 
 // Builds the tables of every group start k0 reachable from 0 in steps of 8;
 // false when a column's alphabet or scale is too large for the compare search.
-bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup>& groups, std::vector<int32_t>& rows) {
+bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup>& groups, std::vector<int32_t>& rows,
+                       bool& packed) {
   groups.resize(n_active);
   rows.clear();
+  // Scales <= 12 and alphabets <= 64 (the common case) take the packed keys
+  // cum << 19 | s << 13 | freq: the count of rows below the slot is then
+  // carried by the largest key itself (one op less per row).
+  packed = true;
+  for (size_t k = 0; k < n_active; ++k) packed &= ext[k].scale <= kPackedMaxScale && ext[k].last <= kPackedMaxRows;
   size_t k0 = 0;
   do {
     SimdGroup& g = groups[k0];
@@ -173,36 +181,74 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
     for (size_t j = 0; j < kRansLanes; ++j) {
       const DecCol& c = ext[k0 + j];
       uint32_t s = 1;
-      for (; s <= c.last; ++s) t[(s - 1) * kRansLanes + j] = int32_t(c.syms[s].cum << 16 | c.syms[s].freq);
-      for (; s <= g.rows; ++s) t[(s - 1) * kRansLanes + j] = int32_t((c.mask + 1) << 16);
+      if (packed) {
+        for (; s <= c.last; ++s) t[(s - 1) * kRansLanes + j] = int32_t(c.syms[s].cum << 19 | s << 13 | c.syms[s].freq);
+        for (; s <= g.rows; ++s) t[(s - 1) * kRansLanes + j] = 0x7fffffff;  // above every bound
+      } else {
+        for (; s <= c.last; ++s) t[(s - 1) * kRansLanes + j] = int32_t(c.syms[s].cum << 16 | c.syms[s].freq);
+        for (; s <= g.rows; ++s) t[(s - 1) * kRansLanes + j] = int32_t((c.mask + 1) << 16);
+      }
     }
     k0 = (k0 + kRansLanes) % n_active;
   } while (k0 != 0);
   return true;
 }
 
-// Decodes whole groups while at least 16 stream bytes remain (a group reads
-// at most 2 per lane); advances i, k0, p and the states x.
-void decode_groups_avx2(const std::vector<SimdGroup>& groups, const std::vector<int32_t>& rows, size_t n_active,
-                        size_t n_coded, const uint8_t*& p, const uint8_t* end, uint32_t* x, uint16_t* dst, size_t& i,
-                        size_t& k0) {
-  __m256i X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i one = _mm256_set1_epi32(1);
-  const __m256i low23 = _mm256_set1_epi32(int32_t(kRansLow));
-  const __m256i low15 = _mm256_set1_epi32(int32_t(kRansLow >> 8));
-  const __m256i sixteen = _mm256_set1_epi32(16);
-  const __m256i ctrl_base = _mm256_set1_epi32(int32_t(0x80800001u));
-  const __m256i freq_mask = _mm256_set1_epi32(0xffff);
-  while (i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes) {
+// One stream's group decoder state: step() decodes one group of 8 symbols
+// (callable while can_step(): a group reads at most 2 bytes per lane, so 16
+// bytes left need no per-byte check). Two streams stepped alternately in one
+// loop overlap their dependency chains (a group is one long chain: lookup,
+// update, renormalisation, next lookup).
+struct SimdStream {
+  const SimdGroup* groups = nullptr;
+  const int32_t* rows = nullptr;
+  size_t n_active = 0, n_coded = 0, i = 0, k0 = 0;
+  const uint8_t* p = nullptr;
+  const uint8_t* end = nullptr;
+  uint16_t* dst = nullptr;
+  bool packed = false;
+  __m256i X;
+
+  bool can_step() const { return i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes; }
+
+  __attribute__((always_inline)) inline void step() {
+    const __m256i one = _mm256_set1_epi32(1);
     const SimdGroup& g = groups[k0];
     const __m256i scale = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.scale));
     const __m256i slot = _mm256_and_si256(X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.mask)));
-    // key <= ... iff cum[s] <= slot (freq < 2^16 sits below the compare).
+    __m256i sym, lo, freq;
+    if (packed) {
+      // key <= bound iff cum[s] <= slot (the low 19 bits of a key stay below
+      // 0x7fffe; pads 0x7fffffff exceed every bound). Four accumulators.
+      const __m256i bound = _mm256_or_si256(_mm256_slli_epi32(slot, 19), _mm256_set1_epi32(0x7fffe));
+      __m256i k_a = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.key0)), k_b = k_a, k_c = k_a, k_d = k_a;
+      const int32_t* t = rows + g.first;
+      uint32_t r = 0;
+      for (; r + 4 <= g.rows; r += 4) {
+        const __m256i ca = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + r * kRansLanes));
+        const __m256i cb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + (r + 1) * kRansLanes));
+        const __m256i cc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + (r + 2) * kRansLanes));
+        const __m256i cd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + (r + 3) * kRansLanes));
+        k_a = _mm256_max_epi32(k_a, _mm256_andnot_si256(_mm256_cmpgt_epi32(ca, bound), ca));
+        k_b = _mm256_max_epi32(k_b, _mm256_andnot_si256(_mm256_cmpgt_epi32(cb, bound), cb));
+        k_c = _mm256_max_epi32(k_c, _mm256_andnot_si256(_mm256_cmpgt_epi32(cc, bound), cc));
+        k_d = _mm256_max_epi32(k_d, _mm256_andnot_si256(_mm256_cmpgt_epi32(cd, bound), cd));
+      }
+      for (; r < g.rows; ++r) {
+        const __m256i ca = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + r * kRansLanes));
+        k_a = _mm256_max_epi32(k_a, _mm256_andnot_si256(_mm256_cmpgt_epi32(ca, bound), ca));
+      }
+      const __m256i key = _mm256_max_epi32(_mm256_max_epi32(k_a, k_b), _mm256_max_epi32(k_c, k_d));
+      sym = _mm256_and_si256(_mm256_srli_epi32(key, 13), _mm256_set1_epi32(63));
+      lo = _mm256_srli_epi32(key, 19);
+      freq = _mm256_and_si256(key, _mm256_set1_epi32(0x1fff));
+    } else {
+    // key < bound iff cum[s] <= slot (freq < 2^16 sits below the compare).
     const __m256i bound = _mm256_slli_epi32(_mm256_add_epi32(slot, one), 16);
     // Two interleaved accumulator pairs halve the dependency chains.
     __m256i sym_a = _mm256_setzero_si256(), sym_b = sym_a;
     __m256i key_a = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.key0)), key_b = key_a;
-    const int32_t* t = rows.data() + g.first;
+    const int32_t* t = rows + g.first;
     uint32_t s = 0;
     for (; s + 2 <= g.rows; s += 2) {
       const __m256i ca = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + s * kRansLanes));
@@ -219,16 +265,23 @@ void decode_groups_avx2(const std::vector<SimdGroup>& groups, const std::vector<
       sym_a = _mm256_sub_epi32(sym_a, le_a);
       key_a = _mm256_max_epi32(key_a, _mm256_and_si256(le_a, ca));
     }
-    const __m256i sym = _mm256_add_epi32(sym_a, sym_b);
+    sym = _mm256_add_epi32(sym_a, sym_b);
     const __m256i key = _mm256_max_epi32(key_a, key_b);
-    const __m256i lo = _mm256_srli_epi32(key, 16);
-    const __m256i freq = _mm256_and_si256(key, freq_mask);
+    lo = _mm256_srli_epi32(key, 16);
+    freq = _mm256_and_si256(key, _mm256_set1_epi32(0xffff));
+    }
+    finish_group(sym, lo, freq, slot, scale);
+  }
+
+  // Update, renormalisation and output of one group whose symbols are found.
+  __attribute__((always_inline)) inline void finish_group(__m256i sym, __m256i lo, __m256i freq, __m256i slot, __m256i scale) {
     // x' = freq * (x >> scale) + slot - cum: the scalar step, lane-wise.
     const __m256i xn = _mm256_sub_epi32(
         _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srlv_epi32(X, scale)), slot), lo);
     // Bytes per lane: (x' < 2^23) + (x' < 2^15); x' < 2^31, so signed compares are exact.
-    const __m256i n = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                       _mm256_add_epi32(_mm256_cmpgt_epi32(low23, xn), _mm256_cmpgt_epi32(low15, xn)));
+    const __m256i n = _mm256_sub_epi32(
+        _mm256_setzero_si256(), _mm256_add_epi32(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(kRansLow)), xn),
+                                                 _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(kRansLow >> 8)), xn)));
     __m256i incl = _mm256_add_epi32(n, _mm256_slli_si256(n, 4));
     incl = _mm256_add_epi32(incl, _mm256_slli_si256(incl, 8));
     const __m256i carry = _mm256_shuffle_epi32(incl, 0xff);  // each half's total in its every lane
@@ -236,10 +289,11 @@ void decode_groups_avx2(const std::vector<SimdGroup>& groups, const std::vector<
     const __m256i excl = _mm256_sub_epi32(incl, n);  // <= 14: lane j's two bytes are p[o], p[o + 1]
     const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     // Per lane the 32-bit word p[o + 1] | p[o] << 8 (bytes 2, 3 zeroed by 0x80).
-    const __m256i ctrl = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(excl, 8), excl), ctrl_base);
+    const __m256i ctrl = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(excl, 8), excl),
+                                          _mm256_set1_epi32(int32_t(0x80800001u)));
     const __m256i v = _mm256_shuffle_epi8(bytes, ctrl);
     const __m256i bits = _mm256_slli_epi32(n, 3);
-    X = _mm256_or_si256(_mm256_sllv_epi32(xn, bits), _mm256_srlv_epi32(v, _mm256_sub_epi32(sixteen, bits)));
+    X = _mm256_or_si256(_mm256_sllv_epi32(xn, bits), _mm256_srlv_epi32(v, _mm256_sub_epi32(_mm256_set1_epi32(16), bits)));
     p += uint32_t(_mm256_extract_epi32(incl, 7));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(sym, sym), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
@@ -247,8 +301,7 @@ void decode_groups_avx2(const std::vector<SimdGroup>& groups, const std::vector<
     k0 += kRansLanes;
     while (k0 >= n_active) k0 -= n_active;
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), X);
-}
+};
 #endif
 
 }  // namespace
@@ -566,127 +619,229 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
 
 namespace {
 
+// One group of each of two packed streams in lockstep: their row loops share
+// one loop body and their updates one straight-line block, so the two
+// independent dependency chains interleave in program order.
+__attribute__((always_inline)) inline void step_pair_packed(SimdStream& A, SimdStream& B) {
+  const SimdGroup& ga = A.groups[A.k0];
+  const SimdGroup& gb = B.groups[B.k0];
+  const __m256i scale_a = _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.scale));
+  const __m256i scale_b = _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.scale));
+  const __m256i slot_a = _mm256_and_si256(A.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.mask)));
+  const __m256i slot_b = _mm256_and_si256(B.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.mask)));
+  const __m256i low = _mm256_set1_epi32(0x7fffe);
+  const __m256i bound_a = _mm256_or_si256(_mm256_slli_epi32(slot_a, 19), low);
+  const __m256i bound_b = _mm256_or_si256(_mm256_slli_epi32(slot_b, 19), low);
+  __m256i a0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.key0)), a1 = a0;
+  __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.key0)), b1 = b0;
+  const int32_t* ta = A.rows + ga.first;
+  const int32_t* tb = B.rows + gb.first;
+#define KVTC_ROW(acc, t, r, bound)                                                         \
+  {                                                                                        \
+    const __m256i c_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>((t) + (r) * kRansLanes)); \
+    acc = _mm256_max_epi32(acc, _mm256_andnot_si256(_mm256_cmpgt_epi32(c_, bound), c_));  \
+  }
+  const uint32_t common = std::min(ga.rows, gb.rows);
+  uint32_t r = 0;
+  for (; r + 2 <= common; r += 2) {
+    KVTC_ROW(a0, ta, r, bound_a)
+    KVTC_ROW(b0, tb, r, bound_b)
+    KVTC_ROW(a1, ta, r + 1, bound_a)
+    KVTC_ROW(b1, tb, r + 1, bound_b)
+  }
+  for (uint32_t q = r; q < ga.rows; ++q) KVTC_ROW(a0, ta, q, bound_a)
+  for (uint32_t q = r; q < gb.rows; ++q) KVTC_ROW(b0, tb, q, bound_b)
+#undef KVTC_ROW
+  const __m256i ka = _mm256_max_epi32(a0, a1), kb = _mm256_max_epi32(b0, b1);
+  const __m256i m63 = _mm256_set1_epi32(63), m13 = _mm256_set1_epi32(0x1fff);
+  A.finish_group(_mm256_and_si256(_mm256_srli_epi32(ka, 13), m63), _mm256_srli_epi32(ka, 19),
+                 _mm256_and_si256(ka, m13), slot_a, scale_a);
+  B.finish_group(_mm256_and_si256(_mm256_srli_epi32(kb, 13), m63), _mm256_srli_epi32(kb, 19),
+                 _mm256_and_si256(kb, m13), slot_b, scale_b);
+}
+
+// One rANS stream being decoded: start() validates and sets up (states,
+// column cycle, the AVX2 group tables), the caller runs the group decoder
+// (simd, when usable) and finish() decodes the rest with the scalar lanes,
+// checks the end of the stream and scatters skipped columns. The scratch
+// vectors are reused across calls (a 64-token block is a few microseconds
+// of work: per-call heap allocations would show).
+class Decoder {
+ public:
+  // False when there is nothing to decode (then everything is done).
+  bool start(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+             const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd) {
+    if (tables.size() != n_cols)
+      throw Error(ErrorCode::kInvalidArgument, "rans_decode: " + std::to_string(tables.size()) + " tables for " +
+                                                   std::to_string(n_cols) + " columns");
+    cols_.clear();
+    for (size_t c = 0; c < n_cols; ++c)
+      if (tables[c]) cols_.push_back(uint32_t(c));
+    const size_t total_out = checked_count(n_rows, n_cols, "rans_decode");
+    n_rows_ = n_rows, n_cols_ = n_cols, out_ = out;
+    n_active_ = cols_.size();
+    n_coded_ = n_rows * n_active_;
+    // Skipped columns decode to 0 (with none skipped every entry is written).
+    if (total_out && n_active_ != n_cols) std::memset(out, 0, total_out * sizeof(uint16_t));
+    if (n_coded_ == 0) {
+      if (size != 0) bad_stream(std::to_string(size) + " bytes where no symbols are coded");
+      return false;
+    }
+    check_decode_tables(cols_, tables);
+    lanes_used_ = std::min(kRansLanes, n_coded_);
+    if (size < 4 * lanes_used_)
+      bad_stream("truncated: " + std::to_string(size) + " bytes cannot hold " + std::to_string(lanes_used_) +
+                 " lane states");
+    for (size_t l = 0; l < kRansLanes; ++l) {
+      x_[l] = kRansLow;
+      if (l < lanes_used_) {
+        x_[l] = get_state(data + 4 * l);
+        if (x_[l] < kRansLow || x_[l] >= (kRansLow << 8))
+          bad_stream("lane " + std::to_string(l) + " state " + std::to_string(x_[l]) + " outside [2^23, 2^31)");
+      }
+    }
+    p_ = data + 4 * lanes_used_;
+    end_ = data + size;
+    // Columns unrolled so that positions k0 .. k0 + kRansLanes - 1 of the
+    // cyclic column sequence never wrap inside one group.
+    ext_.resize(n_active_ + kRansLanes);
+    for (size_t k = 0; k < ext_.size(); ++k) {
+      const RansDecodeTable& t = *tables[cols_[k % n_active_]];
+      ext_[k] = DecCol{t.slot_symbol.data(), t.syms.data(), t.search.empty() ? nullptr : t.search.data(),
+                       t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
+    }
+    // With no skipped columns the coded order is the output order.
+    dense_ = n_active_ == n_cols;
+    dst_ = out;
+    if (!dense_) {
+      compact_.resize(n_coded_);
+      dst_ = compact_.data();
+    }
+    i_ = 0, k0_ = 0;
+    simd_ = false;
+#ifdef KVCODEC_RANS_AVX2
+    simd_ = allow_simd && n_coded_ >= 4 * kRansLanes &&
+            build_simd_groups(ext_.data(), n_active_, groups_, rows_, packed_);
+#else
+    (void)allow_simd;
+#endif
+    return true;
+  }
+
+#ifdef KVCODEC_RANS_AVX2
+  bool simd() const { return simd_; }
+  SimdStream simd_stream() {
+    SimdStream st;
+    st.groups = groups_.data(), st.rows = rows_.data();
+    st.n_active = n_active_, st.n_coded = n_coded_, st.i = i_, st.k0 = k0_;
+    st.p = p_, st.end = end_, st.dst = dst_, st.packed = packed_;
+    st.X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_));
+    return st;
+  }
+  void take(const SimdStream& st) {
+    i_ = st.i, k0_ = st.k0, p_ = st.p;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x_), st.X);
+  }
+#endif
+
+  void finish() {
+    size_t i = i_, k0 = k0_;
+    const uint8_t* p = p_;
+    const uint8_t* const end = end_;
+    uint32_t* const x = x_;
+    uint16_t* const dst = dst_;
+    const size_t n_coded = n_coded_, n_active = n_active_;
+    // Scalar lanes: a group of kRansLanes symbols reads at most 2 bytes each
+    // (after a decode step x >= 2^(23 - scale) >= 2^7), so with that many
+    // bytes left no per-byte bound check is needed.
+    while (i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes) {
+      const DecCol* c = &ext_[k0];
+#pragma GCC unroll 8
+      for (size_t j = 0; j < kRansLanes; ++j) {
+        uint32_t s = x[j];
+        const uint32_t slot = s & c[j].mask;
+        const uint32_t sym = lookup_symbol(c[j], slot);
+        const RansDecodeTable::Sym e = c[j].syms[sym];
+        dst[i + j] = uint16_t(sym);
+        s = e.freq * (s >> c[j].scale) + slot - e.cum;
+        // Branchless renormalisation. The bytes to pull follow from s alone
+        // (s << 8 | b < 2^23 iff s < 2^15), so the shared stream pointer
+        // advances by a value computed off the loads: the lanes' only serial
+        // dependency is one add per symbol.
+        {
+          const uint32_t n = uint32_t(s < kRansLow) + uint32_t(s < (kRansLow >> 8));
+          const uint32_t v = (uint32_t(p[0]) << 8) | p[1];  // in bounds: >= 2 bytes left per symbol
+          s = (s << (8 * n)) | (v >> (16 - 8 * n));  // n = 0: v >> 16 == 0
+          p += n;
+        }
+        x[j] = s;
+      }
+      i += kRansLanes;
+      k0 += kRansLanes;
+      while (k0 >= n_active) k0 -= n_active;
+    }
+    // Careful path for the tail: every byte read is bounds-checked.
+    for (; i < n_coded; ++i) {
+      const DecCol& c = ext_[k0];
+      uint32_t& s = x[i % kRansLanes];
+      const uint32_t slot = s & c.mask;
+      const uint32_t sym = lookup_symbol(c, slot);
+      const RansDecodeTable::Sym e = c.syms[sym];
+      dst[i] = uint16_t(sym);
+      s = e.freq * (s >> c.scale) + slot - e.cum;
+      while (s < kRansLow) {
+        if (p == end)
+          bad_stream("truncated: ran out of bytes at symbol " + std::to_string(i) + " of " + std::to_string(n_coded));
+        s = (s << 8) | *p++;
+      }
+      if (++k0 == n_active) k0 = 0;
+    }
+    if (p != end) bad_stream(std::to_string(end - p) + " trailing bytes after the last symbol");
+    for (size_t l = 0; l < lanes_used_; ++l)
+      if (x[l] != kRansLow) bad_stream("lane " + std::to_string(l) + " did not return to its initial state (corrupt data)");
+    if (!dense_) {
+      size_t q = 0;
+      for (size_t r = 0; r < n_rows_; ++r) {
+        uint16_t* row = out_ + r * n_cols_;
+        for (uint32_t c : cols_) row[c] = compact_[q++];
+      }
+    }
+  }
+
+ private:
+  std::vector<uint32_t> cols_;
+  std::vector<DecCol> ext_;
+  std::vector<uint16_t> compact_;
+#ifdef KVCODEC_RANS_AVX2
+  std::vector<SimdGroup> groups_;
+  std::vector<int32_t> rows_;
+#endif
+  size_t n_rows_ = 0, n_cols_ = 0, n_active_ = 0, n_coded_ = 0, lanes_used_ = 0, i_ = 0, k0_ = 0;
+  uint16_t* out_ = nullptr;
+  uint16_t* dst_ = nullptr;
+  const uint8_t* p_ = nullptr;
+  const uint8_t* end_ = nullptr;
+  alignas(32) uint32_t x_[kRansLanes] = {};
+  bool dense_ = true, simd_ = false, packed_ = false;
+};
+
+Decoder& decoder(int which) {
+  thread_local Decoder d[2];
+  return d[which];
+}
+
 void rans_decode_impl(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
                       const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd) {
-  // Scratch reused across calls: a 64-token block is a few microseconds of
-  // work, so per-call heap allocations would show.
-  thread_local std::vector<uint32_t> cols;
-  if (tables.size() != n_cols)
-    throw Error(ErrorCode::kInvalidArgument, "rans_decode: " + std::to_string(tables.size()) + " tables for " +
-                                                 std::to_string(n_cols) + " columns");
-  cols.clear();
-  for (size_t c = 0; c < n_cols; ++c)
-    if (tables[c]) cols.push_back(uint32_t(c));
-  const size_t total_out = checked_count(n_rows, n_cols, "rans_decode");
-  const size_t n_active = cols.size();
-  const size_t n_coded = n_rows * n_active;
-  // Skipped columns decode to 0 (with none skipped every entry is written).
-  if (total_out && n_active != n_cols) std::memset(out, 0, total_out * sizeof(uint16_t));
-  if (n_coded == 0) {
-    if (size != 0) bad_stream(std::to_string(size) + " bytes where no symbols are coded");
-    return;
-  }
-  check_decode_tables(cols, tables);
-  const size_t lanes_used = std::min(kRansLanes, n_coded);
-  if (size < 4 * lanes_used)
-    bad_stream("truncated: " + std::to_string(size) + " bytes cannot hold " + std::to_string(lanes_used) + " lane states");
-
-  uint32_t x[kRansLanes];
-  for (size_t l = 0; l < kRansLanes; ++l) {
-    x[l] = kRansLow;
-    if (l < lanes_used) {
-      x[l] = get_state(data + 4 * l);
-      if (x[l] < kRansLow || x[l] >= (kRansLow << 8))
-        bad_stream("lane " + std::to_string(l) + " state " + std::to_string(x[l]) + " outside [2^23, 2^31)");
-    }
-  }
-  const uint8_t* p = data + 4 * lanes_used;
-  const uint8_t* const end = data + size;
-
-  // Columns unrolled so that positions k0 .. k0 + kRansLanes - 1 of the
-  // cyclic column sequence never wrap inside one group.
-  thread_local std::vector<DecCol> ext;
-  ext.resize(n_active + kRansLanes);
-  for (size_t k = 0; k < ext.size(); ++k) {
-    const RansDecodeTable& t = *tables[cols[k % n_active]];
-    ext[k] = DecCol{t.slot_symbol.data(), t.syms.data(), t.search.empty() ? nullptr : t.search.data(),
-                    t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
-  }
-  // With no skipped columns the coded order is the output order.
-  const bool dense = n_active == n_cols;
-  thread_local std::vector<uint16_t> compact;
-  uint16_t* dst = out;
-  if (!dense) {
-    compact.resize(n_coded);
-    dst = compact.data();
-  }
-
-  size_t i = 0, k0 = 0;
+  Decoder& d = decoder(0);
+  if (!d.start(data, size, n_rows, n_cols, tables, out, allow_simd)) return;
 #ifdef KVCODEC_RANS_AVX2
-  if (allow_simd && n_coded >= 4 * kRansLanes) {
-    thread_local std::vector<SimdGroup> groups;
-    thread_local std::vector<int32_t> rows;
-    if (build_simd_groups(ext.data(), n_active, groups, rows))
-      decode_groups_avx2(groups, rows, n_active, n_coded, p, end, x, dst, i, k0);
+  if (d.simd()) {
+    SimdStream st = d.simd_stream();
+    while (st.can_step()) st.step();
+    d.take(st);
   }
-#else
-  (void)allow_simd;
 #endif
-  // Fast path: a group of kRansLanes symbols reads at most 2 bytes each
-  // (after a decode step x >= 2^(23 - scale) >= 2^7), so with that many bytes
-  // left no per-byte bound check is needed.
-  while (i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes) {
-    const DecCol* c = &ext[k0];
-#pragma GCC unroll 8
-    for (size_t j = 0; j < kRansLanes; ++j) {
-      uint32_t s = x[j];
-      const uint32_t slot = s & c[j].mask;
-      const uint32_t sym = lookup_symbol(c[j], slot);
-      const RansDecodeTable::Sym e = c[j].syms[sym];
-      dst[i + j] = uint16_t(sym);
-      s = e.freq * (s >> c[j].scale) + slot - e.cum;
-      // Branchless renormalisation. The bytes to pull follow from s alone
-      // (s << 8 | b < 2^23 iff s < 2^15), so the shared stream pointer
-      // advances by a value computed off the loads: the lanes' only serial
-      // dependency is one add per symbol.
-      {
-        const uint32_t n = uint32_t(s < kRansLow) + uint32_t(s < (kRansLow >> 8));
-        const uint32_t v = (uint32_t(p[0]) << 8) | p[1];  // in bounds: >= 2 bytes left per symbol
-        s = (s << (8 * n)) | (v >> (16 - 8 * n));  // n = 0: v >> 16 == 0
-        p += n;
-      }
-      x[j] = s;
-    }
-    i += kRansLanes;
-    k0 += kRansLanes;
-    while (k0 >= n_active) k0 -= n_active;
-  }
-  // Careful path for the tail: every byte read is bounds-checked.
-  for (; i < n_coded; ++i) {
-    const DecCol& c = ext[k0];
-    uint32_t& s = x[i % kRansLanes];
-    const uint32_t slot = s & c.mask;
-    const uint32_t sym = lookup_symbol(c, slot);
-    const RansDecodeTable::Sym e = c.syms[sym];
-    dst[i] = uint16_t(sym);
-    s = e.freq * (s >> c.scale) + slot - e.cum;
-    while (s < kRansLow) {
-      if (p == end) bad_stream("truncated: ran out of bytes at symbol " + std::to_string(i) + " of " + std::to_string(n_coded));
-      s = (s << 8) | *p++;
-    }
-    if (++k0 == n_active) k0 = 0;
-  }
-  if (p != end) bad_stream(std::to_string(end - p) + " trailing bytes after the last symbol");
-  for (size_t l = 0; l < lanes_used; ++l)
-    if (x[l] != kRansLow) bad_stream("lane " + std::to_string(l) + " did not return to its initial state (corrupt data)");
-
-  if (!dense) {
-    size_t q = 0;
-    for (size_t r = 0; r < n_rows; ++r) {
-      uint16_t* row = out + r * n_cols;
-      for (uint32_t c : cols) row[c] = compact[q++];
-    }
-  }
+  d.finish();
 }
 
 }  // namespace
@@ -694,6 +849,56 @@ void rans_decode_impl(const uint8_t* data, size_t size, size_t n_rows, size_t n_
 void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
                  const std::vector<const RansDecodeTable*>& tables, uint16_t* out) {
   rans_decode_impl(data, size, n_rows, n_cols, tables, out, /*allow_simd=*/true);
+}
+
+void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
+  Decoder& da = decoder(0);
+  Decoder& db = decoder(1);
+  const bool ra = da.start(a.data, a.size, a.n_rows, a.n_cols, *a.tables, a.out, true);
+  bool rb = false;
+  try {
+    rb = db.start(b.data, b.size, b.n_rows, b.n_cols, *b.tables, b.out, true);
+  } catch (const Error&) {
+    // As two calls would: stream a decoded (and its error, if any, first).
+    if (ra) {
+#ifdef KVCODEC_RANS_AVX2
+      if (da.simd()) {
+        SimdStream st = da.simd_stream();
+        while (st.can_step()) st.step();
+        da.take(st);
+      }
+#endif
+      da.finish();
+    }
+    throw;
+  }
+#ifdef KVCODEC_RANS_AVX2
+  if (ra && rb && da.simd() && db.simd()) {
+    // The two streams' groups alternate: independent chains the core overlaps.
+    SimdStream sa = da.simd_stream(), sb = db.simd_stream();
+    if (sa.packed && sb.packed) {
+      while (sa.can_step() && sb.can_step()) step_pair_packed(sa, sb);
+    } else {
+      while (sa.can_step() && sb.can_step()) {
+        sa.step();
+        sb.step();
+      }
+    }
+    while (sa.can_step()) sa.step();
+    while (sb.can_step()) sb.step();
+    da.take(sa);
+    db.take(sb);
+  } else {
+    for (Decoder* d : {&da, &db})
+      if ((d == &da ? ra : rb) && d->simd()) {
+        SimdStream st = d->simd_stream();
+        while (st.can_step()) st.step();
+        d->take(st);
+      }
+  }
+#endif
+  if (ra) da.finish();
+  if (rb) db.finish();
 }
 
 void rans_decode_portable(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,

@@ -559,33 +559,23 @@ std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n
   return {};
 }
 
-void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out) {
+namespace {
+
+// The rANS decode tables of p (built on the fly for hand-assembled parameters).
+const std::vector<const entropy::RansDecodeTable*>& rans_decode_tables(const HeadParams& p,
+                                                                       std::vector<entropy::RansDecodeTable>& built,
+                                                                       std::vector<const entropy::RansDecodeTable*>& tables) {
+  tables.clear();
+  built.clear();
+  if (p.rans_decode.size() != p.rans_tables.size())
+    for (const auto& t : p.rans_tables) built.emplace_back(t);
+  for (const auto& t : built.empty() ? p.rans_decode : built) tables.push_back(&t);
+  return tables;
+}
+
+// After entropy decoding: range check where needed, then reconstruction.
+void finish_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
   const int kept = p.n_kept();
-  BlockScratch& s = scratch();
-  s.codes.resize(size_t(n) * size_t(kept));
-  uint16_t* codes = s.codes.data();
-  switch (p.coder) {
-    case CoderChoice::kRans: {
-      thread_local std::vector<const entropy::RansDecodeTable*> tables;
-      tables.clear();
-      std::vector<entropy::RansDecodeTable> built;  // only for hand-assembled parameters
-      if (p.rans_decode.size() != p.rans_tables.size())
-        for (const auto& t : p.rans_tables) built.emplace_back(t);
-      for (const auto& t : built.empty() ? p.rans_decode : built) tables.push_back(&t);
-      entropy::rans_decode(data, size, size_t(n), size_t(kept), tables, codes);
-      break;
-    }
-    case CoderChoice::kHuffman: {
-      std::vector<const entropy::HuffmanTable*> tables;
-      for (const auto& t : p.huffman_tables) tables.push_back(&t);
-      entropy::huffman_decode(data, size, size_t(n), size_t(kept), tables, codes);
-      break;
-    }
-    case CoderChoice::kFixed:
-    case CoderChoice::kAuto:
-      entropy::unpack_fixed(data, size, size_t(n), size_t(kept), p.fixed_widths, codes);
-      break;
-  }
   // A decoder may hand back a code past a component's levels on corrupt input
   // only if its table allowed it; reject so reconstruction stays in range.
   // (One flag over the block, vectorised, instead of a branch per code.)
@@ -610,6 +600,56 @@ void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t
     if (bad) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
   }
   dequantize_block(p, codes, n, out);
+}
+
+}  // namespace
+
+void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out) {
+  const int kept = p.n_kept();
+  BlockScratch& s = scratch();
+  s.codes.resize(size_t(n) * size_t(kept));
+  uint16_t* codes = s.codes.data();
+  switch (p.coder) {
+    case CoderChoice::kRans: {
+      thread_local std::vector<const entropy::RansDecodeTable*> tables;
+      thread_local std::vector<entropy::RansDecodeTable> built;
+      entropy::rans_decode(data, size, size_t(n), size_t(kept), rans_decode_tables(p, built, tables), codes);
+      break;
+    }
+    case CoderChoice::kHuffman: {
+      std::vector<const entropy::HuffmanTable*> tables;
+      for (const auto& t : p.huffman_tables) tables.push_back(&t);
+      entropy::huffman_decode(data, size, size_t(n), size_t(kept), tables, codes);
+      break;
+    }
+    case CoderChoice::kFixed:
+    case CoderChoice::kAuto:
+      entropy::unpack_fixed(data, size, size_t(n), size_t(kept), p.fixed_widths, codes);
+      break;
+  }
+  finish_block(p, codes, n, out);
+}
+
+void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_a, float* out_a,
+                       const HeadParams& pb, const uint8_t* data_b, size_t size_b, float* out_b, int64_t n) {
+  if (pa.coder != CoderChoice::kRans || pb.coder != CoderChoice::kRans) {
+    decode_block(pa, data_a, size_a, n, out_a);
+    decode_block(pb, data_b, size_b, n, out_b);
+    return;
+  }
+  thread_local std::vector<uint16_t> codes_a, codes_b;
+  thread_local std::vector<const entropy::RansDecodeTable*> tables_a, tables_b;
+  thread_local std::vector<entropy::RansDecodeTable> built_a, built_b;
+  codes_a.resize(size_t(n) * size_t(pa.n_kept()));
+  codes_b.resize(size_t(n) * size_t(pb.n_kept()));
+  entropy::RansDecodeJob ja, jb;
+  ja.data = data_a, ja.size = size_a, ja.n_rows = size_t(n), ja.n_cols = size_t(pa.n_kept());
+  ja.tables = &rans_decode_tables(pa, built_a, tables_a), ja.out = codes_a.data();
+  jb.data = data_b, jb.size = size_b, jb.n_rows = size_t(n), jb.n_cols = size_t(pb.n_kept());
+  jb.tables = &rans_decode_tables(pb, built_b, tables_b), jb.out = codes_b.data();
+  entropy::rans_decode_pair(ja, jb);
+  finish_block(pa, codes_a.data(), n, out_a);
+  finish_block(pb, codes_b.data(), n, out_b);
 }
 
 // --- side information --------------------------------------------------------

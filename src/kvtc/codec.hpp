@@ -99,6 +99,13 @@ std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n
 // Decodes bytes of n tokens into out [n, D]. Throws Error(kFormat) on bad bytes.
 void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out);
 
+// Two blocks of n tokens each (e.g. one head's keys and values) decoded
+// together: the same outputs and errors as decode_block(pa, ...) then
+// decode_block(pb, ...); with rANS on both the two streams are decoded in
+// one interleaved loop, whose dependency chains the core overlaps.
+void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_a, float* out_a,
+                       const HeadParams& pb, const uint8_t* data_b, size_t size_b, float* out_b, int64_t n);
+
 // The integer codes of a block, before entropy coding ([n, K] row-major), and
 // back: the two halves of encode/decode, exposed for tests and rate studies.
 void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);

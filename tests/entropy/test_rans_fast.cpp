@@ -167,43 +167,79 @@ FrequencyTable random_freqs(std::mt19937_64& rng, uint32_t alphabet, uint32_t sc
 // and max-frequency alphabets, the largest alphabet and scale it serves) and
 // on ones that fall back (one column past its limits), and the same errors
 // on truncated, extended and corrupted streams.
+// A random multi-column stream for the decoder tests (see below).
+struct StreamCase {
+  size_t rows = 0, cols = 0;
+  std::vector<FrequencyTable> ft;
+  std::vector<RansDecodeTable> dt;
+  std::vector<bool> skip;
+  std::vector<uint16_t> sym;
+  std::vector<uint8_t> bytes;
+  std::vector<const RansDecodeTable*> dp() const {
+    std::vector<const RansDecodeTable*> out;
+    for (size_t k = 0; k < cols; ++k) out.push_back(skip[k] ? nullptr : &dt[k]);
+    return out;
+  }
+};
+
+StreamCase make_stream_case(std::mt19937_64& rng, int trial) {
+  StreamCase c;
+  c.cols = trial % 4 == 0 ? 64 : 1 + rng() % 70;
+  c.rows = trial % 7 == 0 ? rng() % 4 : 1 + rng() % 200;
+  for (size_t k = 0; k < c.cols; ++k) {
+    const uint32_t kind = uint32_t(rng() % 6);
+    uint32_t alphabet = kind == 0 ? 1 : kind == 1 ? 65 : kind == 2 ? 2 + uint32_t(rng() % 4) : 1 + uint32_t(rng() % 65);
+    // Now and then one column past the group decoder's limits (fallback).
+    if (trial % 5 == 1 && k == c.cols / 2) alphabet = 66 + uint32_t(rng() % 100);
+    uint32_t min_scale = 1;
+    while ((1u << min_scale) < alphabet + 1) ++min_scale;
+    uint32_t scale = std::min<uint32_t>(14, min_scale + uint32_t(rng() % 8));
+    if (rng() % 8 == 0) scale = 14;
+    // Every third trial within the packed-key limits (scale <= 12, alphabet <= 64).
+    if (trial % 3 == 0) {
+      alphabet = std::min<uint32_t>(alphabet, 64);
+      scale = std::max<uint32_t>(std::min<uint32_t>(scale, 12), min_scale > 12 ? 12 : min_scale);
+      if (trial % 6 == 0 && k == 0) scale = 12, alphabet = 64;  // the largest packed model
+    }
+    if (trial % 5 == 2 && k == 0) scale = 15 + uint32_t(rng() % 2);
+    c.ft.push_back(random_freqs(rng, alphabet, scale, rng() % 4 == 0));
+    c.skip.push_back(rng() % 8 == 0);
+  }
+  c.sym.resize(c.rows * c.cols);
+  for (size_t r = 0; r < c.rows; ++r)
+    for (size_t k = 0; k < c.cols; ++k) {
+      // The most frequent symbol now and then (long renorm-free runs), else uniform.
+      const FrequencyTable& t = c.ft[k];
+      const uint32_t top = uint32_t(std::max_element(t.freq.begin(), t.freq.end()) - t.freq.begin());
+      c.sym[r * c.cols + k] = c.skip[k] ? 0 : uint16_t(rng() % 3 == 0 ? top : rng() % t.alphabet_size);
+    }
+  for (const auto& t : c.ft) c.dt.emplace_back(t);
+  std::vector<const FrequencyTable*> fp;
+  for (size_t k = 0; k < c.cols; ++k) fp.push_back(c.skip[k] ? nullptr : &c.ft[k]);
+  c.bytes = rans_encode(c.sym.data(), c.rows, c.cols, fp);
+  return c;
+}
+
+// A damaged copy of a stream: d = 0 one byte short, 1 one byte long, 2 half,
+// else d random bit flips.
+std::vector<uint8_t> damaged(const std::vector<uint8_t>& bytes, int d, std::mt19937_64& rng) {
+  std::vector<uint8_t> bad = bytes;
+  if (bad.empty()) return bad;
+  if (d == 0) bad.pop_back();
+  else if (d == 1) bad.push_back(uint8_t(rng()));
+  else if (d == 2) bad.resize(bad.size() / 2);
+  else for (int f = 0; f < d; ++f) bad[rng() % bad.size()] ^= uint8_t(1u << (rng() % 8));
+  return bad;
+}
+
 TEST(RansFast, SimdDecoderMatchesPortable) {
   std::mt19937_64 rng(77);
   for (int trial = 0; trial < 300; ++trial) {
-    const size_t cols = trial % 4 == 0 ? 64 : 1 + rng() % 70;
-    const size_t rows = trial % 7 == 0 ? rng() % 4 : 1 + rng() % 200;
-    std::vector<FrequencyTable> ft;
-    std::vector<bool> skip;
-    for (size_t k = 0; k < cols; ++k) {
-      const uint32_t kind = uint32_t(rng() % 6);
-      uint32_t alphabet = kind == 0 ? 1 : kind == 1 ? 65 : kind == 2 ? 2 + uint32_t(rng() % 4) : 1 + uint32_t(rng() % 65);
-      // Now and then one column past the group decoder's limits (fallback).
-      if (trial % 5 == 1 && k == cols / 2) alphabet = 66 + uint32_t(rng() % 100);
-      uint32_t min_scale = 1;
-      while ((1u << min_scale) < alphabet + 1) ++min_scale;
-      uint32_t scale = std::min<uint32_t>(14, min_scale + uint32_t(rng() % 8));
-      if (rng() % 8 == 0) scale = 14;
-      if (trial % 5 == 2 && k == 0) scale = 15 + uint32_t(rng() % 2);
-      ft.push_back(random_freqs(rng, alphabet, scale, rng() % 4 == 0));
-      skip.push_back(rng() % 8 == 0);
-    }
-    std::vector<uint16_t> sym(rows * cols);
-    for (size_t r = 0; r < rows; ++r)
-      for (size_t k = 0; k < cols; ++k) {
-        // Mostly the most frequent symbol now and then (long renorm-free runs), else uniform.
-        const FrequencyTable& t = ft[k];
-        const uint32_t top = uint32_t(std::max_element(t.freq.begin(), t.freq.end()) - t.freq.begin());
-        sym[r * cols + k] = skip[k] ? 0 : uint16_t(rng() % 3 == 0 ? top : rng() % t.alphabet_size);
-      }
-    std::vector<RansDecodeTable> dt;
-    for (const auto& t : ft) dt.emplace_back(t);
-    std::vector<const FrequencyTable*> fp;
-    std::vector<const RansDecodeTable*> dp;
-    for (size_t k = 0; k < cols; ++k) {
-      fp.push_back(skip[k] ? nullptr : &ft[k]);
-      dp.push_back(skip[k] ? nullptr : &dt[k]);
-    }
-    const auto bytes = rans_encode(sym.data(), rows, cols, fp);
+    const StreamCase c = make_stream_case(rng, trial);
+    const size_t rows = c.rows, cols = c.cols;
+    const auto& sym = c.sym;
+    const auto& bytes = c.bytes;
+    const auto dp = c.dp();
     std::vector<uint16_t> a(rows * cols, 1), b(rows * cols, 2);
     rans_decode(bytes.data(), bytes.size(), rows, cols, dp, a.data());
     rans_decode_portable(bytes.data(), bytes.size(), rows, cols, dp, b.data());
@@ -211,11 +247,7 @@ TEST(RansFast, SimdDecoderMatchesPortable) {
     ASSERT_EQ(b, sym) << "trial " << trial;
     // Damaged copies: both decoders agree (same symbols, or the same error).
     for (int d = 0; d < 6 && !bytes.empty(); ++d) {
-      std::vector<uint8_t> bad = bytes;
-      if (d == 0) bad.pop_back();
-      else if (d == 1) bad.push_back(uint8_t(rng()));
-      else if (d == 2) bad.resize(bad.size() / 2);
-      else for (int f = 0; f < d; ++f) bad[rng() % bad.size()] ^= uint8_t(1u << (rng() % 8));
+      const std::vector<uint8_t> bad = damaged(bytes, d, rng);
       std::string ea = "ok", eb = "ok";
       std::fill(a.begin(), a.end(), 1);
       std::fill(b.begin(), b.end(), 2);
@@ -233,6 +265,53 @@ TEST(RansFast, SimdDecoderMatchesPortable) {
       ASSERT_EQ(ea, eb) << "trial " << trial << " damage " << d;
       if (ea == "ok") {
         ASSERT_EQ(a, b) << "trial " << trial << " damage " << d;
+      }
+    }
+  }
+}
+
+// rans_decode_pair (two streams stepped alternately, or in lockstep when
+// both take packed keys) against two portable decodes: same symbols, and on
+// damaged input the error of the first failing stream.
+TEST(RansFast, PairMatchesTwoDecodes) {
+  std::mt19937_64 rng(91);
+  for (int trial = 0; trial < 200; ++trial) {
+    // Both packed (lockstep), one packed, neither; equal and unequal sizes.
+    const StreamCase a = make_stream_case(rng, trial % 2 == 0 ? 6 * (trial / 2) : trial);
+    const StreamCase b = make_stream_case(rng, trial % 4 < 2 ? 6 * trial + 3 : trial + 1);
+    const auto dpa = a.dp(), dpb = b.dp();
+    for (int d = -1; d < 6; ++d) {
+      // Damage in a, in b, or in both (then a's error must win).
+      const std::vector<uint8_t> ba = d >= 0 && trial % 3 != 1 ? damaged(a.bytes, d, rng) : a.bytes;
+      const std::vector<uint8_t> bb = d >= 0 && trial % 3 != 0 ? damaged(b.bytes, (d + 2) % 6, rng) : b.bytes;
+      std::vector<uint16_t> ra(a.rows * a.cols, 1), rb(b.rows * b.cols, 1);
+      std::vector<uint16_t> pa(ra.size(), 2), pb(rb.size(), 2);
+      std::string want = "ok", got = "ok";
+      try {
+        rans_decode_portable(ba.data(), ba.size(), a.rows, a.cols, dpa, pa.data());
+        rans_decode_portable(bb.data(), bb.size(), b.rows, b.cols, dpb, pb.data());
+      } catch (const Error& e) {
+        want = e.what();
+      }
+      try {
+        RansDecodeJob ja, jb;
+        ja.data = ba.data(), ja.size = ba.size(), ja.n_rows = a.rows, ja.n_cols = a.cols, ja.tables = &dpa;
+        ja.out = ra.data();
+        jb.data = bb.data(), jb.size = bb.size(), jb.n_rows = b.rows, jb.n_cols = b.cols, jb.tables = &dpb;
+        jb.out = rb.data();
+        rans_decode_pair(ja, jb);
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kFormat);
+        got = e.what();
+      }
+      ASSERT_EQ(got, want) << "trial " << trial << " damage " << d;
+      if (want == "ok") {
+        ASSERT_EQ(ra, pa) << "trial " << trial << " damage " << d;
+        ASSERT_EQ(rb, pb) << "trial " << trial << " damage " << d;
+        if (d < 0) {
+          ASSERT_EQ(ra, a.sym);
+          ASSERT_EQ(rb, b.sym);
+        }
       }
     }
   }

@@ -165,6 +165,46 @@ TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
   }
 }
 
+// decode_block_pair == two decode_block calls: bit-identical outputs for
+// every coder pairing (rANS pairs take the interleaved decoder, others fall
+// back), and the error of the first bad block.
+TEST(Codec, DecodePairMatchesTwoDecodes) {
+  const int dim = 32;
+  const int64_t n = 256;
+  const auto xa = correlated(n, dim, 41), xb = correlated(n, dim, 42);
+  for (CoderChoice ca : {CoderChoice::kRans, CoderChoice::kHuffman})
+    for (CoderChoice cb : {CoderChoice::kRans, CoderChoice::kFixed}) {
+      CodecOptions oa, ob;
+      oa.coder = ca, ob.coder = cb;
+      oa.allocator = ob.allocator = Allocator::kRate;
+      oa.target_rel_mse = 0.02, ob.target_rel_mse = 0.05;
+      const HeadParams pa = fit(xa, n, dim, oa), pb = fit(xb, n, dim, ob);
+      for (int64_t m : {int64_t(1), int64_t(13), int64_t(64)}) {
+        const auto ea = encode_block(pa, xa.data(), m), eb = encode_block(pb, xb.data(), m);
+        std::vector<float> ra(size_t(m * dim)), rb(ra.size()), qa(ra.size()), qb(ra.size());
+        decode_block(pa, ea.data(), ea.size(), m, ra.data());
+        decode_block(pb, eb.data(), eb.size(), m, rb.data());
+        decode_block_pair(pa, ea.data(), ea.size(), qa.data(), pb, eb.data(), eb.size(), qb.data(), m);
+        ASSERT_EQ(qa, ra);
+        ASSERT_EQ(qb, rb);
+        // A truncated second block: the pair reports the same error.
+        std::string want, got;
+        try {
+          decode_block(pb, eb.data(), eb.size() - 1, m, rb.data());
+        } catch (const Error& e) {
+          want = e.what();
+        }
+        try {
+          decode_block_pair(pa, ea.data(), ea.size(), qa.data(), pb, eb.data(), eb.size() - 1, qb.data(), m);
+        } catch (const Error& e) {
+          got = e.what();
+        }
+        EXPECT_FALSE(want.empty());
+        EXPECT_EQ(got, want);
+      }
+    }
+}
+
 TEST(Codec, MoreBudgetLessError) {
   const int dim = 64;
   const int64_t n = 512;
