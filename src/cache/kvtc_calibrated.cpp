@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "cache/settings.hpp"
+#include "kvtc/block_codes.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 
@@ -46,6 +47,20 @@ std::vector<uint8_t> KvtcCalibration::serialize() const {
     throw Error(ErrorCode::kInternal, "calibration: params for " + std::to_string(keys.size()) + "/" +
                                           std::to_string(values.size()) + " layers, expected " +
                                           std::to_string(n_layers));
+  const auto scales_ok = [&](const std::vector<std::vector<float>>& sc) {
+    if (sc.empty()) return !weighted();
+    if (int(sc.size()) != n_layers) return false;
+    for (const auto& v : sc) {
+      if (int(v.size()) != vector_dim()) return false;
+      for (float x : v)
+        if (!(x > 0.0f) || !std::isfinite(x)) return false;
+    }
+    return true;
+  };
+  if (!scales_ok(key_scale) || !scales_ok(value_scale))
+    throw Error(ErrorCode::kInternal, "calibration: key/value scales must both be empty or hold " +
+                                          std::to_string(n_layers) + " x " + std::to_string(vector_dim()) +
+                                          " finite positive weights");
   ContainerWriter w(ContainerKind::kCalibration);
   w.set_meta("format", "kvtc-calibration");
   w.set_meta("n_layers", std::to_string(n_layers));
@@ -59,6 +74,14 @@ std::vector<uint8_t> KvtcCalibration::serialize() const {
       ByteWriter b;
       (is_key ? keys : values)[size_t(l)].serialize(b);
       w.add_section("layer." + std::to_string(l) + (is_key ? ".key" : ".value"), b.take());
+    }
+    if (weighted()) {
+      for (const bool is_key : {true, false}) {
+        const auto& scale = (is_key ? key_scale : value_scale)[size_t(l)];
+        ByteWriter b;
+        b.f32s(scale.data(), scale.size());
+        w.add_section("layer." + std::to_string(l) + (is_key ? ".key_scale" : ".value_scale"), b.take());
+      }
     }
   }
   return w.finish();
@@ -111,6 +134,27 @@ KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const s
         throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
       }
       if (!in.at_end()) throw Error(ErrorCode::kFormat, "calibration " + label + ": trailing bytes in " + name);
+    }
+  // Optional weights: all layers or none, each dim finite positive f32.
+  const bool weighted = r.has("layer.0.key_scale") || r.has("layer.0.value_scale");
+  for (int l = 0; weighted && l < c.n_layers; ++l)
+    for (const bool is_key : {true, false}) {
+      const std::string name = "layer." + std::to_string(l) + (is_key ? ".key_scale" : ".value_scale");
+      if (!r.has(name))
+        throw Error(ErrorCode::kFormat, "calibration " + label + ": weighted calibration without section " + name);
+      const auto bytes = r.section(name);
+      if (bytes.size() != size_t(dim) * 4)
+        throw Error(ErrorCode::kFormat, "calibration " + label + ": " + name + " holds " +
+                                            std::to_string(bytes.size()) + " bytes, expected " +
+                                            std::to_string(size_t(dim) * 4) + " (" + std::to_string(dim) + " f32)");
+      ByteReader in(bytes, "calibration " + name);
+      std::vector<float> scale = in.f32s(size_t(dim));
+      for (int d = 0; d < dim; ++d)
+        if (!(scale[size_t(d)] > 0.0f) || !std::isfinite(scale[size_t(d)]))
+          throw Error(ErrorCode::kFormat, "calibration " + label + ": " + name + "[" + std::to_string(d) +
+                                              "] = " + std::to_string(scale[size_t(d)]) +
+                                              " is not a finite positive weight");
+      (is_key ? c.key_scale : c.value_scale).push_back(std::move(scale));
     }
   return c;
 }
@@ -272,9 +316,15 @@ namespace {
 using cache_impl::append_varint;
 using cache_impl::varint_size;
 
-// One block of `block` tokens: one payload per batch row (all heads of the
-// layer coded together as one vector per token).
+// One block of up to `block` tokens: one payload per batch row (all heads of
+// the layer coded together as one vector per token). Every block but the
+// newest holds exactly `block` tokens; the newest may be partial: tokens are
+// coded as soon as they leave the window, and the partial block grows (its
+// codes decoded and re-coded with the new tokens' appended, never
+// re-quantized) until it is full. So the raw part is exactly the sinks and
+// the window, never a block's worth of waiting tokens on top.
 struct Block {
+  int64_t tokens = 0;
   std::vector<std::vector<uint8_t>> payload;  // [B]
   size_t serialized_size() const {
     size_t n = 0;
@@ -299,6 +349,9 @@ class CalibratedKvtcCache final : public KVCache {
     if (config_.head_dim % 2 != 0)
       throw Error(ErrorCode::kUnsupported, "kvtc calibrated: RoPE needs an even head_dim, got " +
                                                std::to_string(config_.head_dim));
+    for (const bool is_key : {true, false})
+      if (const float* w = scale(is_key))
+        for (int64_t d = 0; d < vdim(); ++d) inverse_scale_[is_key ? 0 : 1].push_back(1.0f / w[d]);
   }
 
   std::string method() const override { return "kvtc"; }
@@ -317,7 +370,16 @@ class CalibratedKvtcCache final : public KVCache {
   const kvtc::HeadParams& params(bool is_key) const {
     return (is_key ? calibration_->keys : calibration_->values)[size_t(config_.layer)];
   }
-  int64_t encoded_tokens() const { return int64_t(key_.blocks.size()) * options_.block; }
+  // The calibration's weights of this layer (nullptr when unweighted) and
+  // their reciprocals, applied to the codec's input and output.
+  const float* scale(bool is_key) const {
+    return calibration_->weighted() ? (is_key ? calibration_->key_scale : calibration_->value_scale)[size_t(config_.layer)].data()
+                                    : nullptr;
+  }
+  const float* inverse_scale(bool is_key) const {
+    return inverse_scale_[is_key ? 0 : 1].empty() ? nullptr : inverse_scale_[is_key ? 0 : 1].data();
+  }
+  int64_t encoded_tokens() const { return encoded_; }
   int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
   int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
   void encode_ready_blocks();
@@ -328,6 +390,7 @@ class CalibratedKvtcCache final : public KVCache {
   }
   void reset() {
     offset_ = 0;
+    encoded_ = 0;
     key_ = Stream{};
     value_ = Stream{};
   }
@@ -336,6 +399,7 @@ class CalibratedKvtcCache final : public KVCache {
   Settings settings_;
   KvtcSettings options_;
   std::shared_ptr<const KvtcCalibration> calibration_;
+  std::vector<float> inverse_scale_[2];     // [key, value] 1 / scale, or empty
   std::shared_ptr<const RopeTable> rope_;  // covers every position held (grown in append / load)
   // Read-path scratch, overwritten by every for_each_block call (never a copy
   // kept between calls): up to kVisitBlocks decoded blocks, token-major.
@@ -343,6 +407,7 @@ class CalibratedKvtcCache final : public KVCache {
   int64_t batch_ = 0;
   DType raw_dtype_ = DType::kF16;
   int64_t offset_ = 0;
+  int64_t encoded_ = 0;  // tokens in blocks (same for keys and values)
   Stream key_, value_;
 };
 
@@ -392,29 +457,53 @@ void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& value
 }
 
 void CalibratedKvtcCache::encode_ready_blocks() {
-  const int64_t n = options_.block;
   const int64_t V = vdim();
-  std::vector<float> x(size_t(n * V));
-  // A token leaves the raw tail once `window` newer tokens follow it, in
-  // whole blocks; sinks never leave.
-  while (offset_ - options_.sinks - encoded_tokens() - options_.window >= n) {
+  std::vector<float> x;
+  std::vector<uint16_t> codes, fresh;
+  // A token leaves the raw tail once `window` newer tokens follow it; sinks
+  // never leave. It goes into the newest block while that one has room.
+  for (;;) {
+    const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
+    if (ready <= 0) break;
+    const bool grow = !key_.blocks.empty() && key_.blocks.back().tokens < options_.block;
+    const int64_t held = grow ? key_.blocks.back().tokens : 0;
+    const int64_t m = std::min(ready, options_.block - held);
     const int64_t sinks = sink_tokens();
     const int64_t first_position = sinks + encoded_tokens();
     for (Stream* stream : {&key_, &value_}) {
       const bool is_key = stream == &key_;
-      Block blk;
-      blk.payload.resize(size_t(batch_));
-#pragma omp parallel for num_threads(options_.threads) firstprivate(x) schedule(static)
+      const kvtc::HeadParams& p = params(is_key);
+      const size_t K = size_t(p.n_kept());
+      if (!grow) {
+        stream->blocks.emplace_back();
+        stream->blocks.back().payload.resize(size_t(batch_));
+      }
+      Block& blk = stream->blocks.back();
+      x.resize(size_t(m * V));
       for (int64_t b = 0; b < batch_; ++b) {
         const auto& raw = stream->raw[size_t(b)];
-        convert(raw.data() + size_t(sinks * V), raw_dtype_, x.data(), DType::kF32, size_t(n * V));
-        if (is_key)
-          rope_->rotate(x.data(), n, V, config_.n_kv_heads, first_position, /*inverse=*/true);
-        blk.payload[size_t(b)] = kvtc::encode_block(params(is_key), x.data(), n);
+        convert(raw.data() + size_t(sinks * V), raw_dtype_, x.data(), DType::kF32, size_t(m * V));
+        if (is_key) rope_->rotate(x.data(), m, V, config_.n_kv_heads, first_position, /*inverse=*/true);
+        if (const float* w = scale(is_key))
+          for (int64_t t = 0; t < m; ++t)
+            for (int64_t d = 0; d < V; ++d) x[size_t(t * V + d)] *= w[d];
+        auto& payload = blk.payload[size_t(b)];
+        if (held == 0) {
+          payload = kvtc::encode_block(p, x.data(), m);
+          continue;
+        }
+        // The held tokens' codes as coded, then the new tokens' codes.
+        codes.resize(size_t(held + m) * K);
+        kvtc::decode_codes(p, payload.data(), payload.size(), held, codes.data());
+        fresh.resize(size_t(m) * K);
+        kvtc::quantize_block(p, x.data(), m, fresh.data());
+        std::copy(fresh.begin(), fresh.end(), codes.begin() + int64_t(held) * int64_t(K));
+        payload = kvtc::encode_codes(p, codes.data(), held + m);
       }
-      for (auto& raw : stream->raw) raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + n) * V);
-      stream->blocks.push_back(std::move(blk));
+      blk.tokens = held + m;
+      for (auto& raw : stream->raw) raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + m) * V);
     }
+    encoded_ += m;
   }
 }
 
@@ -422,8 +511,11 @@ void CalibratedKvtcCache::encode_ready_blocks() {
 void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_position, int64_t b,
                                  float* out) const {
   const auto& p = blk.payload[size_t(b)];
-  kvtc::decode_block(params(is_key), p.data(), p.size(), options_.block, out);
-  if (is_key) rope_->rotate(out, options_.block, vdim(), config_.n_kv_heads, first_position, /*inverse=*/false);
+  kvtc::decode_block(params(is_key), p.data(), p.size(), blk.tokens, out);
+  if (const float* w = inverse_scale(is_key))
+    for (int64_t t = 0; t < blk.tokens; ++t)
+      for (int64_t d = 0; d < vdim(); ++d) out[t * vdim() + d] *= w[d];
+  if (is_key) rope_->rotate(out, blk.tokens, vdim(), config_.n_kv_heads, first_position, /*inverse=*/false);
 }
 
 // Blocks are visited as token-major views ([B][n][H][D] memory with strides
@@ -465,7 +557,9 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
   const int64_t n_blocks = int64_t(key_.blocks.size());
   for (int64_t j0 = 0; j0 < n_blocks; j0 += kVisitBlocks) {
     const int64_t m = std::min(kVisitBlocks, n_blocks - j0);
-    const int64_t tokens = m * n;
+    // Only the newest block may be partial, so block j of the group starts
+    // at token j * n of it.
+    const int64_t tokens = (m - 1) * n + key_.blocks[size_t(j0 + m - 1)].tokens;
     scratch(tokens);
     // One task per (block, batch row, tensor). decode_block throws on bad
     // bytes; an exception must not leave an OpenMP region, so it is carried out.
@@ -507,7 +601,7 @@ int64_t CalibratedKvtcCache::trim(int64_t n) {
     }
     // The newest block must be cut: its reconstruction goes back to the raw
     // tail (stored raw and counted as such), then the tail is cut.
-    const int64_t bn = options_.block;
+    const int64_t bn = key_.blocks.back().tokens;
     const int64_t first = sink_tokens() + encoded_tokens() - bn;
     std::vector<float> x(size_t(bn * V));
     std::vector<uint16_t> row(size_t(bn * V));
@@ -520,6 +614,7 @@ int64_t CalibratedKvtcCache::trim(int64_t n) {
       }
       s->blocks.pop_back();
     }
+    encoded_ -= bn;
   }
   if (offset_ == 0) reset();
   return dropped;
@@ -541,7 +636,7 @@ CacheStats CalibratedKvtcCache::stats() const {
     uint64_t payload = 0, pre_entropy = 0, raw = 0;
     for (const auto& blk : s->blocks) {
       payload += blk.serialized_size();
-      pre_entropy += blk.payload.size() * ((bits_per_token * uint64_t(options_.block) + 7) / 8);
+      pre_entropy += blk.payload.size() * ((bits_per_token * uint64_t(blk.tokens) + 7) / 8);
     }
     for (const auto& r : s->raw) raw += r.size() * 2;
     (is_key ? st.compressed_key_bytes : st.compressed_value_bytes) = payload + raw;
@@ -575,6 +670,10 @@ std::string params_hash(const KvtcCalibration& c, int layer) {
   ByteWriter w;
   c.keys[size_t(layer)].serialize(w);
   c.values[size_t(layer)].serialize(w);
+  if (c.weighted()) {
+    w.f32s(c.key_scale[size_t(layer)].data(), c.key_scale[size_t(layer)].size());
+    w.f32s(c.value_scale[size_t(layer)].data(), c.value_scale[size_t(layer)].size());
+  }
   return hash_hex(w.data().data(), w.size());
 }
 
@@ -593,6 +692,9 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
   state.u64(uint64_t(offset_));
   state.u8(uint8_t(raw_dtype_));
   state.u64(uint64_t(key_.blocks.size()));
+  // Tokens of the newest block (< block when partial). Files written before
+  // partial blocks existed end the state here (every block full).
+  state.u64(uint64_t(key_.blocks.empty() ? 0 : key_.blocks.back().tokens));
   w.add_section("state", state.take());
   for (const Stream* s : {&key_, &value_}) {
     const std::string prefix = s == &key_ ? "key." : "value.";
@@ -630,18 +732,24 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   const uint64_t offset = state.u64();
   const uint8_t dtype = state.u8();
   const uint64_t n_blocks = state.u64();
+  const uint64_t last_tokens = state.at_end() ? (n_blocks ? uint64_t(options_.block) : 0) : state.u64();
   if (!state.at_end()) throw Error(ErrorCode::kFormat, "kvtc calibrated: trailing bytes in state");
   if (dtype != uint8_t(DType::kF16) && dtype != uint8_t(DType::kBF16))
     throw Error(ErrorCode::kFormat, "kvtc calibrated: raw dtype id " + std::to_string(dtype) + " is not f16/bf16");
   const int64_t V = vdim();
   // Bounds before anything is sized by them: every raw token costs 2*V bytes
   // per batch row and every block at least one byte per row.
+  const uint64_t block = uint64_t(options_.block);
   if (offset > (uint64_t(1) << 40) || batch > (uint64_t(1) << 20) || (offset > 0 && batch == 0) ||
-      n_blocks > offset / uint64_t(options_.block) || (offset == 0 && batch != 0))
+      n_blocks > offset || (offset == 0 && batch != 0) || (n_blocks == 0) != (last_tokens == 0) ||
+      last_tokens > block || (n_blocks > 0 && (n_blocks - 1) * block + last_tokens > offset))
     throw Error(ErrorCode::kFormat, "kvtc calibrated: inconsistent state (batch " + std::to_string(batch) +
                                         ", offset " + std::to_string(offset) + ", blocks " +
-                                        std::to_string(n_blocks) + ")");
-  const int64_t raw_tokens = int64_t(offset) - int64_t(n_blocks) * options_.block;
+                                        std::to_string(n_blocks) + ", newest block " +
+                                        std::to_string(last_tokens) + " tokens, block size " +
+                                        std::to_string(block) + ")");
+  const int64_t encoded = n_blocks ? int64_t((n_blocks - 1) * block + last_tokens) : 0;
+  const int64_t raw_tokens = int64_t(offset) - encoded;
   const int64_t sinks = std::min<int64_t>(options_.sinks, int64_t(offset));
   if (n_blocks > 0 && raw_tokens < sinks)
     throw Error(ErrorCode::kFormat, "kvtc calibrated: blocks without their sink tokens");
@@ -649,6 +757,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   fresh.reset();
   fresh.batch_ = int64_t(batch);
   fresh.offset_ = int64_t(offset);
+  fresh.encoded_ = encoded;
   fresh.raw_dtype_ = DType(dtype);
   fresh.cover_positions(int64_t(offset));
   for (Stream* s : {&fresh.key_, &fresh.value_}) {
@@ -665,6 +774,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
     ByteReader blocks(block_bytes, "kvtc " + prefix + "blocks");
     for (uint64_t j = 0; j < n_blocks; ++j) {
       Block blk;
+      blk.tokens = j + 1 == n_blocks ? int64_t(last_tokens) : options_.block;
       for (uint64_t b = 0; b < batch; ++b) {
         const uint64_t len = blocks.varint();
         const auto bytes = blocks.bytes(size_t(len));
@@ -685,7 +795,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   for (const Stream* s : {&fresh.key_, &fresh.value_})
     for (const auto& blk : s->blocks)
       for (const auto& p : blk.payload)
-        kvtc::decode_block(fresh.params(s == &fresh.key_), p.data(), p.size(), options_.block, x.data());
+        kvtc::decode_block(fresh.params(s == &fresh.key_), p.data(), p.size(), blk.tokens, x.data());
   *this = std::move(fresh);
 }
 

@@ -16,6 +16,14 @@
 //          fitting settings as free text (fit.*)
 //   sections layer.<i>.key / layer.<i>.value: serialised HeadParams with
 //          dim = n_kv_heads * head_dim.
+//          layer.<i>.key_scale / layer.<i>.value_scale (optional, both or
+//          neither for a layer): n_kv_heads * head_dim little-endian f32,
+//          each finite and > 0. The codec then works on x * scale (keys after
+//          RoPE removal) and the reconstruction is divided by it, so the
+//          PCA, the allocation and the quantizers minimise a WEIGHTED squared
+//          error: the weights say how much an error in each dimension costs
+//          the attention output (src/model/calibrate: query energy for keys,
+//          output-projection column norms for values).
 #pragma once
 
 #include <cstdint>
@@ -39,8 +47,11 @@ struct KvtcCalibration {
   std::map<std::string, std::string> info;   // how it was fitted (written as meta "fit.<key>")
   std::vector<kvtc::HeadParams> keys;        // [n_layers], dim = n_kv_heads * head_dim
   std::vector<kvtc::HeadParams> values;      // [n_layers]
+  // Per-dimension weights [n_layers][n_kv_heads * head_dim]; empty = none.
+  std::vector<std::vector<float>> key_scale, value_scale;
 
   int vector_dim() const { return n_kv_heads * head_dim; }
+  bool weighted() const { return !key_scale.empty(); }
   std::string shape_string() const;          // "n_layers=6, n_kv_heads=2, head_dim=64, rope_theta=10000"
 
   std::vector<uint8_t> serialize() const;

@@ -12,6 +12,7 @@
 
 #include "cache/kvtc_calibrated.hpp"
 #include "kvcodec/cache.hpp"
+#include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 #include "linalg/pca.hpp"
 
@@ -68,6 +69,58 @@ std::string calibration_path() {
     return p;
   }();
   return path;
+}
+
+// The same calibration fitted on weighted vectors x * w (keys' weights
+// constant over each RoPE pair, as calibration makes them), with the weights
+// stored: the calibrated cache must apply and undo them.
+std::string weighted_calibration_path() {
+  static const std::string path = [] {
+    KvtcCalibration cal;
+    cal.n_layers = kLayers;
+    cal.n_kv_heads = kHeads;
+    cal.head_dim = kDim;
+    cal.rope_theta = kTheta;
+    cal.config_hash = "test";
+    const int V = kHeads * kDim;
+    kvtc::CodecOptions o;
+    o.bit_budget = 3 * V;
+    std::mt19937 rng(99);
+    std::uniform_real_distribution<float> u(0.5f, 2.0f);
+    for (int l = 0; l < kLayers; ++l)
+      for (bool is_key : {true, false}) {
+        std::vector<float> w(static_cast<size_t>(V));
+        for (int h = 0; h < kHeads; ++h)
+          for (int i = 0; i < kDim / 2; ++i) {
+            w[size_t(h * kDim + i)] = u(rng);
+            w[size_t(h * kDim + i + kDim / 2)] = is_key ? w[size_t(h * kDim + i)] : u(rng);
+          }
+        auto x = synthetic_vectors(2048, 77 + l, l, is_key);
+        for (size_t i = 0; i < x.size(); ++i) x[i] *= w[i % size_t(V)];
+        const auto pca = linalg::fit_pca(x.data(), 2048, V);
+        (is_key ? cal.keys : cal.values)
+            .push_back(kvtc::fit_head(x.data(), 2048, V, pca.mean, pca.components, pca.eigenvalues, o));
+        (is_key ? cal.key_scale : cal.value_scale).push_back(w);
+      }
+    const std::string p = (std::filesystem::temp_directory_path() /
+                           ("kvcodec_test_calib_w_" + std::to_string(::getpid()) + ".kvcal")).string();
+    cal.write_file(p);
+    return p;
+  }();
+  return path;
+}
+
+// bytes of a container with section `name` replaced (checksums recomputed).
+std::vector<uint8_t> with_section(const std::vector<uint8_t>& bytes, const std::string& name,
+                                  const std::vector<uint8_t>& replacement, ContainerKind kind) {
+  const ContainerReader r = ContainerReader::parse(bytes.data(), bytes.size());
+  ContainerWriter w(kind);
+  for (const auto& [k, v] : r.meta()) w.set_meta(k, v);
+  for (const auto& n : r.section_names()) {
+    const auto sec = r.section(n);
+    w.add_section(n, n == name ? replacement : std::vector<uint8_t>(sec.begin(), sec.end()));
+  }
+  return w.finish();
 }
 
 CacheConfig layer_config(int layer) {
@@ -233,8 +286,9 @@ TEST(CalibratedCache, ReconstructsWithRopeReappliedAndCountsBytes) {
     const CacheStats st = cache->stats();
     EXPECT_EQ(st.tokens, 200);
     EXPECT_EQ(st.extras.at("key.side_bytes"), 0.0);
-    // 200 = 4 sinks + 11 blocks of 16 + 20 raw (>= window 8): everything counted.
-    const double raw = 2.0 * 24 * kHeads * kDim * 2;
+    // 200 = 4 sinks + 188 coded (11 blocks of 16 + a partial block of 12) +
+    // the window of 8: only the sinks and the window stay raw, all counted.
+    const double raw = 2.0 * 12 * kHeads * kDim * 2;
     EXPECT_EQ(st.extras.at("key.raw_bytes"), raw);
     EXPECT_EQ(double(st.compressed_key_bytes), st.extras.at("key.payload_bytes") + raw);
     EXPECT_GT(st.compression_ratio(), 2.0);
@@ -283,14 +337,34 @@ TEST(CalibratedCache, TrimRollsBackAndReappendMatches) {
   cache->append(slice(seq.keys, 0, 200), slice(seq.values, 0, 200));
   const CacheStats before = cache->stats();
   const KVPair ref = cache->fetch(DType::kF32);
-  // 3 more tokens stay in the raw tail (no block leaves): trimming them
-  // restores the counters and reconstruction exactly.
+  // 200 tokens = 4 sinks + 188 coded (the newest block holds 12 of 16) + the
+  // window of 8. Three more push tokens 192..194 out of the window into the
+  // partial block; trimming the three newest cuts the raw window only: the
+  // coded tokens keep their reconstruction, the raw counters fall by 3
+  // tokens and the payload keeps the 3 newly coded ones.
+  const double token_bytes = double(kHeads * kDim * 2);
+  EXPECT_EQ(before.extras.at("key.raw_bytes"), 12 * token_bytes);
   cache->append(slice(seq.keys, 200, 3), slice(seq.values, 200, 3));
-  EXPECT_GT(cache->stats().compressed_bytes(), before.compressed_bytes());
   EXPECT_EQ(cache->trim(3), 3);
   EXPECT_EQ(cache->offset(), 200);
-  EXPECT_EQ(cache->stats().compressed_bytes(), before.compressed_bytes());
-  EXPECT_TRUE(bit_equal(cache->fetch(DType::kF32).keys, ref.keys));
+  const CacheStats after = cache->stats();
+  EXPECT_EQ(after.extras.at("key.raw_bytes"), 9 * token_bytes);
+  EXPECT_GT(after.extras.at("key.payload_bytes"), before.extras.at("key.payload_bytes"));
+  EXPECT_EQ(double(after.compressed_key_bytes), after.extras.at("key.payload_bytes") + 9 * token_bytes);
+  {
+    const KVPair now = cache->fetch(DType::kF32);
+    // [1, H, 200, D]: the sinks, coded tokens 4..191 and the raw tokens
+    // 195..199 are as before; 192..194 are now coded (close, not equal).
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t t = 0; t < 200; ++t)
+        for (int64_t d = 0; d < kDim; ++d) {
+          const size_t i = size_t((h * 200 + t) * kDim + d);
+          if (t >= 192 && t < 195)
+            EXPECT_NEAR(now.keys.data_as<float>()[i], ref.keys.data_as<float>()[i], 0.1) << t;  // coding error
+          else
+            EXPECT_EQ(now.keys.data_as<float>()[i], ref.keys.data_as<float>()[i]) << "h=" << h << " t=" << t;
+        }
+  }
   // Cutting into encoded blocks keeps the reconstruction of what is left.
   EXPECT_EQ(cache->trim(100), 100);
   const KVPair cut = cache->fetch(DType::kF32);
@@ -301,6 +375,110 @@ TEST(CalibratedCache, TrimRollsBackAndReappendMatches) {
   EXPECT_EQ(cache->trim(1000), 100);
   EXPECT_EQ(cache->offset(), 0);
   EXPECT_EQ(cache->stats().compressed_bytes(), 0u);
+}
+
+TEST(CalibrationFile, WeightsRoundTripAndBadWeightsAreRefused) {
+  const KvtcCalibration cal = KvtcCalibration::read_file(weighted_calibration_path());
+  ASSERT_TRUE(cal.weighted());
+  ASSERT_EQ(cal.key_scale.size(), size_t(kLayers));
+  const std::vector<uint8_t> bytes = cal.serialize();
+  const KvtcCalibration again = KvtcCalibration::parse(bytes.data(), bytes.size());
+  EXPECT_EQ(again.key_scale, cal.key_scale);
+  EXPECT_EQ(again.value_scale, cal.value_scale);
+  EXPECT_EQ(again.serialize(), bytes);
+  // Wrong length, a zero, a negative or a NaN weight; a layer without its scales.
+  const std::vector<uint8_t> good(bytes.begin(), bytes.end());
+  ByteWriter short_w;
+  short_w.f32s(cal.key_scale[1].data(), cal.key_scale[1].size() - 1);
+  {
+    const auto damaged = with_section(good, "layer.1.key_scale", short_w.take(), ContainerKind::kCalibration);
+    EXPECT_THROW(KvtcCalibration::parse(damaged.data(), damaged.size()), Error);
+  }
+  for (const float bad : {0.0f, -1.0f, std::nanf("")}) {
+    std::vector<float> w = cal.value_scale[0];
+    w[5] = bad;
+    ByteWriter b;
+    b.f32s(w.data(), w.size());
+    const auto damaged = with_section(good, "layer.0.value_scale", b.take(), ContainerKind::kCalibration);
+    try {
+      KvtcCalibration::parse(damaged.data(), damaged.size());
+      FAIL() << "weight " << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kFormat);
+      EXPECT_NE(std::string(e.what()).find("layer.0.value_scale[5]"), std::string::npos) << e.what();
+    }
+  }
+  {
+    KvtcCalibration half = cal;
+    half.value_scale.clear();
+    EXPECT_THROW(half.serialize(), Error);
+    half = cal;
+    half.key_scale[0][3] = 0.0f;
+    EXPECT_THROW(half.serialize(), Error);
+  }
+  // The unweighted twin (same parameters, no weights) is another calibration:
+  // a cache saved with one is refused by the other.
+  KvtcCalibration twin = cal;
+  twin.key_scale.clear();
+  twin.value_scale.clear();
+  const std::string twin_path = weighted_calibration_path() + ".twin";
+  twin.write_file(twin_path);
+  const Sequence seq = make_sequence(1, 80, 0, 5);
+  auto a = make_cache("kvtc", layer_config(0), {{"calibration", twin_path}, {"block", "16"}, {"window", "8"}});
+  a->append(seq.keys.view(), seq.values.view());
+  const auto saved = a->save();
+  auto b = make_cache("kvtc", layer_config(0),
+                      {{"calibration", weighted_calibration_path()}, {"block", "16"}, {"window", "8"}});
+  EXPECT_THROW(b->load(saved.data(), saved.size()), Error);
+  std::filesystem::remove(twin_path);
+}
+
+TEST(CalibratedCache, WeightedCalibrationReconstructsAndStreams) {
+  Settings st = calibrated(4, 8);
+  st["calibration"] = weighted_calibration_path();
+  for (int layer = 0; layer < kLayers; ++layer) {
+    const Sequence seq = make_sequence(2, 150, layer, 700);
+    auto whole = make_cache("kvtc", layer_config(layer), st);
+    const KVPair out = whole->update_and_fetch(seq.keys.view(), seq.values.view());
+    // Fitted on the weighted vectors: small error only if the cache weights
+    // before coding and unweights after.
+    EXPECT_LT(rel_mse(seq.keys, out.keys), 1e-3);
+    EXPECT_LT(rel_mse(seq.values, out.values), 1e-3);
+    auto steps = make_cache("kvtc", layer_config(layer), st);
+    for (int64_t t = 0; t < 150; t += 7) {
+      const int64_t n = std::min<int64_t>(7, 150 - t);
+      steps->append(slice(seq.keys, t, n), slice(seq.values, t, n));
+    }
+    const KVPair b = steps->fetch(DType::kF32);
+    EXPECT_TRUE(bit_equal(out.keys, b.keys));
+    EXPECT_TRUE(bit_equal(out.values, b.values));
+    EXPECT_EQ(whole->stats().compressed_bytes(), steps->stats().compressed_bytes());
+  }
+}
+
+TEST(CalibratedCache, LoadsSavesWithoutTheNewestBlockField) {
+  // Caches saved before partial blocks existed have a 25-byte state (batch,
+  // offset, dtype, blocks) and only full blocks: still loaded. A state that
+  // claims more coded tokens than it holds is refused.
+  for (const int64_t S : {int64_t(44), int64_t(45)}) {  // 4 sinks + 8 window + 32 or 33 coded
+    const Sequence seq = make_sequence(1, S, 1, 17);
+    auto cache = make_cache("kvtc", layer_config(1), calibrated(4, 8));
+    cache->append(seq.keys.view(), seq.values.view());
+    const auto saved = cache->save();
+    const ContainerReader r = ContainerReader::parse(saved.data(), saved.size());
+    const auto state = r.section("state");
+    ASSERT_EQ(state.size(), 33u);
+    const auto old = with_section(saved, "state", std::vector<uint8_t>(state.begin(), state.begin() + 25),
+                                  ContainerKind::kCache);
+    auto loaded = make_cache("kvtc", layer_config(1), calibrated(4, 8));
+    if (S == 44) {
+      loaded->load(old.data(), old.size());
+      EXPECT_TRUE(bit_equal(loaded->fetch(DType::kF32).keys, cache->fetch(DType::kF32).keys));
+      EXPECT_EQ(loaded->stats().compressed_bytes(), cache->stats().compressed_bytes());
+    } else {
+      EXPECT_THROW(loaded->load(old.data(), old.size()), Error);
+    }
+  }
 }
 
 TEST(CalibratedCache, Bf16InBf16Out) {

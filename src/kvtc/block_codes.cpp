@@ -1,0 +1,72 @@
+#include "kvtc/block_codes.hpp"
+
+#include <string>
+
+#include "kvcodec/error.hpp"
+
+namespace kvcodec::kvtc {
+
+std::vector<uint8_t> encode_codes(const HeadParams& p, const uint16_t* codes, int64_t n) {
+  const size_t kept = size_t(p.n_kept());
+  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc encode_codes: n = " + std::to_string(n));
+  for (int64_t i = 0; i < n; ++i)
+    for (size_t k = 0; k < kept; ++k)
+      if (codes[size_t(i) * kept + k] >= p.quant[k].levels)
+        throw Error(ErrorCode::kInvalidArgument, "kvtc encode_codes: code " +
+                                                     std::to_string(codes[size_t(i) * kept + k]) + " of component " +
+                                                     std::to_string(k) + " >= its " +
+                                                     std::to_string(p.quant[k].levels) + " levels");
+  switch (p.coder) {
+    case CoderChoice::kRans: {
+      if (p.rans_encode.size() == p.rans_tables.size()) {
+        std::vector<const entropy::RansEncodeTable*> tables;
+        for (const auto& t : p.rans_encode) tables.push_back(&t);
+        return entropy::rans_encode(codes, size_t(n), kept, tables);
+      }
+      std::vector<const entropy::FrequencyTable*> freq;
+      for (const auto& t : p.rans_tables) freq.push_back(&t);
+      return entropy::rans_encode(codes, size_t(n), kept, freq);
+    }
+    case CoderChoice::kHuffman: {
+      std::vector<const entropy::HuffmanTable*> tables;
+      for (const auto& t : p.huffman_tables) tables.push_back(&t);
+      return entropy::huffman_encode(codes, size_t(n), kept, tables);
+    }
+    case CoderChoice::kFixed:
+    case CoderChoice::kAuto:
+      return entropy::pack_fixed(codes, size_t(n), kept, p.fixed_widths);
+  }
+  return {};
+}
+
+void decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes) {
+  const size_t kept = size_t(p.n_kept());
+  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc decode_codes: n = " + std::to_string(n));
+  switch (p.coder) {
+    case CoderChoice::kRans: {
+      std::vector<entropy::RansDecodeTable> built;  // only for hand-assembled parameters
+      if (p.rans_decode.size() != p.rans_tables.size())
+        for (const auto& t : p.rans_tables) built.emplace_back(t);
+      std::vector<const entropy::RansDecodeTable*> tables;
+      for (const auto& t : built.empty() ? p.rans_decode : built) tables.push_back(&t);
+      entropy::rans_decode(data, size, size_t(n), kept, tables, codes);
+      break;
+    }
+    case CoderChoice::kHuffman: {
+      std::vector<const entropy::HuffmanTable*> tables;
+      for (const auto& t : p.huffman_tables) tables.push_back(&t);
+      entropy::huffman_decode(data, size, size_t(n), kept, tables, codes);
+      break;
+    }
+    case CoderChoice::kFixed:
+    case CoderChoice::kAuto:
+      entropy::unpack_fixed(data, size, size_t(n), kept, p.fixed_widths, codes);
+      break;
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (size_t k = 0; k < kept; ++k)
+      if (codes[size_t(i) * kept + k] >= p.quant[k].levels)
+        throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
+}
+
+}  // namespace kvcodec::kvtc

@@ -1,0 +1,25 @@
+// The entropy-coding half of kvtc::encode_block / decode_block on its own:
+// a block's integer codes [n, K] (token-major, K = kept components) to bytes
+// and back, with the same coder and tables, so
+//   encode_codes(p, codes_of(x), n) == encode_block(p, x, n)
+// byte for byte. The calibrated cache uses it to grow its newest, partial
+// block token by token without re-quantizing what is already coded (a
+// token's codes never change once written: DESIGN 4).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvtc/codec.hpp"
+
+namespace kvcodec::kvtc {
+
+// codes [n, K]; every code must be < its component's levels
+// (Error(kInvalidArgument) otherwise).
+std::vector<uint8_t> encode_codes(const HeadParams& p, const uint16_t* codes, int64_t n);
+
+// Inverse of encode_codes into codes [n, K]. Throws Error(kFormat) on bad or
+// truncated bytes or a code outside its component's levels.
+void decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes);
+
+}  // namespace kvcodec::kvtc
