@@ -11,6 +11,7 @@
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
 #include "linalg/pca.hpp"
+#include "model/eval.hpp"
 
 namespace kvcodec::model {
 
@@ -36,12 +37,27 @@ CalibrationSamples collect_calibration_samples(const LlamaModel& model, const st
   s.tokens = kept * o.windows;
   s.keys.assign(size_t(c.n_layers), std::vector<float>(size_t(s.tokens * V)));
   s.values.assign(size_t(c.n_layers), std::vector<float>(size_t(s.tokens * V)));
+  s.query_energy.assign(size_t(c.n_layers), std::vector<double>(size_t(V), 0.0));
   const std::vector<double> inv_freq = rope_inv_freq(D, c.rope_theta);
+  const int group = c.n_heads / H;  // query heads per KV head
   std::vector<float> logits;
   for (int64_t w = 0; w < o.windows; ++w) {
     if (progress) progress(w, o.windows, "window " + std::to_string(o.first_window + w));
     Session session(model, method_cache_factory("fp16"));
+    // Query energy of the non-sink tokens, per KV head and dimension, summed
+    // over the group's query heads (q is [n, H_q * D], post-RoPE: a RoPE
+    // pair's energy is the same before and after).
+    session.set_query_observer([&](int layer, const float* q, int64_t n) {
+      auto& e = s.query_energy[size_t(layer)];
+      for (int64_t t = o.sinks; t < n; ++t)
+        for (int h = 0; h < c.n_heads; ++h) {
+          const float* qh = q + t * int64_t(c.n_heads) * D + int64_t(h) * D;
+          double* eg = e.data() + int64_t(h / group) * D;
+          for (int d = 0; d < D; ++d) eg[d] += double(qh[d]) * qh[d];
+        }
+    });
     const int32_t* tok = tokens.data() + (o.first_window + w) * o.window_length;
+    s.window_tokens.emplace_back(tok, tok + per_window);
     session.forward(tok, per_window, logits, false);
     for (int l = 0; l < c.n_layers; ++l) {
       // [1, H, S, D] f32 -> token-major [S - sinks, H * D] rows of this window.
@@ -58,8 +74,47 @@ CalibrationSamples collect_calibration_samples(const LlamaModel& model, const st
       rope_rotate_tokens(dk, kept, H, D, o.sinks, inv_freq, /*inverse=*/true);
     }
   }
+  // Means over tokens and query heads, averaged over each rotate-half pair
+  // (i, i + D/2).
+  for (auto& e : s.query_energy)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < D / 2; ++i) {
+        double& a = e[size_t(h * D + i)];
+        double& b = e[size_t(h * D + i + D / 2)];
+        a = b = 0.5 * (a + b) / double(s.tokens * group);
+      }
   if (progress) progress(o.windows, o.windows, "collected " + std::to_string(s.tokens) + " tokens per layer");
   return s;
+}
+
+std::pair<std::vector<float>, std::vector<float>> attention_weights(const LlamaModel& model,
+                                                                    const CalibrationSamples& s, int layer,
+                                                                    double floor) {
+  const ModelConfig& c = model.config();
+  const int H = c.n_kv_heads, D = c.head_dim, group = c.n_heads / H;
+  if (layer < 0 || layer >= c.n_layers || s.query_energy.size() != size_t(c.n_layers) ||
+      s.query_energy[size_t(layer)].size() != size_t(H) * size_t(D))
+    throw Error(ErrorCode::kInvalidArgument, "attention_weights: no query energy for layer " + std::to_string(layer));
+  // Output-projection column norms: wo is [hidden, H_q * D]; dimension d of
+  // KV head g feeds columns (g * group + j) * D + d, j < group.
+  const std::vector<float>& wo = model.weights().layers[size_t(layer)].wo;
+  const int64_t qd = int64_t(c.n_heads) * D;
+  std::vector<double> ve(size_t(H) * size_t(D), 0.0);
+  for (int64_t row = 0; row < c.hidden_size; ++row)
+    for (int64_t col = 0; col < qd; ++col) {
+      const double v = wo[size_t(row * qd + col)];
+      ve[size_t((col / D) / group * D + col % D)] += v * v;
+    }
+  auto normalise = [floor](const std::vector<double>& e) {
+    double mean = 0.0;
+    for (double v : e) mean += v;
+    mean /= double(e.size());
+    std::vector<float> w(e.size());
+    for (size_t d = 0; d < e.size(); ++d)
+      w[d] = float(std::sqrt(mean > 0 ? std::max(e[d] / mean, floor) : 1.0));
+    return w;
+  };
+  return {normalise(s.query_energy[size_t(layer)]), normalise(ve)};
 }
 
 namespace {
@@ -230,17 +285,21 @@ kvtc::HeadParams build_head_params(const MeasuredTables& t, const float* x, int6
 
 namespace {
 
-kvtc::HeadParams fit_one(const std::vector<float>& x, int64_t n, int dim, const CalibrateOptions& o,
-                         double target_ratio, double* achieved_ratio) {
-  const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
-  kvtc::CodecOptions codec = o.codec;
+// Payload ratio (f16 bytes / entropy-coded bytes) of p on x's whole blocks.
+double payload_ratio(const kvtc::HeadParams& p, const std::vector<float>& x, int64_t n, int dim) {
   const int64_t measured = (n / 64) * 64;
-  auto ratio_of = [&](const kvtc::HeadParams& p) {
-    const double bytes = payload_bytes(p, x.data(), measured, dim);
-    return bytes > 0 ? double(measured) * dim * 2.0 / bytes : 1e30;
-  };
-  if (o.measured_allocation) {
-    const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, codec.bit_choices);
+  const double bytes = payload_bytes(p, x.data(), measured, dim);
+  return bytes > 0 ? double(measured) * dim * 2.0 / bytes : 1e30;
+}
+
+// Measured allocation meeting target_ratio (or bit_budget when target_ratio
+// <= 0) from precomputed tables.
+kvtc::HeadParams fit_measured(const MeasuredTables& t, const linalg::PcaBasis& pca, const std::vector<float>& x,
+                              int64_t n, int dim, const CalibrateOptions& o, double target_ratio,
+                              double* achieved_ratio) {
+  const kvtc::CodecOptions& codec = o.codec;
+  auto ratio_of = [&](const kvtc::HeadParams& p) { return payload_ratio(p, x, n, dim); };
+  {
     auto fit_at = [&](double budget) {
       const alloc::AllocationResult a = alloc::allocate_bits_measured(t.rate, t.distortion, t.bit_choices, budget);
       return build_head_params(t, x.data(), n, dim, pca.eigenvalues, a.bits);
@@ -279,6 +338,17 @@ kvtc::HeadParams fit_one(const std::vector<float>& x, int64_t n, int dim, const 
     if (achieved_ratio) *achieved_ratio = ratio_of(p);
     return p;
   }
+}
+
+kvtc::HeadParams fit_one(const std::vector<float>& x, int64_t n, int dim, const CalibrateOptions& o,
+                         double target_ratio, double* achieved_ratio) {
+  const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
+  kvtc::CodecOptions codec = o.codec;
+  auto ratio_of = [&](const kvtc::HeadParams& p) { return payload_ratio(p, x, n, dim); };
+  if (o.measured_allocation) {
+    const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, codec.bit_choices);
+    return fit_measured(t, pca, x, n, dim, o, target_ratio, achieved_ratio);
+  }
   if (target_ratio > 0.0) {
     // Largest budget (bits per token vector) meeting the ratio; the coded rate
     // is monotone in the budget up to entropy-coder noise, so bisection.
@@ -296,11 +366,174 @@ kvtc::HeadParams fit_one(const std::vector<float>& x, int64_t n, int dim, const 
   return p;
 }
 
+
+// --- sensitivity-weighted allocation across tensors -------------------------
+
+// An fp16 cache whose appended keys (or values) are first replaced by their
+// reconstruction through one tensor's calibrated parameters (tokens at
+// positions >= sinks; keys with RoPE removed and re-applied, weights applied
+// and undone, as the calibrated cache does): one tensor of one layer carries
+// the coding error, everything else is exact.
+class ReconstructingCache final : public KVCache {
+ public:
+  ReconstructingCache(const CacheConfig& config, const kvtc::HeadParams& params, const std::vector<float>* scale,
+                      bool is_key, int sinks)
+      : inner_(make_cache("fp16", config)), params_(params), scale_(scale), is_key_(is_key), sinks_(sinks),
+        inv_freq_(rope_inv_freq(config.head_dim, config.rope_theta)) {}
+
+  std::string method() const override { return "reconstructing"; }
+  const CacheConfig& config() const override { return inner_->config(); }
+  int64_t offset() const override { return inner_->offset(); }
+  bool is_trimmable() const override { return false; }
+  int64_t trim(int64_t) override { throw Error(ErrorCode::kUnsupported, "sensitivity cache: trim"); }
+  std::vector<uint8_t> save() const override { return inner_->save(); }
+  void load(const uint8_t*, size_t) override { throw Error(ErrorCode::kUnsupported, "sensitivity cache: load"); }
+  CacheStats stats() const override { return inner_->stats(); }
+  void for_each_block(const BlockVisitor& visit) const override { inner_->for_each_block(visit); }
+
+  void append(const TensorView& keys, const TensorView& values) override {
+    const TensorView& src = is_key_ ? keys : values;
+    const int64_t B = src.shape[0], H = src.shape[1], n = src.shape[2], D = src.shape[3], V = H * D;
+    std::vector<float> heads(size_t(B * H * n * D)), x(size_t(n * V));
+    copy_to_contiguous(src, heads.data(), DType::kF32);
+    const int64_t first = std::max<int64_t>(0, sinks_ - offset());  // first coded token of this append
+    for (int64_t b = 0; b < B; ++b) {
+      float* hb = heads.data() + b * H * n * D;
+      // [H, n, D] -> token-major [n, H * D]
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < n; ++t) std::copy_n(hb + (h * n + t) * D, D, x.data() + t * V + h * D);
+      float* xs = x.data() + first * V;
+      const int64_t m = n - first;
+      if (m > 0) {
+        if (is_key_) rope_rotate_tokens(xs, m, int(H), int(D), offset() + first, inv_freq_, /*inverse=*/true);
+        if (scale_)
+          for (int64_t t = 0; t < m; ++t)
+            for (int64_t d = 0; d < V; ++d) xs[t * V + d] *= (*scale_)[size_t(d)];
+        std::vector<uint16_t> codes(size_t(m) * size_t(params_.n_kept()));
+        kvtc::quantize_block(params_, xs, m, codes.data());
+        kvtc::dequantize_block(params_, codes.data(), m, xs);
+        if (scale_)
+          for (int64_t t = 0; t < m; ++t)
+            for (int64_t d = 0; d < V; ++d) xs[t * V + d] /= (*scale_)[size_t(d)];
+        if (is_key_) rope_rotate_tokens(xs, m, int(H), int(D), offset() + first, inv_freq_, /*inverse=*/false);
+      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < n; ++t) std::copy_n(x.data() + t * V + h * D, D, hb + (h * n + t) * D);
+    }
+    const TensorView changed = TensorView::contiguous(heads.data(), DType::kF32, {B, H, n, D});
+    const TensorView& other = is_key_ ? values : keys;
+    inner_->append(is_key_ ? changed : other, is_key_ ? other : changed);
+  }
+
+ private:
+  std::unique_ptr<KVCache> inner_;
+  const kvtc::HeadParams& params_;
+  const std::vector<float>* scale_;
+  bool is_key_;
+  int sinks_;
+  std::vector<double> inv_freq_;
+};
+
+// Mean KL(clean || one tensor coded) over the non-sink positions of the first
+// `windows` calibration windows, for every tensor (order: layer 0 key,
+// layer 0 value, layer 1 key, ...).
+std::vector<double> measure_tensor_kl(const LlamaModel& model, const CalibrationSamples& s,
+                                      const KvtcCalibration& cal, int windows, int sinks,
+                                      const CalibrationProgress& progress) {
+  const ModelConfig& c = model.config();
+  const int vocab = c.vocab_size;
+  const int tensors = 2 * c.n_layers;
+  std::vector<double> kl(size_t(tensors), 0.0);
+  int64_t scored = 0;
+  std::vector<float> logits;
+  std::vector<double> lp;
+  windows = std::min<int>(windows, int(s.window_tokens.size()));
+  for (int w = 0; w < windows; ++w) {
+    const std::vector<int32_t>& tok = s.window_tokens[size_t(w)];
+    const int64_t n = int64_t(tok.size());
+    {
+      Session clean(model, method_cache_factory("fp16"));
+      clean.forward(tok.data(), n, logits, /*all_logits=*/true);
+    }
+    std::vector<double> ref(size_t(n) * size_t(vocab));
+    for (int64_t i = 0; i < n; ++i) {
+      log_softmax(logits.data() + i * vocab, vocab, lp);
+      std::copy(lp.begin(), lp.end(), ref.begin() + i * vocab);
+    }
+    for (int t = 0; t < tensors; ++t) {
+      const int layer = t / 2;
+      const bool is_key = t % 2 == 0;
+      const kvtc::HeadParams& p = (is_key ? cal.keys : cal.values)[size_t(layer)];
+      const std::vector<float>* scale =
+          cal.weighted() ? &(is_key ? cal.key_scale : cal.value_scale)[size_t(layer)] : nullptr;
+      CacheFactory factory = [&](const CacheConfig& cc) -> std::unique_ptr<KVCache> {
+        if (cc.layer == layer) return std::make_unique<ReconstructingCache>(cc, p, scale, is_key, sinks);
+        return make_cache("fp16", cc);
+      };
+      Session run(model, factory);
+      run.forward(tok.data(), n, logits, /*all_logits=*/true);
+      double sum = 0.0;
+      for (int64_t i = sinks; i < n; ++i) {
+        log_softmax(logits.data() + i * vocab, vocab, lp);
+        const double* r = ref.data() + i * vocab;
+        double k = 0.0;
+        for (int v = 0; v < vocab; ++v) k += std::exp(r[v]) * (r[v] - lp[size_t(v)]);
+        sum += std::max(0.0, k);
+      }
+      kl[size_t(t)] += sum;
+      if (progress)
+        progress(int64_t(w) * tensors + t + 1, int64_t(windows) * tensors,
+                 "sensitivity: window " + std::to_string(w) + ", layer " + std::to_string(layer) +
+                     (is_key ? " key" : " value"));
+    }
+    scored += n - sinks;
+  }
+  for (double& v : kl) v /= double(std::max<int64_t>(scored, 1));
+  return kl;
+}
+
+// Predicted distortion (sum over components of the measured table) of widths.
+double predicted_distortion(const MeasuredTables& t, const std::vector<int>& bits) {
+  double d = 0.0;
+  for (size_t k = 0; k < bits.size(); ++k) {
+    const auto it = std::find(t.bit_choices.begin(), t.bit_choices.end(), bits[k]);
+    d += t.distortion[k][size_t(it - t.bit_choices.begin())];
+  }
+  return d;
+}
+
+// Widths minimising alpha * distortion + lambda * rate per component (the
+// Lagrangian of sum_t alpha_t D_t under a total rate), and their total
+// measured rate in bits per token vector.
+std::vector<int> lagrangian_widths(const MeasuredTables& t, double alpha, double lambda, double* rate) {
+  std::vector<int> bits(t.rate.size(), 0);
+  for (size_t k = 0; k < t.rate.size(); ++k) {
+    size_t best = 0;
+    double best_cost = 0.0;
+    for (size_t j = 0; j < t.bit_choices.size(); ++j) {
+      const double cost = alpha * t.distortion[k][j] + lambda * t.rate[k][j];
+      if (j == 0 || cost < best_cost) {
+        best = j;
+        best_cost = cost;
+      }
+    }
+    bits[k] = t.bit_choices[best];
+    *rate += t.rate[k][best];
+  }
+  return bits;
+}
+
 }  // namespace
 
 KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& config_hash,
                                 const CalibrationSamples& s, const CalibrateOptions& o,
-                                const CalibrationProgress& progress) {
+                                const CalibrationProgress& progress, const LlamaModel* model,
+                                std::vector<TensorSensitivity>* sensitivities) {
+  if (sensitivities) sensitivities->clear();
+  if (o.attention_weighting && !model)
+    throw Error(ErrorCode::kInvalidArgument, "fit_calibration: attention weighting needs the model");
+  if (o.attention_weighting && !(o.weight_floor > 0.0 && o.weight_floor <= 1.0))
+    throw_config_error("kvtc.weight_floor", std::to_string(o.weight_floor), "(0, 1]");
   if (s.n_layers != config.n_layers || s.n_kv_heads != config.n_kv_heads || s.head_dim != config.head_dim)
     throw Error(ErrorCode::kShapeMismatch, "calibration samples do not match the model config");
   if (s.tokens < 64) throw Error(ErrorCode::kInvalidArgument, "calibration needs at least 64 tokens per layer");
@@ -313,26 +546,145 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
   cal.keys.resize(size_t(config.n_layers));
   cal.values.resize(size_t(config.n_layers));
   const int dim = cal.vector_dim();
-  std::vector<double> ratios(size_t(2 * config.n_layers));
-  for (int l = 0; l < config.n_layers; ++l) {
-    if (progress) progress(l, config.n_layers, "fitting layer " + std::to_string(l));
-    // Keys and values of a layer in parallel (each fit is single-threaded).
+  const int L = config.n_layers;
+  if (o.sensitivity_allocation) {
+    if (!model) throw Error(ErrorCode::kInvalidArgument, "fit_calibration: sensitivity allocation needs the model");
+    if (!o.measured_allocation)
+      throw_config_error("kvtc.sensitivity", "kl", "allocator=measured (the allocation is on measured tables)");
+    if (!(o.target_ratio > 0.0 || (o.key_target_ratio > 0.0 && o.value_target_ratio > 0.0)))
+      throw_config_error("kvtc.sensitivity", "kl", "a target_ratio (the total payload to share out)");
+    if (o.sensitivity_windows < 1 || size_t(o.sensitivity_windows) > s.window_tokens.size())
+      throw_config_error("kvtc.sensitivity_windows", std::to_string(o.sensitivity_windows),
+                         "[1, calibration windows = " + std::to_string(s.window_tokens.size()) + "]");
+  }
+  // Per tensor (t = 2 * layer + {0 key, 1 value}) the data the codec is
+  // fitted on: x * w when weighted (copies; the samples are shared by every
+  // fit of a --target-ratios run).
+  std::vector<std::vector<float>> weighted(size_t(2 * L));
+  if (o.attention_weighting)
+    for (int l = 0; l < L; ++l) {
+      auto [kw, vw] = attention_weights(*model, s, l, o.weight_floor);
+      for (int t = 0; t < 2; ++t) {
+        const std::vector<float>& w = t == 0 ? kw : vw;
+        auto& x = weighted[size_t(2 * l + t)];
+        x = t == 0 ? s.keys[size_t(l)] : s.values[size_t(l)];
+        for (int64_t i = 0; i < s.tokens; ++i)
+          for (int d = 0; d < dim; ++d) x[size_t(i * dim + d)] *= w[size_t(d)];
+      }
+      cal.key_scale.push_back(std::move(kw));
+      cal.value_scale.push_back(std::move(vw));
+    }
+  auto data = [&](int t) -> const std::vector<float>& {
+    return o.attention_weighting ? weighted[size_t(t)] : t % 2 == 0 ? s.keys[size_t(t / 2)] : s.values[size_t(t / 2)];
+  };
+  auto tensor_ratio = [&](int t) {
+    return t % 2 == 0 ? (o.key_target_ratio > 0 ? o.key_target_ratio : o.target_ratio)
+                      : (o.value_target_ratio > 0 ? o.value_target_ratio : o.target_ratio);
+  };
+  auto params_of = [&](int t) -> kvtc::HeadParams& {
+    return t % 2 == 0 ? cal.keys[size_t(t / 2)] : cal.values[size_t(t / 2)];
+  };
+  std::vector<double> ratios(size_t(2 * L));
+  auto report_layer = [&](int l, const std::string& what) {
+    if (!progress) return;
+    std::ostringstream m;
+    m.precision(3);
+    m << what << "layer " << l << ": key " << cal.keys[size_t(l)].n_kept() << " components, payload ratio "
+      << ratios[size_t(2 * l)] << "x; value " << cal.values[size_t(l)].n_kept() << " components, "
+      << ratios[size_t(2 * l + 1)] << "x";
+    progress(l + 1, L, m.str());
+  };
+  // Measured tables, kept for the global allocation.
+  std::vector<MeasuredTables> tables(o.sensitivity_allocation ? size_t(2 * L) : 0);
+  std::vector<linalg::PcaBasis> bases(tables.size());
+  for (int l = 0; l < L; ++l) {
+    if (progress) progress(l, L, "fitting layer " + std::to_string(l));
+    if (!o.sensitivity_allocation) {
+      // Keys and values of a layer in parallel (each fit is single-threaded).
 #pragma omp parallel for num_threads(2) schedule(static)
-    for (int t = 0; t < 2; ++t) {
-      auto& dst = t == 0 ? cal.keys[size_t(l)] : cal.values[size_t(l)];
-      const double ratio = t == 0 ? (o.key_target_ratio > 0 ? o.key_target_ratio : o.target_ratio)
-                                  : (o.value_target_ratio > 0 ? o.value_target_ratio : o.target_ratio);
-      dst = fit_one(t == 0 ? s.keys[size_t(l)] : s.values[size_t(l)], s.tokens, dim, o, ratio,
-                    &ratios[size_t(2 * l + t)]);
+      for (int t = 2 * l; t < 2 * l + 2; ++t)
+        params_of(t) = fit_one(data(t), s.tokens, dim, o, tensor_ratio(t), &ratios[size_t(t)]);
+    } else {
+      for (int t = 2 * l; t < 2 * l + 2; ++t) {
+        bases[size_t(t)] = linalg::fit_pca(data(t).data(), s.tokens, dim);
+        MeasuredTables& mt = tables[size_t(t)];
+        mt = measure_component_tables(data(t).data(), s.tokens, dim, bases[size_t(t)].mean,
+                                      bases[size_t(t)].components, o.codec.bit_choices);
+        mt.coeffs = {};  // not needed past the tables
+        params_of(t) = fit_measured(mt, bases[size_t(t)], data(t), s.tokens, dim, o, tensor_ratio(t),
+                                    &ratios[size_t(t)]);
+      }
     }
-    if (progress) {
-      std::ostringstream m;
-      m.precision(3);
-      m << "layer " << l << ": key " << cal.keys[size_t(l)].n_kept() << " components, payload ratio "
-        << ratios[size_t(2 * l)] << "x; value " << cal.values[size_t(l)].n_kept() << " components, "
-        << ratios[size_t(2 * l + 1)] << "x";
-      progress(l + 1, config.n_layers, m.str());
+    report_layer(l, "");
+  }
+  if (o.sensitivity_allocation) {
+    // Sensitivity of each tensor at its equal-ratio fit.
+    const std::vector<double> kl = measure_tensor_kl(*model, s, cal, o.sensitivity_windows, o.sinks, progress);
+    std::vector<double> alpha(size_t(2 * L));
+    std::ostringstream sens;
+    sens.precision(4);
+    for (int t = 0; t < 2 * L; ++t) {
+      TensorSensitivity ts;
+      ts.kl = kl[size_t(t)];
+      ts.distortion = predicted_distortion(tables[size_t(t)], params_of(t).bits);
+      alpha[size_t(t)] = ts.per_distortion();
+      if (sensitivities) sensitivities->push_back(ts);
+      sens << (t ? " " : "") << "L" << t / 2 << (t % 2 == 0 ? "K" : "V") << "=" << ts.kl;
     }
+    cal.info["sensitivity_kl"] = sens.str();
+    // One Lagrangian allocation over every tensor's components under the
+    // total payload the per-tensor targets give; the multiplier is bisected
+    // on the measured rates, then the total corrected by the coder's real
+    // payload (as fit_measured does for one tensor).
+    double target_bits = 0.0;
+    for (int t = 0; t < 2 * L; ++t) target_bits += 16.0 * dim / tensor_ratio(t);
+    double budget = target_bits, best_bits = -1.0;
+    std::vector<kvtc::HeadParams> best;
+    for (int round = 0; round < 10; ++round) {
+      auto total_rate = [&](double lambda, std::vector<std::vector<int>>* widths) {
+        double rate = 0.0;
+        for (int t = 0; t < 2 * L; ++t) {
+          std::vector<int> b = lagrangian_widths(tables[size_t(t)], alpha[size_t(t)], lambda, &rate);
+          if (widths) (*widths)[size_t(t)] = std::move(b);
+        }
+        return rate;
+      };
+      double lo = -40.0, hi = 40.0;  // log10 lambda: rate falls as lambda grows
+      for (int it = 0; it < 100; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        if (total_rate(std::pow(10.0, mid), nullptr) > budget) lo = mid; else hi = mid;
+      }
+      std::vector<std::vector<int>> widths(size_t(2 * L));
+      total_rate(std::pow(10.0, hi), &widths);
+      std::vector<kvtc::HeadParams> trial(size_t(2 * L));
+      double bits = 0.0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : bits)
+      for (int t = 0; t < 2 * L; ++t) {
+        trial[size_t(t)] = build_head_params(tables[size_t(t)], data(t).data(), s.tokens, dim,
+                                             bases[size_t(t)].eigenvalues, widths[size_t(t)]);
+        bits += 16.0 * dim / payload_ratio(trial[size_t(t)], data(t), s.tokens, dim);
+      }
+      if (progress) {
+        std::ostringstream m;
+        m.precision(4);
+        m << "global allocation round " << round << ": " << bits << " payload bits per token (target "
+          << target_bits << ")";
+        progress(round + 1, 10, m.str());
+      }
+      if (bits <= target_bits && bits > best_bits) {
+        best_bits = bits;
+        best = std::move(trial);
+      }
+      if (bits <= target_bits && bits > target_bits * 0.995) break;
+      budget -= (bits - target_bits) + (bits > target_bits ? 0.002 * target_bits : 0.0);
+    }
+    if (best.empty())
+      throw Error(ErrorCode::kInternal, "calibrate: the global allocation did not meet the payload target");
+    for (int t = 0; t < 2 * L; ++t) {
+      params_of(t) = std::move(best[size_t(t)]);
+      ratios[size_t(t)] = payload_ratio(params_of(t), data(t), s.tokens, dim);
+    }
+    for (int l = 0; l < L; ++l) report_layer(l, "global: ");
   }
   std::ostringstream info;
   cal.info["tokens_per_layer"] = std::to_string(s.tokens);
@@ -340,6 +692,8 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
   cal.info["windows"] = std::to_string(o.first_window) + "-" + std::to_string(o.first_window + o.windows - 1);
   cal.info["allocator"] = o.measured_allocation ? "measured" : kvtc::allocator_name(o.codec.allocator);
   cal.info["coder"] = kvtc::coder_name(o.codec.coder);
+  cal.info["allocation"] = o.sensitivity_allocation ? "global by KL sensitivity (" + std::to_string(o.sensitivity_windows) + " windows)" : "per tensor";
+  cal.info["weighting"] = o.attention_weighting ? "attention (floor " + std::to_string(o.weight_floor) + ")" : "none";
   cal.info["target_ratio"] = o.target_ratio > 0 ? std::to_string(o.target_ratio) : "none";
   if (o.key_target_ratio > 0) cal.info["key_target_ratio"] = std::to_string(o.key_target_ratio);
   if (o.value_target_ratio > 0) cal.info["value_target_ratio"] = std::to_string(o.value_target_ratio);

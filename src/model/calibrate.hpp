@@ -11,9 +11,11 @@
 // KvtcCalibration (write it with KvtcCalibration::write_file).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/kvtc_calibrated.hpp"
@@ -41,6 +43,31 @@ struct CalibrateOptions {
   // budget (bit_budget, or the one bisected for target_ratio) is then in
   // entropy-coded bits per token vector.
   bool measured_allocation = false;
+  // Weighted distortion (issue 5, build item 3): the codec works on x * w
+  // per dimension, so what PCA, allocation and quantizers minimise is the
+  // squared error weighted by how much each dimension matters downstream:
+  //   keys   w_d^2 ~ mean query energy of the dimension's RoPE pair over the
+  //          query heads that read this KV head (the expected squared error
+  //          of attention scores q . dk over relative positions: RoPE turns
+  //          each pair, so only the pair's energy survives the average);
+  //   values w_d^2 ~ squared norm of the output-projection column that the
+  //          dimension feeds, summed over those query heads.
+  // Normalised to mean w^2 = 1, floored at weight_floor (so no dimension is
+  // ignored outright when the evaluation data differs from the calibration).
+  bool attention_weighting = false;
+  double weight_floor = 0.01;
+  // Sensitivity-weighted allocation across layers and K/V (measured
+  // allocator only). With equal ratios for every tensor, a bit costs the
+  // same everywhere, but an error does not: it matters more in some layers,
+  // or in values than keys. So after a first fit at equal ratios, each of
+  // the 2 * n_layers tensors is compressed ALONE (the others exact) over
+  // `sensitivity_windows` calibration windows (whole window, logits at every
+  // position) and its sensitivity = mean KL(clean || perturbed) / its
+  // predicted distortion. Then ONE Lagrangian allocation over all tensors'
+  // components minimises sum_t sensitivity_t * distortion_t under the total
+  // payload of target_ratio (per-tensor ratios then differ).
+  bool sensitivity_allocation = false;
+  int sensitivity_windows = 2;
 };
 
 struct CalibrationSamples {
@@ -48,19 +75,45 @@ struct CalibrationSamples {
   int64_t tokens = 0;                      // vectors per layer
   std::vector<std::vector<float>> keys;    // [n_layers][tokens, H_kv * D], RoPE removed
   std::vector<std::vector<float>> values;  // [n_layers][tokens, H_kv * D]
+  // Mean squared query of each key dimension over the sampled tokens and the
+  // query heads of its KV head, pair-averaged ([n_layers][H_kv * D]).
+  std::vector<std::vector<double>> query_energy;
+  // The token ids run, [windows][per_window] (sensitivity runs reuse them).
+  std::vector<std::vector<int32_t>> window_tokens;
 };
+
+// Weights of CalibrateOptions::attention_weighting for layer `layer`:
+// {key weights, value weights}, each [H_kv * D], mean square 1, floored.
+std::pair<std::vector<float>, std::vector<float>> attention_weights(const LlamaModel& model,
+                                                                    const CalibrationSamples& samples, int layer,
+                                                                    double floor);
 
 // (done, total, what) for progress output.
 using CalibrationProgress = std::function<void(int64_t done, int64_t total, const std::string& what)>;
+
+// KL sensitivities found by fit_calibration with sensitivity_allocation, in
+// tensor order (layer 0 key, layer 0 value, layer 1 key, ...): the mean KL of
+// the next-token distribution when that tensor alone is compressed with the
+// equal-ratio fit, and that fit's predicted distortion per token vector.
+struct TensorSensitivity {
+  double kl = 0.0;
+  double distortion = 0.0;
+  double per_distortion() const { return kl / std::max(distortion, 1e-30); }
+};
 
 // Throws Error(kConfig) naming the window range when it does not fit the tokens.
 CalibrationSamples collect_calibration_samples(const LlamaModel& model, const std::vector<int32_t>& tokens,
                                                const CalibrateOptions& options,
                                                const CalibrationProgress& progress = {});
 
+// `model` is needed only with options.attention_weighting (value weights come
+// from its output projections) or sensitivity_allocation (it runs the model);
+// may be null otherwise. `sensitivities`, when given, receives what
+// sensitivity_allocation measured (empty otherwise).
 KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& config_hash,
                                 const CalibrationSamples& samples, const CalibrateOptions& options,
-                                const CalibrationProgress& progress = {});
+                                const CalibrationProgress& progress = {}, const LlamaModel* model = nullptr,
+                                std::vector<TensorSensitivity>* sensitivities = nullptr);
 
 // What the measured allocator works from, for one tensor of one layer:
 // per principal component k and width bit_choices[j], the MSE-optimal step of

@@ -9,9 +9,7 @@
 #include "model/generate.hpp"
 
 namespace kvcodec::model {
-namespace {
 
-// log_softmax of one row, in double for a stable KL of nearly equal rows.
 void log_softmax(const float* logits, int vocab, std::vector<double>& out) {
   out.resize(size_t(vocab));
   double mx = logits[0];
@@ -21,6 +19,8 @@ void log_softmax(const float* logits, int vocab, std::vector<double>& out) {
   const double lse = mx + std::log(sum);
   for (int i = 0; i < vocab; ++i) out[size_t(i)] = double(logits[i]) - lse;
 }
+
+namespace {
 
 struct WindowRun {
   std::vector<float> logits;  // [predictions, vocab]: row i predicts target[i]

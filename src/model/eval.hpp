@@ -68,4 +68,8 @@ std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int3
                                  const std::vector<MethodSpec>& methods, const MethodSpec& baseline,
                                  const EvalOptions& options, const ProgressFn& progress = {});
 
+// log_softmax of one row of logits [vocab], in double (a stable KL between
+// nearly equal rows); out is resized.
+void log_softmax(const float* logits, int vocab, std::vector<double>& out);
+
 }  // namespace kvcodec::model

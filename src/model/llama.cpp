@@ -327,6 +327,7 @@ void Session::forward(const int32_t* tokens, int64_t n, std::vector<float>& logi
         std::copy_n(v_.data() + r * kvd + h * D, D, kv_v_.data() + (int64_t(h) * n + r) * D);
       }
     }
+    if (query_observer_) query_observer_(l, q_.data(), n);
     const Shape4 kv_shape{1, Hkv, n, D};
     caches_[size_t(l)]->append(TensorView::contiguous(kv_k_.data(), DType::kF32, kv_shape),
                                TensorView::contiguous(kv_v_.data(), DType::kF32, kv_shape));

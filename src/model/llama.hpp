@@ -85,6 +85,13 @@ class Session {
   // as the speed reference.
   void forward_reference(const int32_t* tokens, int64_t n, std::vector<float>& logits, bool all_logits = false);
 
+  // Called in forward() (not forward_reference) for every layer with that
+  // layer's queries after RoPE, [n, H_q * D] row-major: calibration
+  // (src/model/calibrate) measures from them how much each key dimension
+  // matters to attention scores. Empty (the default) costs nothing.
+  using QueryObserver = std::function<void(int layer, const float* queries, int64_t n)>;
+  void set_query_observer(QueryObserver observer) { query_observer_ = std::move(observer); }
+
   int64_t position() const { return position_; }
   const LlamaModel& model() const { return *model_; }
   const std::vector<std::unique_ptr<KVCache>>& caches() const { return caches_; }
@@ -99,6 +106,7 @@ class Session {
   const LlamaModel* model_;
   std::vector<std::unique_ptr<KVCache>> caches_;
   int64_t position_ = 0;
+  QueryObserver query_observer_;
 
   // Scratch, [n, width] row-major; grown, never shrunk.
   int64_t capacity_ = 0;

@@ -196,30 +196,115 @@ TEST(MeasuredTables, BeatsTheBetaModelAtTheSameMeasuredRate) {
   EXPECT_LT(measured_err, beta_err);
 }
 
+TEST_F(CalibrateTiny, QueryEnergyIsThePairAveragedMeanSquareOfTheQueries) {
+  const CalibrationSamples s = collect_calibration_samples(*model_, tokens_, options_);
+  const int H = config_.n_kv_heads, D = config_.head_dim, Hq = config_.n_heads, group = Hq / H;
+  // The same windows again, the queries summed here from the observer.
+  std::vector<std::vector<double>> sum(size_t(config_.n_layers), std::vector<double>(size_t(H * D), 0.0));
+  int calls = 0;
+  for (int w = 0; w < 4; ++w) {
+    Session session(*model_, method_cache_factory("fp16"));
+    session.set_query_observer([&](int layer, const float* q, int64_t n) {
+      ++calls;
+      ASSERT_EQ(n, 128);
+      for (int64_t t = 2; t < n; ++t)
+        for (int h = 0; h < Hq; ++h)
+          for (int d = 0; d < D; ++d) sum[size_t(layer)][size_t(h / group * D + d)] += double(q[(t * Hq + h) * D + d]) * q[(t * Hq + h) * D + d];
+    });
+    std::vector<float> logits;
+    session.forward(tokens_.data() + w * 128, 128, logits, false);
+  }
+  EXPECT_EQ(calls, 4 * config_.n_layers);
+  for (int l = 0; l < config_.n_layers; ++l)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < D / 2; ++i) {
+        const double want = 0.5 * (sum[size_t(l)][size_t(h * D + i)] + sum[size_t(l)][size_t(h * D + i + D / 2)]) /
+                            double(s.tokens * group);
+        EXPECT_NEAR(s.query_energy[size_t(l)][size_t(h * D + i)], want, 1e-9 * want);
+        EXPECT_EQ(s.query_energy[size_t(l)][size_t(h * D + i)], s.query_energy[size_t(l)][size_t(h * D + i + D / 2)]);
+        EXPECT_GT(want, 0.0);
+      }
+  // Weights: keys pair-constant, values from the output projection's columns;
+  // both mean square 1 and floored.
+  for (int l = 0; l < config_.n_layers; ++l) {
+    const auto [kw, vw] = attention_weights(*model_, s, l, 0.01);
+    ASSERT_EQ(kw.size(), size_t(H * D));
+    double k2 = 0, v2 = 0;
+    for (int d = 0; d < H * D; ++d) {
+      k2 += double(kw[size_t(d)]) * kw[size_t(d)];
+      v2 += double(vw[size_t(d)]) * vw[size_t(d)];
+      EXPECT_GE(kw[size_t(d)], 0.1f * 0.999f);
+    }
+    EXPECT_NEAR(k2 / (H * D), 1.0, 0.02);  // the floor may lift a few
+    EXPECT_NEAR(v2 / (H * D), 1.0, 0.02);
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < D / 2; ++i) EXPECT_EQ(kw[size_t(h * D + i)], kw[size_t(h * D + i + D / 2)]);
+    // Value weight ratios = ratios of the summed column norms of wo [hidden, Hq * D].
+    const auto& wo = model_->weights().layers[size_t(l)].wo;
+    auto col = [&](int g, int d) {
+      double c = 0;
+      for (int j = 0; j < group; ++j)
+        for (int r = 0; r < config_.hidden_size; ++r) {
+          const double v = wo[size_t(r) * size_t(Hq * D) + size_t((g * group + j) * D + d)];
+          c += v * v;
+        }
+      return c;
+    };
+    EXPECT_NEAR(double(vw[1]) * vw[1] / (double(vw[0]) * vw[0]), col(0, 1) / col(0, 0), 1e-4);
+    EXPECT_NEAR(double(vw[size_t(D + 3)]) * vw[size_t(D + 3)] / (double(vw[0]) * vw[0]), col(1, 3) / col(0, 0), 1e-4);
+  }
+}
+
 TEST_F(CalibrateTiny, CalibratedCacheReadPathMatchesAPlainDecode) {
   const CalibrationSamples s = collect_calibration_samples(*model_, tokens_, options_);
-  for (const bool measured : {false, true}) {
+  // Variants: dp allocator; measured; measured with attention weighting and
+  // the sensitivity-weighted global allocation.
+  for (const int variant : {0, 1, 2}) {
+    const bool measured = variant >= 1;
     CalibrateOptions o = options_;
     o.measured_allocation = measured;
+    o.attention_weighting = o.sensitivity_allocation = variant == 2;
     o.target_ratio = 3.0;
-    const KvtcCalibration cal = fit_calibration(config_, "", s, o);
-    // Every tensor meets the payload ratio on the calibration tokens.
+    std::vector<TensorSensitivity> sens;
+    const KvtcCalibration cal = fit_calibration(config_, "", s, o, {}, model_.get(), &sens);
+    ASSERT_EQ(cal.weighted(), variant == 2);
+    ASSERT_EQ(sens.size(), variant == 2 ? size_t(2 * config_.n_layers) : size_t(0));
+    for (const auto& t : sens) {
+      EXPECT_GT(t.kl, 0.0);
+      EXPECT_GT(t.distortion, 0.0);
+    }
+    // Every tensor meets the payload ratio on the calibration tokens (with the
+    // global allocation: all tensors together).
+    double f16_all = 0, coded_all = 0;
     for (int l = 0; l < config_.n_layers; ++l)
       for (const bool is_key : {true, false}) {
         const auto& p = (is_key ? cal.keys : cal.values)[size_t(l)];
-        const auto& x = (is_key ? s.keys : s.values)[size_t(l)];
+        std::vector<float> x = (is_key ? s.keys : s.values)[size_t(l)];
+        if (cal.weighted()) {
+          const auto& w = (is_key ? cal.key_scale : cal.value_scale)[size_t(l)];
+          for (size_t i = 0; i < x.size(); ++i) x[i] *= w[i % w.size()];
+        }
         const int64_t n = (s.tokens / 64) * 64;
         size_t bytes = 0;
         for (int64_t i = 0; i < n; i += 64) bytes += kvtc::encode_block(p, x.data() + i * cal.vector_dim(), 64).size();
-        EXPECT_GE(double(n) * cal.vector_dim() * 2.0 / double(bytes), 3.0) << measured << " " << l << " " << is_key;
+        f16_all += double(n) * cal.vector_dim() * 2.0;
+        coded_all += double(bytes);
+        if (variant < 2) {
+          EXPECT_GE(double(n) * cal.vector_dim() * 2.0 / double(bytes), 3.0) << variant << " " << l << " " << is_key;
+        }
       }
+    EXPECT_GE(f16_all / coded_all, 3.0) << variant;
+    if (variant == 2) {
+      EXPECT_LT(f16_all / coded_all, 3.0 * 1.05);  // the budget is used, not wasted
+    }
     const std::string path =
-        (std::filesystem::temp_directory_path() / ("kvcodec_test_calibrate_" + std::to_string(measured) + ".kvcal"))
+        (std::filesystem::temp_directory_path() / ("kvcodec_test_calibrate_" + std::to_string(variant) + ".kvcal"))
             .string();
     cal.write_file(path);
 
     // 2 rows of batch, 150 tokens appended in pieces: sinks 3, window 5,
-    // block 16 -> 8 encoded blocks and a raw tail.
+    // block 16 -> 142 coded tokens: 8 blocks and a partial one of 14 (grown
+    // across appends), then the raw window.
     CacheConfig cc;
     cc.layer = 1;
     cc.n_layers = config_.n_layers;
@@ -263,29 +348,35 @@ TEST_F(CalibrateTiny, CalibratedCacheReadPathMatchesAPlainDecode) {
       }
       const KVPair got = cache->fetch(DType::kF32);
       // Plain reference: per block, RoPE removed with the per-call reference,
-      // encode_block, decode_block, RoPE re-applied; raw tokens as given.
-      const int64_t n_blocks = (S - 3 - 5) / 16;
-      ASSERT_EQ(n_blocks, 8);
+      // weights applied, encode_block of the whole block at once,
+      // decode_block, weights undone, RoPE re-applied; raw tokens as given.
+      const int64_t coded = S - 3 - 5, n_blocks = (coded + 15) / 16;
+      ASSERT_EQ(n_blocks, 9);
       double err = 0.0, energy = 0.0;
       for (int64_t b = 0; b < B; ++b) {
         for (const bool is_key : {true, false}) {
           const std::vector<float>& src = is_key ? keys : values;
           const Tensor& out = is_key ? got.keys : got.values;
           for (int64_t j = 0; j < n_blocks; ++j) {
-            const int64_t first = 3 + j * 16;
-            std::vector<float> x(size_t(16 * V)), y(size_t(16 * V));
-            for (int64_t t = 0; t < 16; ++t)
+            const int64_t first = 3 + j * 16, bn = std::min<int64_t>(16, coded - j * 16);
+            std::vector<float> x(size_t(bn * V)), y(size_t(bn * V));
+            for (int64_t t = 0; t < bn; ++t)
               for (int64_t h = 0; h < H; ++h)
                 for (int64_t d = 0; d < D; ++d)
                   x[size_t(t * V + h * D + d)] = src[size_t(((b * H + h) * S + first + t) * D + d)];
             const std::vector<float> orig = x;
             const auto inv = rope_inv_freq(int(D), cc.rope_theta);
-            if (is_key) rope_rotate_tokens(x.data(), 16, int(H), int(D), first, inv, true);
+            if (is_key) rope_rotate_tokens(x.data(), bn, int(H), int(D), first, inv, true);
+            const float* w = cal.weighted() ? (is_key ? cal.key_scale : cal.value_scale)[1].data() : nullptr;
+            if (w)
+              for (int64_t i = 0; i < bn * V; ++i) x[size_t(i)] *= w[i % V];
             const auto& p = (is_key ? cal.keys : cal.values)[1];
-            const auto bytes = kvtc::encode_block(p, x.data(), 16);
-            kvtc::decode_block(p, bytes.data(), bytes.size(), 16, y.data());
-            if (is_key) rope_rotate_tokens(y.data(), 16, int(H), int(D), first, inv, false);
-            for (int64_t t = 0; t < 16; ++t)
+            const auto bytes = kvtc::encode_block(p, x.data(), bn);
+            kvtc::decode_block(p, bytes.data(), bytes.size(), bn, y.data());
+            if (w)
+              for (int64_t i = 0; i < bn * V; ++i) y[size_t(i)] *= 1.0f / w[i % V];
+            if (is_key) rope_rotate_tokens(y.data(), bn, int(H), int(D), first, inv, false);
+            for (int64_t t = 0; t < bn; ++t)
               for (int64_t h = 0; h < H; ++h)
                 for (int64_t d = 0; d < D; ++d) {
                   const float want = y[size_t(t * V + h * D + d)];
@@ -300,13 +391,13 @@ TEST_F(CalibrateTiny, CalibratedCacheReadPathMatchesAPlainDecode) {
             for (int64_t d = 0; d < D; ++d) {
               for (int64_t t = 0; t < 3; ++t)
                 ASSERT_EQ(out.view().at(b, h, t, d), src[size_t(((b * H + h) * S + t) * D + d)]);
-              for (int64_t t = 3 + n_blocks * 16; t < S; ++t)
+              for (int64_t t = 3 + coded; t < S; ++t)
                 ASSERT_EQ(out.view().at(b, h, t, d), src[size_t(((b * H + h) * S + t) * D + d)]);
             }
         }
       }
       // Lossy but close at 3x: relative squared error well under 10%.
-      EXPECT_LT(err / energy, 0.1) << measured;
+      EXPECT_LT(err / energy, 0.1) << variant;
       const CacheStats st = cache->stats();
       EXPECT_EQ(st.tokens, S);
       EXPECT_EQ(st.extras.at("key.side_bytes"), 0.0);

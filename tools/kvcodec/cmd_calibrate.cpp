@@ -31,7 +31,23 @@ struct CalibrateArgs {
   int threads = 0;
   std::string target_ratios;
   std::string allocators;
+  std::string weightings;
 };
+
+// "a,b,,c" -> {a, b, c}.
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> items;
+  std::string item;
+  for (char ch : list + ",") {
+    if (ch == ',') {
+      if (!item.empty()) items.push_back(item);
+      item.clear();
+    } else {
+      item += ch;
+    }
+  }
+  return items;
+}
 
 void run_calibrate(const CalibrateArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -84,6 +100,43 @@ void run_calibrate(const CalibrateArgs& a) {
       throw_config_error(std::string("kvtc.") + field, v, "a ratio in [1, 1000]");
     s.erase(field);
   };
+  // weighting=attention|none [attention]: distortion weighted by each
+  // dimension's effect on attention (model::CalibrateOptions).
+  if (s.count("weighting")) {
+    const std::string v = s.at("weighting");
+    if (v != "attention" && v != "none") throw_config_error("kvtc.weighting", v, "attention or none");
+    o.attention_weighting = v == "attention";
+    s.erase("weighting");
+  } else {
+    o.attention_weighting = true;
+  }
+  // sensitivity=kl|none [kl]: one allocation across layers and K/V weighted
+  // by each tensor's measured KL sensitivity (model::CalibrateOptions).
+  const bool sensitivity_given = s.count("sensitivity") > 0;
+  o.sensitivity_allocation = true;
+  if (sensitivity_given) {
+    const std::string v = s.at("sensitivity");
+    if (v != "kl" && v != "none") throw_config_error("kvtc.sensitivity", v, "kl or none");
+    o.sensitivity_allocation = v == "kl";
+    s.erase("sensitivity");
+  }
+  if (s.count("sensitivity_windows")) {
+    const std::string v = s.at("sensitivity_windows");
+    char* end = nullptr;
+    const long n = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || end != v.c_str() + v.size() || n < 1 || n > o.windows)
+      throw_config_error("kvtc.sensitivity_windows", v, "[1, number of calibration windows]");
+    o.sensitivity_windows = int(n);
+    s.erase("sensitivity_windows");
+  }
+  if (s.count("weight_floor")) {
+    const std::string v = s.at("weight_floor");
+    char* end = nullptr;
+    o.weight_floor = std::strtod(v.c_str(), &end);
+    if (v.empty() || end != v.c_str() + v.size() || !(o.weight_floor > 0.0) || !(o.weight_floor <= 1.0))
+      throw_config_error("kvtc.weight_floor", v, "a number in (0, 1]");
+    s.erase("weight_floor");
+  }
   take_ratio("key_target_ratio", o.key_target_ratio);
   take_ratio("value_target_ratio", o.value_target_ratio);
   const KvtcSettings ks = parse_kvtc_settings(s, probe);
@@ -99,46 +152,37 @@ void run_calibrate(const CalibrateArgs& a) {
   const model::CalibrationSamples samples = model::collect_calibration_samples(m, tokens, o, progress);
   // --target-ratios R1,R2,...: one fit per ratio from the same samples (the
   // model runs once), written to the output path with "{}" replaced by R.
-  std::vector<std::string> ratios;
-  {
-    std::string item;
-    for (char ch : a.target_ratios + ",") {
-      if (ch == ',') {
-        if (!item.empty()) ratios.push_back(item);
-        item.clear();
-      } else {
-        item += ch;
-      }
-    }
-  }
+  std::vector<std::string> ratios = split_list(a.target_ratios);
   if (!ratios.empty() && a.output.find("{}") == std::string::npos)
     throw_config_error("--output", a.output, "a path containing {} (replaced by each of --target-ratios)");
   if (ratios.empty()) ratios.push_back("");
   // --allocators A1,A2 (measured|dp|rate): the same for each allocator, the
   // path's "{alloc}" replaced by its name (a comparison from one model run).
-  std::vector<std::string> allocators;
-  {
-    std::string item;
-    for (char ch : a.allocators + ",") {
-      if (ch == ',') {
-        if (!item.empty()) allocators.push_back(item);
-        item.clear();
-      } else {
-        item += ch;
-      }
-    }
-  }
+  std::vector<std::string> allocators = split_list(a.allocators);
   for (const auto& al : allocators)
     if (al != "measured" && al != "dp" && al != "rate")
       throw_config_error("--allocators", a.allocators, "a comma-separated list of measured, dp, rate");
   if (!allocators.empty() && a.output.find("{alloc}") == std::string::npos)
     throw_config_error("--output", a.output, "a path containing {alloc} (replaced by each of --allocators)");
   if (allocators.empty()) allocators.push_back("");
+  // --weightings none,attention: the same for each weighting ("{weighting}").
+  std::vector<std::string> weightings = split_list(a.weightings);
+  for (const auto& wt : weightings)
+    if (wt != "none" && wt != "attention")
+      throw_config_error("--weightings", a.weightings, "a comma-separated list of none, attention");
+  if (!weightings.empty() && a.output.find("{weighting}") == std::string::npos)
+    throw_config_error("--output", a.output, "a path containing {weighting} (replaced by each of --weightings)");
+  if (weightings.empty()) weightings.push_back("");
   const std::string hash = model::model_config_hash(dir);
+  for (const std::string& wt : weightings)
   for (const std::string& al : allocators)
   for (const std::string& r : ratios) {
     model::CalibrateOptions oi = o;
     std::string path = a.output;
+    if (!wt.empty()) {
+      oi.attention_weighting = wt == "attention";
+      path.replace(path.find("{weighting}"), 11, wt);
+    }
     if (!al.empty()) {
       oi.measured_allocation = al == "measured";
       if (al != "measured") oi.codec.allocator = al == "dp" ? kvtc::Allocator::kDp : kvtc::Allocator::kRate;
@@ -151,7 +195,13 @@ void run_calibrate(const CalibrateArgs& a) {
         throw_config_error("--target-ratios", a.target_ratios, "comma-separated ratios in [1, 1000]");
       path.replace(path.find("{}"), 2, r);
     }
-    const KvtcCalibration cal = model::fit_calibration(m.config(), hash, samples, oi, progress);
+    // By default the sensitivity allocation is on where it applies (measured
+    // allocator, a ratio to share out); asked for explicitly elsewhere, the
+    // fit refuses with the reason.
+    if (!sensitivity_given)
+      oi.sensitivity_allocation = oi.measured_allocation &&
+                                  (oi.target_ratio > 0 || (oi.key_target_ratio > 0 && oi.value_target_ratio > 0));
+    const KvtcCalibration cal = model::fit_calibration(m.config(), hash, samples, oi, progress, &m);
     cal.write_file(path);
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("wrote %s: %s, %llu parameter bytes, %lld tokens per layer, %.1f s\n", path.c_str(),
@@ -174,11 +224,15 @@ void register_calibrate(CLI::App& app) {
   cmd->add_option("--sinks", args->sinks, "First tokens of each window left out of the fit")->capture_default_str();
   cmd->add_option("-o,--output", args->output, "Calibration file to write")->required();
   cmd->add_option("--set", args->sets, "kvtc.<field>=<value>: bit_budget, target_ratio, key_target_ratio, value_target_ratio, "
-                                  "allocator (measured [default]|dp|rate), bit_choices, beta, coder, basis_bits");
+                                  "allocator (measured [default]|dp|rate), weighting (attention [default]|none), weight_floor [0.01], "
+                                  "sensitivity (kl [default]|none), sensitivity_windows [2], "
+                                  "bit_choices, beta, coder, basis_bits");
   cmd->add_option("--target-ratios", args->target_ratios,
                   "Comma-separated target ratios: one calibration each from one model run; -o must contain {}");
   cmd->add_option("--allocators", args->allocators,
                   "Comma-separated allocators (measured, dp, rate): one calibration each; -o must contain {alloc}");
+  cmd->add_option("--weightings", args->weightings,
+                  "Comma-separated weightings (none, attention): one calibration each; -o must contain {weighting}");
   cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
   cmd->callback([args] {
     if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");
