@@ -44,6 +44,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     rans_decode(payload, payload_size, rows, cols, rans_tables, out.data());
   } catch (const Error&) {
   }
+  // The paired decoder (two streams interleaved): the payload's halves.
+  {
+    std::vector<uint16_t> out_b(rows * cols);
+    RansDecodeJob a, b;
+    a.data = payload, a.size = payload_size / 2, a.n_rows = rows, a.n_cols = cols, a.tables = &rans_tables;
+    a.out = out.data();
+    b = a;
+    b.data = payload + payload_size / 2, b.size = payload_size - payload_size / 2, b.out = out_b.data();
+    try {
+      rans_decode_pair(a, b);
+    } catch (const Error&) {
+    }
+  }
   try {
     huffman_decode(payload, payload_size, rows, cols, huff_tables, out.data());
   } catch (const Error&) {

@@ -182,6 +182,28 @@ struct RansEncodeTable {
   explicit RansEncodeTable(const FrequencyTable& table);
 };
 
+// The AVX2 decoder's per-group model tables of one column sequence (the
+// non-skipped columns of a rans_decode table list), built once per frozen set
+// of tables (kvtc::HeadParams::build_decoders) instead of on every call.
+// Plain values: copies stay valid. Stale if the tables change afterwards:
+// rebuild then. Empty (usable == false) where the group decoder does not
+// apply (an alphabet > 65 or a scale > 14) or without AVX2.
+struct RansGroupTables {
+  struct Group {
+    alignas(32) int32_t scale[8];
+    alignas(32) int32_t mask[8];
+    alignas(32) int32_t key0[8];  // freq[0] (cum[0] = 0)
+    size_t first = 0;             // offset of the group's row 1 in rows
+    uint32_t rows = 0;            // largest alphabet of the group - 1
+  };
+  std::vector<Group> groups;  // indexed by the group's first column position k0
+  std::vector<int32_t> rows;  // transposed keys, 8 per row
+  size_t n_active = 0;        // non-skipped columns they were built for
+  bool packed = false;        // keys cum << 19 | s << 13 | freq (else cum << 16 | freq)
+  bool usable = false;
+};
+RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tables);
+
 // Codes the non-skipped columns of symbols[n_rows x n_cols] (token-major).
 // tables.size() == n_cols; nullptr skips a column. Output: the final states
 // of the lanes that received a symbol (4 bytes each, little-endian, lane 0
@@ -201,6 +223,10 @@ std::vector<uint8_t> rans_encode_portable(const uint16_t* symbols, size_t n_rows
 // ends in states other than the initial ones.
 void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
                  const std::vector<const RansDecodeTable*>& tables, uint16_t* out);
+// The same with the group tables prebuilt (rans_group_tables(tables)).
+void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                 const std::vector<const RansDecodeTable*>& tables, uint16_t* out, const RansGroupTables& groups);
+
 // Two independent streams decoded together (e.g. a block's keys and values):
 // the same results and errors as two rans_decode calls (the first failing
 // stream's error is thrown), faster where the vectorised decoder is
@@ -211,6 +237,7 @@ struct RansDecodeJob {
   size_t n_rows = 0, n_cols = 0;
   const std::vector<const RansDecodeTable*>* tables = nullptr;
   uint16_t* out = nullptr;
+  const RansGroupTables* groups = nullptr;  // rans_group_tables(*tables), or null: built per call
 };
 void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b);
 // rans_decode without the AVX2 group decoder (scalar lanes only): the plain

@@ -140,13 +140,7 @@ constexpr uint32_t kSimdMaxScale = 14;      // slot + 1 <= 2^14: (slot + 1) << 1
 constexpr uint32_t kPackedMaxScale = 12;    // packed keys: cum in bits 19..30, symbol 13..18, freq 0..12
 constexpr uint32_t kPackedMaxRows = 63;
 
-struct SimdGroup {
-  alignas(32) int32_t scale[8];
-  alignas(32) int32_t mask[8];
-  alignas(32) int32_t key0[8];  // freq[0] (cum[0] = 0)
-  size_t first = 0;   // offset of row 1 in the transposed table
-  uint32_t rows = 0;  // max alphabet - 1
-};
+using SimdGroup = RansGroupTables::Group;
 
 // Builds the tables of every group start k0 reachable from 0 in steps of 8;
 // false when a column's alphabet or scale is too large for the compare search.
@@ -619,6 +613,7 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
 
 namespace {
 
+#ifdef KVCODEC_RANS_AVX2
 // One group of each of two packed streams in lockstep: their row loops share
 // one loop body and their updates one straight-line block, so the two
 // independent dependency chains interleave in program order.
@@ -659,6 +654,7 @@ __attribute__((always_inline)) inline void step_pair_packed(SimdStream& A, SimdS
   B.finish_group(_mm256_and_si256(_mm256_srli_epi32(kb, 13), m63), _mm256_srli_epi32(kb, 19),
                  _mm256_and_si256(kb, m13), slot_b, scale_b);
 }
+#endif
 
 // One rANS stream being decoded: start() validates and sets up (states,
 // column cycle, the AVX2 group tables), the caller runs the group decoder
@@ -670,7 +666,8 @@ class Decoder {
  public:
   // False when there is nothing to decode (then everything is done).
   bool start(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
-             const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd) {
+             const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd,
+             const RansGroupTables* pre = nullptr) {
     if (tables.size() != n_cols)
       throw Error(ErrorCode::kInvalidArgument, "rans_decode: " + std::to_string(tables.size()) + " tables for " +
                                                    std::to_string(n_cols) + " columns");
@@ -720,10 +717,19 @@ class Decoder {
     i_ = 0, k0_ = 0;
     simd_ = false;
 #ifdef KVCODEC_RANS_AVX2
-    simd_ = allow_simd && n_coded_ >= 4 * kRansLanes &&
-            build_simd_groups(ext_.data(), n_active_, groups_, rows_, packed_);
+    simd_ = false;
+    if (allow_simd && n_coded_ >= 4 * kRansLanes) {
+      if (pre && pre->n_active == n_active_ && pre->groups.size() == n_active_) {
+        simd_ = pre->usable;
+        group_ptr_ = pre->groups.data(), rows_ptr_ = pre->rows.data(), packed_ = pre->packed;
+      } else if (build_simd_groups(ext_.data(), n_active_, groups_, rows_, packed_)) {
+        simd_ = true;
+        group_ptr_ = groups_.data(), rows_ptr_ = rows_.data();
+      }
+    }
 #else
     (void)allow_simd;
+    (void)pre;
 #endif
     return true;
   }
@@ -732,7 +738,7 @@ class Decoder {
   bool simd() const { return simd_; }
   SimdStream simd_stream() {
     SimdStream st;
-    st.groups = groups_.data(), st.rows = rows_.data();
+    st.groups = group_ptr_, st.rows = rows_ptr_;
     st.n_active = n_active_, st.n_coded = n_coded_, st.i = i_, st.k0 = k0_;
     st.p = p_, st.end = end_, st.dst = dst_, st.packed = packed_;
     st.X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_));
@@ -815,6 +821,8 @@ class Decoder {
 #ifdef KVCODEC_RANS_AVX2
   std::vector<SimdGroup> groups_;
   std::vector<int32_t> rows_;
+  const SimdGroup* group_ptr_ = nullptr;
+  const int32_t* rows_ptr_ = nullptr;
 #endif
   size_t n_rows_ = 0, n_cols_ = 0, n_active_ = 0, n_coded_ = 0, lanes_used_ = 0, i_ = 0, k0_ = 0;
   uint16_t* out_ = nullptr;
@@ -831,9 +839,10 @@ Decoder& decoder(int which) {
 }
 
 void rans_decode_impl(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
-                      const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd) {
+                      const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd,
+                      const RansGroupTables* pre = nullptr) {
   Decoder& d = decoder(0);
-  if (!d.start(data, size, n_rows, n_cols, tables, out, allow_simd)) return;
+  if (!d.start(data, size, n_rows, n_cols, tables, out, allow_simd, pre)) return;
 #ifdef KVCODEC_RANS_AVX2
   if (d.simd()) {
     SimdStream st = d.simd_stream();
@@ -854,10 +863,10 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
 void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
   Decoder& da = decoder(0);
   Decoder& db = decoder(1);
-  const bool ra = da.start(a.data, a.size, a.n_rows, a.n_cols, *a.tables, a.out, true);
+  const bool ra = da.start(a.data, a.size, a.n_rows, a.n_cols, *a.tables, a.out, true, a.groups);
   bool rb = false;
   try {
-    rb = db.start(b.data, b.size, b.n_rows, b.n_cols, *b.tables, b.out, true);
+    rb = db.start(b.data, b.size, b.n_rows, b.n_cols, *b.tables, b.out, true, b.groups);
   } catch (const Error&) {
     // As two calls would: stream a decoded (and its error, if any, first).
     if (ra) {
@@ -899,6 +908,35 @@ void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
 #endif
   if (ra) da.finish();
   if (rb) db.finish();
+}
+
+void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
+                 const std::vector<const RansDecodeTable*>& tables, uint16_t* out, const RansGroupTables& groups) {
+  rans_decode_impl(data, size, n_rows, n_cols, tables, out, /*allow_simd=*/true, &groups);
+}
+
+RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tables) {
+  RansGroupTables g;
+#ifdef KVCODEC_RANS_AVX2
+  std::vector<uint32_t> cols;
+  for (size_t c = 0; c < tables.size(); ++c)
+    if (tables[c]) cols.push_back(uint32_t(c));
+  if (cols.empty()) return g;
+  check_decode_tables(cols, tables);
+  std::vector<DecCol> ext(cols.size() + kRansLanes);
+  for (size_t k = 0; k < ext.size(); ++k) {
+    const RansDecodeTable& t = *tables[cols[k % cols.size()]];
+    ext[k] = DecCol{t.slot_symbol.data(), t.syms.data(), t.search.empty() ? nullptr : t.search.data(),
+                    t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
+  }
+  g.n_active = cols.size();
+  g.usable = build_simd_groups(ext.data(), g.n_active, g.groups, g.rows, g.packed);
+  // Not usable: still sized, so the decoder takes the scalar lanes without rebuilding.
+  g.groups.resize(g.n_active);
+#else
+  (void)tables;
+#endif
+  return g;
 }
 
 void rans_decode_portable(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,

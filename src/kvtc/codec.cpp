@@ -312,6 +312,12 @@ void HeadParams::build_decoders() {
   }
   basis_t.clear();
   if (basis.size() == size_t(n_kept()) * size_t(dim)) transpose_basis(*this, basis_t);
+  rans_groups = {};
+  if (!rans_decode.empty()) {
+    std::vector<const entropy::RansDecodeTable*> tables;
+    for (const auto& t : rans_decode) tables.push_back(&t);
+    rans_groups = entropy::rans_group_tables(tables);
+  }
 }
 
 // --- small dense products -----------------------------------------------------
@@ -613,7 +619,11 @@ void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t
     case CoderChoice::kRans: {
       thread_local std::vector<const entropy::RansDecodeTable*> tables;
       thread_local std::vector<entropy::RansDecodeTable> built;
-      entropy::rans_decode(data, size, size_t(n), size_t(kept), rans_decode_tables(p, built, tables), codes);
+      rans_decode_tables(p, built, tables);
+      if (built.empty())
+        entropy::rans_decode(data, size, size_t(n), size_t(kept), tables, codes, p.rans_groups);
+      else
+        entropy::rans_decode(data, size, size_t(n), size_t(kept), tables, codes);
       break;
     }
     case CoderChoice::kHuffman: {
@@ -647,6 +657,8 @@ void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_
   ja.tables = &rans_decode_tables(pa, built_a, tables_a), ja.out = codes_a.data();
   jb.data = data_b, jb.size = size_b, jb.n_rows = size_t(n), jb.n_cols = size_t(pb.n_kept());
   jb.tables = &rans_decode_tables(pb, built_b, tables_b), jb.out = codes_b.data();
+  if (built_a.empty()) ja.groups = &pa.rans_groups;
+  if (built_b.empty()) jb.groups = &pb.rans_groups;
   entropy::rans_decode_pair(ja, jb);
   finish_block(pa, codes_a.data(), n, out_a);
   finish_block(pb, codes_b.data(), n, out_b);

@@ -84,6 +84,8 @@ struct HeadParams {
   // operand layout of the projection kernel; rebuilt by build_decoders()
   // (call it again after editing basis), built per call when missing.
   std::vector<float> basis_t;
+  // The rANS group decoder's tables for rans_decode (see entropy.hpp).
+  entropy::RansGroupTables rans_groups;
   void build_decoders();
 };
 

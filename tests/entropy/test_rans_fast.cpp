@@ -240,11 +240,26 @@ TEST(RansFast, SimdDecoderMatchesPortable) {
     const auto& sym = c.sym;
     const auto& bytes = c.bytes;
     const auto dp = c.dp();
-    std::vector<uint16_t> a(rows * cols, 1), b(rows * cols, 2);
+    std::vector<uint16_t> a(rows * cols, 1), b(rows * cols, 2), g(rows * cols, 3);
     rans_decode(bytes.data(), bytes.size(), rows, cols, dp, a.data());
     rans_decode_portable(bytes.data(), bytes.size(), rows, cols, dp, b.data());
+    // Prebuilt group tables (as HeadParams keeps them), and ones built for
+    // another column count, which the decoder must ignore.
+    const RansGroupTables pre = rans_group_tables(dp);
+    rans_decode(bytes.data(), bytes.size(), rows, cols, dp, g.data(), pre);
     ASSERT_EQ(a, sym) << "trial " << trial;
     ASSERT_EQ(b, sym) << "trial " << trial;
+    ASSERT_EQ(g, sym) << "trial " << trial;
+    if (cols > 1) {
+      std::vector<const RansDecodeTable*> fewer(dp.begin(), dp.end() - 1);
+      fewer.push_back(nullptr);
+      const RansGroupTables other = rans_group_tables(fewer);
+      std::fill(g.begin(), g.end(), 3);
+      if (other.n_active != pre.n_active) {
+        rans_decode(bytes.data(), bytes.size(), rows, cols, dp, g.data(), other);
+        ASSERT_EQ(g, sym) << "trial " << trial;
+      }
+    }
     // Damaged copies: both decoders agree (same symbols, or the same error).
     for (int d = 0; d < 6 && !bytes.empty(); ++d) {
       const std::vector<uint8_t> bad = damaged(bytes, d, rng);
