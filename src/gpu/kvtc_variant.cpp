@@ -268,4 +268,36 @@ void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, siz
     }
 }
 
+size_t tf32_bound_violations(const FlatKvtcTables& t, int heads, const uint16_t* x, int64_t tokens,
+                             const uint16_t* y_tc, const uint16_t* y_exact, size_t* n_diff) {
+  const int D = t.dim;
+  size_t bad = 0;
+  *n_diff = 0;
+  for (int h = 0; h < heads; ++h) {
+    const int K = t.kept[size_t(h)];
+    const size_t base = size_t(h) * size_t(tokens) * size_t(D);
+    std::vector<uint16_t> codes(size_t(tokens) * size_t(std::max(K, 1)));
+    quantize_reference(t, h, x + base, tokens, codes.data());
+    std::vector<double> v(size_t(std::max(K, 1)));
+    for (int64_t i = 0; i < tokens; ++i) {
+      for (int k = 0; k < K; ++k) {
+        const size_t q = t.idx(h, k);
+        v[size_t(k)] = double((float(codes[size_t(i) * size_t(K) + size_t(k)]) - t.recon_offset[q]) * t.step[q]);
+      }
+      for (int d = 0; d < D; ++d) {
+        double sum = 0;
+        for (int k = 0; k < K; ++k)
+          sum += std::abs(v[size_t(k)] * double(t.basis[(size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D) + size_t(d)]));
+        const size_t e = base + size_t(i) * size_t(D) + size_t(d);
+        const double a = bf16_bits_to_f32(y_tc[e]), r = bf16_bits_to_f32(y_exact[e]);
+        const double mag = std::max({std::abs(a), std::abs(r), 1e-30});
+        const double bound = std::ldexp(sum, -9) + std::ldexp(1.0, std::ilogb(mag) - 7);
+        *n_diff += y_tc[e] != y_exact[e];
+        if (!(std::abs(a - r) <= bound)) ++bad;
+      }
+    }
+  }
+  return bad;
+}
+
 }  // namespace kvcodec::gpu

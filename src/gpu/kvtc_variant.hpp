@@ -100,4 +100,15 @@ EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, 
 void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, size_t payload_size,
                             const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y);
 
+// The accuracy contract of the TF32 tensor-core reconstruction
+// (include/kvcodec/gpu.hpp), checked output by output: with v_k the
+// dequantized coefficients of the reference quantizer's codes of x,
+// |y_tc - y_exact| <= 2^-9 * sum_k |v_k b_kd| (TF32 operands: 2^-11 relative
+// each, fp32 accumulation) + one bf16 ulp (both results are rounded to
+// bf16). x, y_tc, y_exact: [heads, tokens, D] bf16 bits of the first `heads`
+// heads. Returns the number of violations (a NaN fails); *n_diff receives
+// how many outputs differ at all.
+size_t tf32_bound_violations(const FlatKvtcTables& t, int heads, const uint16_t* x, int64_t tokens,
+                             const uint16_t* y_tc, const uint16_t* y_exact, size_t* n_diff);
+
 }  // namespace kvcodec::gpu

@@ -249,43 +249,6 @@ struct DevBuf {
   ~DevBuf() { cudaFree(p); }
 };
 
-// Tensor-core reconstruction y_tc against the exact one y_ref: with v_k the
-// dequantized coefficients (codes from the reference quantizer, which the GPU
-// reproduces bit for bit), |y_tc - y_ref| <= 2^-9 * sum_k |v_k b_kd| (TF32
-// operands: 2^-11 relative each, fp32 accumulation) + one bf16 ulp (both
-// results are rounded to bf16). Returns the number of violations.
-size_t tc_bound_violations(const FlatKvtcTables& t, const Batch& b, const std::vector<uint16_t>& y_tc,
-                           const std::vector<uint16_t>& y_ref, size_t* n_diff) {
-  const int D = b.dim;
-  size_t bad = 0;
-  *n_diff = 0;
-  for (int h = 0; h < t.n_heads; ++h) {
-    const int K = t.kept[size_t(h)];
-    const size_t base = size_t(h) * size_t(b.tokens) * size_t(D);
-    std::vector<uint16_t> codes(size_t(b.tokens) * size_t(std::max(K, 1)));
-    quantize_reference(t, h, b.x.data() + base, b.tokens, codes.data());
-    std::vector<double> v(size_t(std::max(K, 1)));
-    for (int64_t i = 0; i < b.tokens; ++i) {
-      for (int k = 0; k < K; ++k) {
-        const size_t q = t.idx(h, k);
-        v[size_t(k)] = double((float(codes[size_t(i) * size_t(K) + size_t(k)]) - t.recon_offset[q]) * t.step[q]);
-      }
-      for (int d = 0; d < D; ++d) {
-        double sum = 0;
-        for (int k = 0; k < K; ++k)
-          sum += std::abs(v[size_t(k)] * double(t.basis[(size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D) + size_t(d)]));
-        const size_t e = base + size_t(i) * size_t(D) + size_t(d);
-        const double a = bf16_bits_to_f32(y_tc[e]), r = bf16_bits_to_f32(y_ref[e]);
-        const double mag = std::max({std::abs(a), std::abs(r), 1e-30});
-        const double bound = std::ldexp(sum, -9) + std::ldexp(1.0, std::ilogb(mag) - 7);
-        *n_diff += y_tc[e] != y_ref[e];
-        if (!(std::abs(a - r) <= bound)) ++bad;  // NaN (an unwritten poisoned value) fails too
-      }
-    }
-  }
-  return bad;
-}
-
 void gpu_matches_cpu(const Batch& b, int chunks_for_decode = 8) {
   const FlatKvtcTables t = flatten_heads(b.ptrs());
   const EncodedBatch ref = encode_batch_reference(t, b.x.data(), b.tokens, 64);
@@ -339,7 +302,7 @@ void gpu_matches_cpu(const Batch& b, int chunks_for_decode = 8) {
   std::vector<uint16_t> y_tc(b.x.size());
   ASSERT_EQ(cudaMemcpy(y_tc.data(), dy.p, y_tc.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
   size_t n_diff = 0;
-  EXPECT_EQ(tc_bound_violations(t, b, y_tc, y_ref, &n_diff), 0u) << "of " << y_tc.size() << " tensor-core outputs";
+  EXPECT_EQ(tf32_bound_violations(t, t.n_heads, b.x.data(), b.tokens, y_tc.data(), y_ref.data(), &n_diff), 0u) << "of " << y_tc.size() << " tensor-core outputs";
   std::printf("tensor-core reconstruction: %zu of %zu bf16 outputs differ from the exact path\n",
               n_diff, y_tc.size());
   codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kExactFp32);
