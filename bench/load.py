@@ -19,36 +19,9 @@ with exit status 0.
 Only the Python standard library. Usage:
   bench/load.py --kvcodec build/kvcodec [--clients 16] [--seconds 60] [--max-queue 4] [--json out.json]
 """
-import argparse, json, random, re, subprocess, sys, threading, time, urllib.error, urllib.request
+import argparse, json, random, sys, threading, time
 
-
-def start(binary, args):
-    p = subprocess.Popen([binary, "serve", "--port", "0"] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in p.stdout:
-        m = re.search(r"ready on http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            # Keep draining the log so the server never blocks on a full pipe.
-            threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()
-            return p, int(m.group(1))
-    raise SystemExit("server did not start: " + " ".join(args))
-
-
-def request(port, path, body=None, timeout=120, headers=None):
-    """(status, body bytes); status None when the connection itself failed.
-    `headers`, a dict, receives the response headers."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            if headers is not None:
-                headers.update(r.headers)
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        if headers is not None:
-            headers.update(e.headers)
-        return e.code, e.read()
-    except (urllib.error.URLError, OSError) as e:
-        return None, str(e).encode()
+from kvserver import request, start, stop
 
 
 PREFIX = "".join(f"def helper_{i}(value):\n    return value * {i} + {i * i}\n" for i in range(24))
@@ -174,12 +147,7 @@ def main():
         if rq["failed"] or rq["cancelled"] or rq["queued"] or rq["running"]:
             out["problems"].append(f"after the run: failed {rq['failed']}, cancelled {rq['cancelled']}, "
                                    f"queued {rq['queued']}, running {rq['running']}")
-    p.terminate()
-    try:
-        rc = p.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        rc = "hung"
+    rc = stop(p)
     if rc != 0:
         out["problems"].append(f"SIGTERM: exit status {rc}")
     ps = final["prefix_store"] if final else {}

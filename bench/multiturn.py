@@ -28,31 +28,16 @@ Only the Python standard library. Usage:
 Exits non-zero unless fp16 reuse is >= 5x faster to the first token on turns
 2-4, the compressed store is >= 8x below f16 and the fp16 outputs are equal.
 """
-import argparse, glob, json, re, statistics, subprocess, sys, time, urllib.error, urllib.request
+import argparse, glob, json, statistics, sys, time
 
-
-def start(binary, args):
-    p = subprocess.Popen([binary, "serve", "--port", "0"] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in p.stdout:
-        m = re.search(r"ready on http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            return p, int(m.group(1))
-    raise SystemExit("server did not start: " + " ".join(args))
-
-
-def stop(p):
-    p.terminate()
-    p.wait(timeout=120)
+from kvserver import request, start, stop
 
 
 def call(port, path, body=None):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=900) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise SystemExit(f"{path} answered {e.code}: {e.read().decode(errors='replace')}")
+    status, reply = request(port, path, body, timeout=900)
+    if status != 200:
+        raise SystemExit(f"{path} answered {status}: {reply.decode(errors='replace')}")
+    return json.loads(reply)
 
 
 def corpus():
