@@ -62,6 +62,7 @@ class KvtcCache final : public KVCache {
   int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
   void fit();
   void encode_ready_blocks();
+  void encode_direct(const TensorView& keys, const TensorView& values, int64_t n);
   void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
   void reset();
   // Runs body(h) for every (batch, head): an OpenMP team when threads > 1,
@@ -121,22 +122,35 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   const int64_t S = keys.shape[2];
   if (S == 0) return;
   const size_t D = size_t(config_.head_dim);
+  // Steady state with the raw tail empty: the blocks this append completes
+  // are coded straight from the input rows, through a block-sized raw buffer
+  // (the same rounding to the raw dtype, hence the same codes and bytes), not
+  // written to the tail, read back and erased. The rest goes to the tail.
+  int64_t direct = 0;
+  const auto rows_ok = [&](const TensorView& t) {
+    return t.dtype == DType::kF32 && (t.strides[3] == 1 || t.shape[3] == 1);
+  };
+  if (fitted_ && raw_tokens() == sink_tokens() && rows_ok(keys) && rows_ok(values) && S > options_.window)
+    direct = (S - options_.window) / options_.block * options_.block;
+  if (direct > 0) encode_direct(keys, values, direct);
+  const int64_t S_raw = S - direct;
   for (Stream* stream : {&key_, &value_}) {
+    if (S_raw == 0) break;
     const TensorView& src = stream == &key_ ? keys : values;
     for (int64_t b = 0; b < batch_; ++b)
       for (int64_t h = 0; h < config_.n_kv_heads; ++h) {
         TensorView head = src;
         head.data = static_cast<const uint8_t*>(src.data) +
-                    (b * src.strides[0] + h * src.strides[1]) * int64_t(dtype_size(src.dtype));
-        head.shape = {1, 1, S, src.shape[3]};
+                    (b * src.strides[0] + h * src.strides[1] + direct * src.strides[2]) * int64_t(dtype_size(src.dtype));
+        head.shape = {1, 1, S_raw, src.shape[3]};
         // Straight into the raw tail, no intermediate row buffer; f32 rows
         // (the common case) through the SIMD conversion.
         auto& raw = stream->raw[size_t(b * config_.n_kv_heads + h)];
         const size_t at = raw.size();
-        raw.resize(at + size_t(S) * D);
+        raw.resize(at + size_t(S_raw) * D);
         uint16_t* dst = raw.data() + at;
         if (src.dtype == DType::kF32 && (src.strides[3] == 1 || D == 1)) {
-          for (int64_t t = 0; t < S; ++t)
+          for (int64_t t = 0; t < S_raw; ++t)
             kvtc::f32_to_raw(static_cast<const float*>(head.data) + t * src.strides[2], dst + size_t(t) * D,
                              raw_dtype_, D);
         } else {
@@ -184,6 +198,33 @@ void KvtcCache::fit() {
     }
   }
   fitted_ = true;
+}
+
+void KvtcCache::encode_direct(const TensorView& keys, const TensorView& values, int64_t n) {
+  const size_t D = size_t(config_.head_dim);
+  const int64_t B = options_.block;
+  const int64_t heads = heads_total();
+  const int64_t H = config_.n_kv_heads;
+  const size_t n_blocks = size_t(n / B);
+  for (Stream* stream : {&key_, &value_}) {
+    const TensorView& src = stream == &key_ ? keys : values;
+    const size_t first = stream->blocks.size();
+    stream->blocks.resize(first + n_blocks);
+    for (size_t j = 0; j < n_blocks; ++j) stream->blocks[first + j].payload.resize(size_t(heads));
+    parallel_heads(heads, [&](int64_t h) {
+      thread_local std::vector<uint16_t> raw;
+      thread_local std::vector<float> x;
+      raw.resize(size_t(B) * D);
+      x.resize(size_t(B) * D);
+      const float* base = static_cast<const float*>(src.data) + (h / H) * src.strides[0] + (h % H) * src.strides[1];
+      for (size_t j = 0; j < n_blocks; ++j) {
+        for (int64_t t = 0; t < B; ++t)
+          kvtc::f32_to_raw(base + (int64_t(j) * B + t) * src.strides[2], raw.data() + size_t(t) * D, raw_dtype_, D);
+        kvtc::raw_to_f32(raw.data(), raw_dtype_, x.data(), size_t(B) * D);
+        stream->blocks[first + j].payload[size_t(h)] = kvtc::encode_block(stream->heads[size_t(h)], x.data(), B);
+      }
+    });
+  }
 }
 
 void KvtcCache::encode_ready_blocks() {

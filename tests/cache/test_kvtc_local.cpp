@@ -47,6 +47,41 @@ TEST(KvtcLocal, TrimThroughBlocksKeepsSinks) {
   EXPECT_EQ(st.fp16_key_bytes, uint64_t(31 * 2 * 16 * 2));
 }
 
+// Tokens [first, first + n) of t [1, H, S, D] as their own tensor.
+Tensor tokens(const Tensor& t, int64_t first, int64_t n) {
+  const int64_t H = t.shape()[1], S = t.shape()[2], D = t.shape()[3];
+  Tensor out(DType::kF32, {1, H, n, D});
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t s = 0; s < n; ++s)
+      for (int64_t d = 0; d < D; ++d)
+        out.data_as<float>()[(h * n + s) * D + d] = t.data_as<float>()[(h * S + first + s) * D + d];
+  return out;
+}
+
+// A fitted cache with an empty raw tail codes the blocks an f32 append
+// completes straight from the input rows: the saved bytes equal those of
+// the same tokens appended one at a time (through the raw tail).
+TEST(KvtcLocal, DirectBlockEncodeEqualsTokenByToken) {
+  CacheConfig cfg;
+  cfg.n_kv_heads = 2;
+  cfg.head_dim = 16;
+  const Settings settings{{"block", "8"}};
+  const Tensor k = correlated(2, 90, 16, 5), v = correlated(2, 90, 16, 6);
+  auto a = make_cache("kvtc", cfg, settings), b = make_cache("kvtc", cfg, settings);
+  for (auto* c : {a.get(), b.get()}) c->append(tokens(k, 0, 40).view(), tokens(v, 0, 40).view());  // fit, 5 blocks
+  a->append(tokens(k, 40, 50).view(), tokens(v, 40, 50).view());  // 6 blocks direct, 2 tokens raw
+  for (int64_t t = 40; t < 90; ++t) b->append(tokens(k, t, 1).view(), tokens(v, t, 1).view());
+  EXPECT_EQ(a->offset(), 90);
+  EXPECT_EQ(a->save(), b->save());
+  EXPECT_EQ(a->stats().extras.at("key.raw_bytes"), 2.0 * 2 * 16 * 2);
+  const KVPair ra = a->fetch(DType::kF32), rb = b->fetch(DType::kF32);
+  ASSERT_EQ(ra.keys.numel(), rb.keys.numel());
+  for (int64_t i = 0; i < ra.keys.numel(); ++i) {
+    ASSERT_EQ(ra.keys.data_as<float>()[i], rb.keys.data_as<float>()[i]) << i;
+    ASSERT_EQ(ra.values.data_as<float>()[i], rb.values.data_as<float>()[i]) << i;
+  }
+}
+
 TEST(KvtcLocal, TargetRelMseNeedsRateAllocator) {
   CacheConfig cfg;
   cfg.n_kv_heads = 1;
