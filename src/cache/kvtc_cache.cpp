@@ -201,7 +201,6 @@ void KvtcCache::fit() {
 }
 
 void KvtcCache::encode_direct(const TensorView& keys, const TensorView& values, int64_t n) {
-  const size_t D = size_t(config_.head_dim);
   const int64_t B = options_.block;
   const int64_t heads = heads_total();
   const int64_t H = config_.n_kv_heads;
@@ -212,16 +211,11 @@ void KvtcCache::encode_direct(const TensorView& keys, const TensorView& values, 
     stream->blocks.resize(first + n_blocks);
     for (size_t j = 0; j < n_blocks; ++j) stream->blocks[first + j].payload.resize(size_t(heads));
     parallel_heads(heads, [&](int64_t h) {
-      thread_local std::vector<uint16_t> raw;
-      thread_local std::vector<float> x;
-      raw.resize(size_t(B) * D);
-      x.resize(size_t(B) * D);
       const float* base = static_cast<const float*>(src.data) + (h / H) * src.strides[0] + (h % H) * src.strides[1];
       for (size_t j = 0; j < n_blocks; ++j) {
-        for (int64_t t = 0; t < B; ++t)
-          kvtc::f32_to_raw(base + (int64_t(j) * B + t) * src.strides[2], raw.data() + size_t(t) * D, raw_dtype_, D);
-        kvtc::raw_to_f32(raw.data(), raw_dtype_, x.data(), size_t(B) * D);
-        stream->blocks[first + j].payload[size_t(h)] = kvtc::encode_block(stream->heads[size_t(h)], x.data(), B);
+        // The rounding to the raw dtype fused into the encoder's centring.
+        stream->blocks[first + j].payload[size_t(h)] = kvtc::encode_block_rows(
+            stream->heads[size_t(h)], base + int64_t(j) * B * src.strides[2], src.strides[2], B, raw_dtype_);
       }
     });
   }

@@ -13,6 +13,7 @@
 #include "alloc/allocator.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
+#include "kvtc/raw_convert.hpp"
 
 namespace kvcodec::kvtc {
 
@@ -377,6 +378,89 @@ void gemm_panel(const float* A, size_t lda, const float* B, size_t ldb, size_t M
   for (; i < M; ++i) gemm_tile<1, NV>(A + i * lda, lda, B, ldb, K, init, C + i * ldc, ldc);
 }
 
+// Quantisation constants per coefficient column, zero-padded to the
+// kernel's width K8 (padded columns compute junk codes that are never stored).
+struct QuantConsts {
+  const float* inv_step;
+  const float* offset;
+  const float* max_code;
+};
+
+// codes = quantize(A[M, K] * B[K, N]) straight from the accumulators: the
+// tile of gemm_tile, whose epilogue applies quantize_block's per-code
+// operations (mul, add, floor, max, min, truncate) to the registers instead
+// of storing the coefficients and reading them back. Same floats in, same
+// operations, so the same codes as gemm + the quantisation loop.
+// codes is [M, kept] row-major; columns >= kept are not written.
+#define KVTC_TILE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int R, int NV>
+inline void gemm_quant_tile(const float* A, size_t lda, const float* B, size_t ldb, size_t K, size_t col,
+                            const QuantConsts& q, uint16_t* codes, size_t kept) {
+  static_assert(R >= 1 && R <= 6 && (NV == 1 || NV == 2), "tile shape");
+#define KVTC_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
+  KVTC_TILE_ROWS(KVTC_DECL)
+#undef KVTC_DECL
+  for (size_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
+    const __m256 b1 = NV == 2 ? _mm256_loadu_ps(B + k * ldb + 8) : _mm256_setzero_ps();
+#define KVTC_FMA(r)                                                   \
+  if constexpr (R > r) {                                              \
+    const __m256 a = _mm256_broadcast_ss(A + size_t(r) * lda + k);     \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                        \
+    if constexpr (NV == 2) c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1); \
+  }
+    KVTC_TILE_ROWS(KVTC_FMA)
+#undef KVTC_FMA
+  }
+  const auto store = [&](__m256 c, size_t r, size_t v) {
+    const size_t k0 = col + 8 * v;
+    if (k0 >= kept) return;
+    __m256 x = _mm256_add_ps(_mm256_mul_ps(c, _mm256_loadu_ps(q.inv_step + k0)), _mm256_loadu_ps(q.offset + k0));
+    x = _mm256_floor_ps(x);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_setzero_ps()), _mm256_loadu_ps(q.max_code + k0));
+    const __m256i i32 = _mm256_cvttps_epi32(x);
+    const __m128i u16 = _mm_packus_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+    uint16_t* out = codes + r * kept + k0;
+    if (k0 + 8 <= kept) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), u16);
+    } else {
+      // The row's last, partial group: a full store would spill into the
+      // next row's codes (written by an earlier panel).
+      alignas(16) uint16_t tmp[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp), u16);
+      std::memcpy(out, tmp, (kept - k0) * sizeof(uint16_t));
+    }
+  };
+#define KVTC_STORE(r)                          \
+  if constexpr (R > r) {                       \
+    store(c##r##0, r, 0);                      \
+    if constexpr (NV == 2) store(c##r##1, r, 1); \
+  }
+  KVTC_TILE_ROWS(KVTC_STORE)
+#undef KVTC_STORE
+}
+#undef KVTC_TILE_ROWS
+
+template <int NV>
+void gemm_quant_panel(const float* A, size_t lda, const float* B, size_t ldb, size_t M, size_t K, size_t col,
+                      const QuantConsts& q, uint16_t* codes, size_t kept) {
+  size_t i = 0;
+  for (; i + 6 <= M; i += 6) gemm_quant_tile<6, NV>(A + i * lda, lda, B, ldb, K, col, q, codes + i * kept, kept);
+  if (i + 4 <= M) {
+    gemm_quant_tile<4, NV>(A + i * lda, lda, B, ldb, K, col, q, codes + i * kept, kept);
+    i += 4;
+  }
+  for (; i < M; ++i) gemm_quant_tile<1, NV>(A + i * lda, lda, B, ldb, K, col, q, codes + i * kept, kept);
+}
+
+// codes[M, kept] = quantize(A[M, K] * B[K, N]), N = round_up8(kept).
+void gemm_quant(const float* A, size_t lda, const float* B, size_t ldb, size_t M, size_t N, size_t K,
+                const QuantConsts& q, uint16_t* codes, size_t kept) {
+  size_t j = 0;
+  for (; j + 16 <= N; j += 16) gemm_quant_panel<2>(A, lda, B + j, ldb, M, K, j, q, codes, kept);
+  if (j < N) gemm_quant_panel<1>(A, lda, B + j, ldb, M, K, j, q, codes, kept);
+}
+
 // C[M, N] = A[M, K] * B[K, N] (+ init[N] on every row, when not null);
 // row-major with leading dimensions; N a multiple of 8.
 void gemm(const float* A, size_t lda, const float* B, size_t ldb, size_t M, size_t N, size_t K, const float* init,
@@ -404,19 +488,15 @@ BlockScratch& scratch() {
   return s;
 }
 
-void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
+namespace {
+
+// Projection and quantisation of centred rows [n, dim] into codes [n, kept]
+// (the second half of quantize_block; the scratch's centred may be c).
+void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes) {
   const int kept = p.n_kept();
-  if (n == 0 || kept == 0) return;
   BlockScratch& s = scratch();
   const int dim = p.dim;
-  // Same arithmetic as project_all (centre, then one product), into reused buffers.
-  s.centred.resize(n, dim);
-  ConstRowMap xm(x, n, dim);
-  Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
-  s.centred.noalias() = xm.rowwise() - mu;
   const size_t K = static_cast<size_t>(kept);
-  // Coefficients [n, ldc]: the kernel's zero-padded width, or K.
-  size_t ldc = K;
 #ifdef KVCODEC_KVTC_GEMM
   {
     const size_t K8 = round_up8(K);
@@ -425,15 +505,24 @@ void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* co
       transpose_basis(p, s.basis_t);  // parameters assembled without build_decoders()
       bt = &s.basis_t;
     }
-    s.coeffs.resize(n, int64_t(K8));
-    gemm(s.centred.data(), size_t(dim), bt->data(), K8, size_t(n), K8, size_t(dim), nullptr, s.coeffs.data(), K8);
-    ldc = K8;
+    // Constants padded to K8 (the kernel reads whole groups of 8).
+    s.a.assign(K8, 0.0f), s.b.assign(K8, 0.0f), s.c.assign(K8, 0.0f);
+    for (size_t k = 0; k < K; ++k) {
+      s.a[k] = 1.0f / p.quant[k].step;
+      s.b[k] = code_offset(p.quant[k]);
+      s.c[k] = float(p.quant[k].levels - 1);
+    }
+    const QuantConsts q{s.a.data(), s.b.data(), s.c.data()};
+    gemm_quant(c, size_t(dim), bt->data(), K8, size_t(n), K8, size_t(dim), q, codes, K);
+    return;
   }
 #else
+  // Coefficients [n, kept].
+  ConstRowMap cm(c, n, dim);
   ConstRowMap basis(p.basis.data(), kept, dim);
   s.coeffs.resize(n, kept);
-  s.coeffs.noalias() = s.centred * basis.transpose();
-#endif
+  s.coeffs.noalias() = cm * basis.transpose();
+  const size_t ldc = K;
   s.a.resize(K), s.b.resize(K), s.c.resize(K);
   float* const inv_step = s.a.data();
   float* const offset = s.b.data();
@@ -444,29 +533,32 @@ void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* co
     max_code[k] = float(p.quant[k].levels - 1);
   }
   for (int64_t i = 0; i < n; ++i) {
-    const float* c = s.coeffs.data() + size_t(i) * ldc;
+    const float* ci = s.coeffs.data() + size_t(i) * ldc;
     uint16_t* out = codes + i * kept;
     // The clamp of quantize_block_reference (max(0, NaN) is 0 here, where
-    // std::clamp would pass the NaN on). GCC does not vectorise the scalar
-    // loop (float -> uint16), so AVX2 does 8 components at a time with the
-    // same operations in the same order (mul, add, floor, max, min).
-    size_t k = 0;
-#ifdef __AVX2__
-    for (; k + 8 <= K; k += 8) {
-      __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + k), _mm256_loadu_ps(inv_step + k)),
-                               _mm256_loadu_ps(offset + k));
-      v = _mm256_floor_ps(v);
-      v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), _mm256_loadu_ps(max_code + k));
-      const __m256i i32 = _mm256_cvttps_epi32(v);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
-                       _mm_packus_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1)));
-    }
-#endif
-    for (; k < K; ++k) {
-      const float v = std::floor(c[k] * inv_step[k] + offset[k]);
+    // std::clamp would pass the NaN on); the AVX2 epilogue of gemm_quant
+    // does the same operations in the same order (mul, add, floor, max, min).
+    for (size_t k = 0; k < K; ++k) {
+      const float v = std::floor(ci[k] * inv_step[k] + offset[k]);
       out[k] = uint16_t(int32_t(std::min(std::max(0.0f, v), max_code[k])));
     }
   }
+#endif
+}
+
+}  // namespace
+
+void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
+  const int kept = p.n_kept();
+  if (n == 0 || kept == 0) return;
+  BlockScratch& s = scratch();
+  const int dim = p.dim;
+  // Same arithmetic as project_all (centre, then one product), into reused buffers.
+  s.centred.resize(n, dim);
+  ConstRowMap xm(x, n, dim);
+  Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
+  s.centred.noalias() = xm.rowwise() - mu;
+  quantize_centred(p, s.centred.data(), n, codes);
 }
 
 void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
@@ -533,13 +625,11 @@ void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int6
 
 // --- entropy coding of a block ---------------------------------------------
 
-std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n) {
+namespace {
+
+// Entropy coding of the codes [n, kept] of a block (s.codes).
+std::vector<uint8_t> encode_codes(const HeadParams& p, const uint16_t* codes, int64_t n) {
   const int kept = p.n_kept();
-  BlockScratch& s = scratch();
-  s.codes.resize(size_t(n) * size_t(kept));
-  // quantize_block reuses s.coeffs/s.a..c but not s.codes.
-  quantize_block(p, x, n, s.codes.data());
-  const uint16_t* codes = s.codes.data();
   switch (p.coder) {
     case CoderChoice::kRans: {
       thread_local std::vector<const entropy::RansEncodeTable*> tables;
@@ -563,6 +653,64 @@ std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n
       return entropy::pack_fixed(codes, size_t(n), size_t(kept), p.fixed_widths);
   }
   return {};
+}
+
+}  // namespace
+
+std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n) {
+  BlockScratch& s = scratch();
+  s.codes.resize(size_t(n) * size_t(p.n_kept()));
+  // quantize_block reuses s.centred/s.coeffs/s.a..c but not s.codes.
+  quantize_block(p, x, n, s.codes.data());
+  return encode_codes(p, s.codes.data(), n);
+}
+
+std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int64_t row_stride, int64_t n,
+                                       DType raw) {
+  if (raw != DType::kF16 && raw != DType::kBF16)
+    throw Error(ErrorCode::kInvalidArgument, std::string("kvtc encode_block_rows: raw dtype must be f16 or bf16, got ") +
+                                                 dtype_name(raw));
+  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc encode_block_rows: n = " + std::to_string(n));
+  BlockScratch& s = scratch();
+  const int dim = p.dim;
+  const int kept = p.n_kept();
+  s.codes.resize(size_t(n) * size_t(kept));
+  if (n > 0 && kept > 0) {
+    // centred[t] = round_raw(x[t]) - mean: the rows as the raw tail would
+    // hold them (f32 -> raw -> f32), then centred as quantize_block does
+    // (one float subtraction per element), in one pass over L1.
+    s.centred.resize(n, dim);
+    const float* mean = p.mean.data();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = x + t * row_stride;
+      float* c = s.centred.data() + size_t(t) * size_t(dim);
+      int d = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+      if (raw == DType::kF16) {
+        for (; d + 8 <= dim; d += 8) {
+          const __m256 v = _mm256_loadu_ps(row + d);
+          // NaN chunks take the scalar conversions below (raw_convert's rule:
+          // the core's routines define the NaN bits).
+          if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
+          const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          _mm256_storeu_ps(c + d, _mm256_sub_ps(r, _mm256_loadu_ps(mean + d)));
+        }
+      }
+#endif
+      if (d < dim) {
+        uint16_t h[8];
+        float f[8];
+        for (; d < dim; d += 8) {
+          const size_t m = size_t(std::min(8, dim - d));
+          f32_to_raw(row + d, h, raw, m);
+          raw_to_f32(h, raw, f, m);
+          for (size_t j = 0; j < m; ++j) c[size_t(d) + j] = f[j] - mean[size_t(d) + j];
+        }
+      }
+    }
+    quantize_centred(p, s.centred.data(), n, s.codes.data());
+  }
+  return encode_codes(p, s.codes.data(), n);
 }
 
 namespace {

@@ -16,6 +16,7 @@
 
 #include "entropy/entropy.hpp"
 #include "kvcodec/container.hpp"
+#include "kvcodec/tensor.hpp"
 
 namespace kvcodec::kvtc {
 
@@ -97,6 +98,14 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
 
 // Encodes n tokens x [n, D] into bytes (payload only; the caller frames it).
 std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n);
+
+// The same bytes as encode_block of the n rows x + t * row_stride (t < n,
+// each D floats), first rounded to the raw dtype (f16 or bf16) and back as a
+// kvtc cache's raw tail stores them (kvtc::f32_to_raw, kvtc::raw_to_f32):
+// the rounding is fused into the centring pass, without the round trip
+// through a raw buffer. raw other than f16/bf16: Error(kInvalidArgument).
+std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int64_t row_stride, int64_t n,
+                                       DType raw);
 
 // Decodes bytes of n tokens into out [n, D]. Throws Error(kFormat) on bad bytes.
 void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out);
