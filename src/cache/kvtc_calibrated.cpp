@@ -660,7 +660,9 @@ CacheStats CalibratedKvtcCache::stats() const {
 
 // --- persistence ---------------------------------------------------------------
 //
-// Sections: "state" (batch, offset, raw dtype, block count), then for K and V
+// Sections: "state" (u64 batch, u64 offset, u8 raw dtype, u64 block count,
+// u64 tokens of the newest block; files without the last field hold whole
+// blocks only), then for K and V
 // "<t>.blocks" (per block, per batch row: varint length + payload) and
 // "<t>.raw" (per batch row, raw tokens as 16-bit words). The calibration is
 // referenced by path in the settings and identified by its parameters' hash,
