@@ -174,7 +174,7 @@ TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
 // falls back to the scalar conversions).
 TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
   for (int dim : {13, 64}) {
-    const int64_t n_fit = 4 * dim;
+    const int64_t n_fit = std::max(4 * dim, 64);  // also the rows the blocks read
     const auto x = correlated(n_fit, dim, uint32_t(300 + dim));
     CodecOptions o;
     o.allocator = Allocator::kRate;
