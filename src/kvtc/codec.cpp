@@ -687,6 +687,12 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
       int d = 0;
 #if defined(__F16C__) && defined(__AVX2__)
       if (raw == DType::kF16) {
+        // The caller's next block of this head usually follows n rows on:
+        // start its lines' fetch now (a prefetch never faults; the address
+        // is formed as an integer, since it may lie past the caller's array).
+        const uintptr_t next = reinterpret_cast<uintptr_t>(row) + uintptr_t(n * row_stride) * sizeof(float);
+        for (int e = 0; e < dim; e += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(next + uintptr_t(e) * sizeof(float)), _MM_HINT_T0);
         for (; d + 8 <= dim; d += 8) {
           const __m256 v = _mm256_loadu_ps(row + d);
           // NaN chunks take the scalar conversions below (raw_convert's rule:
