@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fmt/format.h>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -104,99 +105,157 @@ std::vector<double> attention(const Tensor& query, const Tensor& keys, const Ten
   return out;
 }
 
-struct MethodResult {
-  nlohmann::json json;
+// The lossless baseline: the f16 bytes of every K and V tensor,
+// concatenated, through zstd. One encode() / decode() is one timed pass.
+class ZstdRunner {
+ public:
+  ZstdRunner(const Dump& dump, int level) : level_(level) {
+    for (const Layer& l : dump.layers)
+      for (const Tensor* t : {&l.key, &l.value}) {
+        const size_t at = f16_.size();
+        f16_.resize(at + size_t(t->numel()));
+        convert(t->data(), DType::kF32, f16_.data() + at, DType::kF16, size_t(t->numel()));
+      }
+    compressed_.resize(ZSTD_compressBound(in_bytes()));
+    restored_.resize(f16_.size());
+    encode();  // so that decode() has a frame before the first timed encode
+  }
+  size_t in_bytes() const { return f16_.size() * 2; }
+  double encode() {
+    const auto t0 = Clock::now();
+    csize_ = ZSTD_compress(compressed_.data(), compressed_.size(), f16_.data(), in_bytes(), level_);
+    const double s = seconds_since(t0);
+    if (ZSTD_isError(csize_)) throw Error(ErrorCode::kInternal, std::string("zstd: ") + ZSTD_getErrorName(csize_));
+    best_enc_ = std::min(best_enc_, s);
+    return s;
+  }
+  double decode() {
+    const auto t0 = Clock::now();
+    const size_t dsize = ZSTD_decompress(restored_.data(), in_bytes(), compressed_.data(), csize_);
+    const double s = seconds_since(t0);
+    if (ZSTD_isError(dsize) || dsize != in_bytes() || restored_ != f16_)
+      throw Error(ErrorCode::kInternal, "zstd round trip failed");
+    best_dec_ = std::min(best_dec_, s);
+    return s;
+  }
+  nlohmann::json result() const {
+    nlohmann::json j;
+    j["method"] = "zstd";
+    j["compression_ratio"] = double(in_bytes()) / double(csize_);
+    j["compressed_bytes"] = csize_;
+    j["rel_mse_key"] = 0.0;
+    j["rel_mse_value"] = 0.0;
+    j["bits_per_element"] = 8.0 * double(csize_) / double(f16_.size());
+    j["encode_mb_per_s"] = double(in_bytes()) / best_enc_ / 1e6;
+    j["decode_mb_per_s"] = double(in_bytes()) / best_dec_ / 1e6;
+    j["settings"] = {{"level", level_}};
+    return j;
+  }
+
+ private:
+  int level_;
+  std::vector<uint16_t> f16_, restored_;
+  std::vector<uint8_t> compressed_;
+  size_t csize_ = 0;
+  double best_enc_ = 1e300, best_dec_ = 1e300;
 };
 
-MethodResult bench_zstd(const Dump& dump, int repeats, int level) {
-  // The f16 bytes of every K and V tensor, concatenated.
-  std::vector<uint16_t> f16;
-  for (const Layer& l : dump.layers)
-    for (const Tensor* t : {&l.key, &l.value}) {
-      const size_t at = f16.size();
-      f16.resize(at + size_t(t->numel()));
-      convert(t->data(), DType::kF32, f16.data() + at, DType::kF16, size_t(t->numel()));
-    }
-  const size_t in_bytes = f16.size() * 2;
-  std::vector<uint8_t> compressed(ZSTD_compressBound(in_bytes));
-  std::vector<uint16_t> restored(f16.size());
-  double best_enc = 1e300, best_dec = 1e300;
-  size_t csize = 0;
-  for (int r = 0; r < repeats; ++r) {
-    auto t0 = Clock::now();
-    csize = ZSTD_compress(compressed.data(), compressed.size(), f16.data(), in_bytes, level);
-    best_enc = std::min(best_enc, seconds_since(t0));
-    if (ZSTD_isError(csize)) throw Error(ErrorCode::kInternal, std::string("zstd: ") + ZSTD_getErrorName(csize));
-    t0 = Clock::now();
-    const size_t dsize = ZSTD_decompress(restored.data(), in_bytes, compressed.data(), csize);
-    best_dec = std::min(best_dec, seconds_since(t0));
-    if (ZSTD_isError(dsize) || dsize != in_bytes || restored != f16)
-      throw Error(ErrorCode::kInternal, "zstd round trip failed");
+// One cache method's timed passes over the dump. A repeat is: fresh caches
+// and the dump appended (fit + encode, timed), then for_each_block over them
+// (decode, timed), then the dump appended again through the now frozen
+// parameters (steady-state encode, timed): three separately callable steps
+// so that the bench can put a zstd pass right beside each.
+class CacheRunner {
+ public:
+  CacheRunner(const Dump& dump, std::string method, Settings settings, int threads)
+      : dump_(dump), method_(std::move(method)), settings_(std::move(settings)), threads_(threads) {
+    config_.n_layers = int(dump.layers.size());
+    config_.n_kv_heads = int(dump.heads);
+    config_.head_dim = int(dump.dim);
+    caches_.resize(dump.layers.size());
   }
-  nlohmann::json j;
-  j["method"] = "zstd";
-  j["compression_ratio"] = double(in_bytes) / double(csize);
-  j["compressed_bytes"] = csize;
-  j["rel_mse_key"] = 0.0;
-  j["rel_mse_value"] = 0.0;
-  j["bits_per_element"] = 8.0 * double(csize) / double(f16.size());
-  j["encode_mb_per_s"] = double(in_bytes) / best_enc / 1e6;
-  j["decode_mb_per_s"] = double(in_bytes) / best_dec / 1e6;
-  j["settings"] = {{"level", level}};
-  return {j};
-}
+  const std::string& method() const { return method_; }
+  const Settings& settings() const { return settings_; }
 
-MethodResult bench_cache_method(const Dump& dump, const std::string& method, const Settings& settings,
-                                int repeats, int threads, bool with_bound) {
-  const int n_layers = int(dump.layers.size());
-  CacheConfig config;
-  config.n_layers = n_layers;
-  config.n_kv_heads = int(dump.heads);
-  config.head_dim = int(dump.dim);
-  std::vector<std::unique_ptr<KVCache>> caches(static_cast<size_t>(n_layers));
-  double best_enc = 1e300, best_dec = 1e300;
-  for (int r = 0; r < repeats; ++r) {
-    for (int i = 0; i < n_layers; ++i) {
-      config.layer = i;
-      caches[size_t(i)] = make_cache(method, config, settings);
-    }
-    auto t0 = Clock::now();
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-    for (int i = 0; i < n_layers; ++i)
-      caches[size_t(i)]->append(dump.layers[size_t(i)].key.view(), dump.layers[size_t(i)].value.view());
-    best_enc = std::min(best_enc, seconds_since(t0));
-    t0 = Clock::now();
+  double fit_encode() {
+    make_caches(caches_);
+    const double s = append_all(caches_);
+    best_fit_ = std::min(best_fit_, s);
+    return s;
+  }
+  double decode() {
+    const int n_layers = int(caches_.size());
+    const auto t0 = Clock::now();
     double sink = 0.0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic) reduction(+ : sink)
+#pragma omp parallel for num_threads(threads_) schedule(dynamic) reduction(+ : sink)
     for (int i = 0; i < n_layers; ++i)
-      caches[size_t(i)]->for_each_block([&](int64_t, const TensorView& k, const TensorView&) {
+      caches_[size_t(i)]->for_each_block([&](int64_t, const TensorView& k, const TensorView&) {
         sink += static_cast<const float*>(k.data)[0];  // keep the decode from being elided
       });
-    best_dec = std::min(best_dec, seconds_since(t0));
-    if (std::isnan(sink)) std::fprintf(stderr, "bench: NaN in %s reconstruction\n", method.c_str());
+    const double s = seconds_since(t0);
+    if (std::isnan(sink)) std::fprintf(stderr, "bench: NaN in %s reconstruction\n", method_.c_str());
+    best_dec_ = std::min(best_dec_, s);
+    return s;
+  }
+  // After fit_encode (and decode): the same tokens again, now with no fit.
+  double steady_encode() {
+    const double s = append_all(caches_);
+    best_steady_ = std::min(best_steady_, s);
+    return s;
+  }
+  double best_fit() const { return best_fit_; }
+  double best_decode() const { return best_dec_; }
+  double best_steady() const { return best_steady_; }
+
+  // Caches holding the dump once (for the error figures).
+  std::vector<std::unique_ptr<KVCache>> one_shot() {
+    std::vector<std::unique_ptr<KVCache>> caches(dump_.layers.size());
+    make_caches(caches);
+    append_all(caches);
+    return caches;
   }
 
-  // Steady-state encode: the same tokens appended again, now through the
-  // frozen parameters (no fit). The one-shot time above includes the fit.
-  double best_steady = 1e300;
-  {
-    std::vector<std::unique_ptr<KVCache>> again(caches.size());
-    for (int r = 0; r < repeats; ++r) {
-      for (int i = 0; i < n_layers; ++i) {
-        config.layer = i;
-        again[size_t(i)] = make_cache(method, config, settings);
-        again[size_t(i)]->append(dump.layers[size_t(i)].key.view(), dump.layers[size_t(i)].value.view());
-      }
-      const auto t0 = Clock::now();
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-      for (int i = 0; i < n_layers; ++i)
-        again[size_t(i)]->append(dump.layers[size_t(i)].key.view(), dump.layers[size_t(i)].value.view());
-      best_steady = std::min(best_steady, seconds_since(t0));
+ private:
+  void make_caches(std::vector<std::unique_ptr<KVCache>>& caches) {
+    for (size_t i = 0; i < caches.size(); ++i) {
+      config_.layer = int(i);
+      caches[i].reset();  // the old set's memory goes before the new one's
+      caches[i] = make_cache(method_, config_, settings_);
     }
   }
+  double append_all(std::vector<std::unique_ptr<KVCache>>& caches) {
+    const int n_layers = int(caches.size());
+    const auto t0 = Clock::now();
+#pragma omp parallel for num_threads(threads_) schedule(dynamic)
+    for (int i = 0; i < n_layers; ++i)
+      caches[size_t(i)]->append(dump_.layers[size_t(i)].key.view(), dump_.layers[size_t(i)].value.view());
+    return seconds_since(t0);
+  }
 
-  // Errors, per layer and head, and the reverse water-filling bound at the
-  // MSE each head achieved (from the PCA eigenvalues of the original data).
+  const Dump& dump_;
+  std::string method_;
+  Settings settings_;
+  int threads_;
+  CacheConfig config_;
+  std::vector<std::unique_ptr<KVCache>> caches_;
+  double best_fit_ = 1e300, best_dec_ = 1e300, best_steady_ = 1e300;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The quality figures of a cache method (the speed fields come from the
+// timing loop): errors per layer and head, and the reverse water-filling
+// bound at the MSE each head achieved (from the PCA eigenvalues of the
+// original data).
+nlohmann::json cache_method_result(const Dump& dump, CacheRunner& runner, bool with_bound) {
+  const std::string& method = runner.method();
+  const std::vector<std::unique_ptr<KVCache>> caches = runner.one_shot();
+  const int n_layers = int(dump.layers.size());
   double err_k = 0, err_v = 0, ref_k = 0, ref_v = 0, attn_err = 0, attn_ref = 0, bound_bits = 0;
   bool have_query = false;
   CacheStats total;
@@ -245,9 +304,9 @@ MethodResult bench_cache_method(const Dump& dump, const std::string& method, con
   j["rel_mse_key"] = ref_k > 0 ? err_k / ref_k : 0.0;
   j["rel_mse_value"] = ref_v > 0 ? err_v / ref_v : 0.0;
   j["bits_per_element"] = 8.0 * double(total.compressed_bytes()) / elements;
-  j["encode_mb_per_s"] = dump.f16_bytes() / best_steady / 1e6;
-  j["fit_encode_mb_per_s"] = dump.f16_bytes() / best_enc / 1e6;
-  j["decode_mb_per_s"] = dump.f16_bytes() / best_dec / 1e6;
+  j["encode_mb_per_s"] = dump.f16_bytes() / runner.best_steady() / 1e6;
+  j["fit_encode_mb_per_s"] = dump.f16_bytes() / runner.best_fit() / 1e6;
+  j["decode_mb_per_s"] = dump.f16_bytes() / runner.best_decode() / 1e6;
   if (have_query) j["attn_rel_err"] = attn_ref > 0 ? std::sqrt(attn_err / attn_ref) : 0.0;
   if (with_bound) j["rd_bound_bits_per_element"] = bound_bits / elements;
   const auto extra = [&](const std::string& name) {
@@ -272,9 +331,36 @@ MethodResult bench_cache_method(const Dump& dump, const std::string& method, con
   for (const auto& [name, value] : total.extras) extras[name] = value;
   j["extras"] = extras;
   nlohmann::json set = nlohmann::json::object();
-  for (const auto& [k, v] : settings) set[k] = v;
+  for (const auto& [k, v] : runner.settings()) set[k] = v;
   j["settings"] = set;
-  return {j};
+  return j;
+}
+
+// Same-run ratios of one method against zstd: per repeat, each of the
+// method's timed passes has a zstd pass of the same direction right beside
+// it, and the ratio of that pair (method MB/s / zstd MB/s = zstd seconds /
+// method seconds) is one sample. The median over repeats is what the
+// machine's drift (other processes, frequency) disturbs least: a slow
+// phase hits both sides of a pair, where best-of figures taken phases apart
+// do not.
+struct PairedRatios {
+  std::vector<double> encode, decode;
+};
+
+// Runs a pair of timed passes (method's and zstd's) in an order that
+// alternates with the repeat, so that neither side is always the one right
+// after the other's cache-polluting pass. Returns zstd seconds / method seconds.
+template <class A, class B>
+double timed_pair(int repeat, A&& method_pass, B&& zstd_pass) {
+  double m, z;
+  if (repeat % 2 == 0) {
+    z = zstd_pass();
+    m = method_pass();
+  } else {
+    m = method_pass();
+    z = zstd_pass();
+  }
+  return z / m;
 }
 
 }  // namespace
@@ -287,7 +373,7 @@ void register_bench(CLI::App& app) {
     std::vector<std::string> sets;
     bool json = false;
     int threads = 1;
-    int repeats = 3;
+    int repeats = 11;
     int zstd_level = 3;
     bool no_bound = false;
   };
@@ -299,9 +385,24 @@ void register_bench(CLI::App& app) {
   cmd->add_option("--set", opt->sets, "method setting, <method>.<field>=<value> (repeatable)");
   cmd->add_flag("--json", opt->json, "print one JSON array on stdout");
   cmd->add_option("--threads", opt->threads, "threads (layers in parallel)")->check(CLI::Range(1, 256))->capture_default_str();
-  cmd->add_option("--repeats", opt->repeats, "timing repeats (best is reported)")->check(CLI::Range(1, 100))->capture_default_str();
+  cmd->add_option("--repeats", opt->repeats,
+                  "timing repeats; every *_mb_per_s is the best (fastest) repeat, every *_vs_zstd the median over "
+                  "repeats of the same-repeat ratio")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
   cmd->add_option("--zstd-level", opt->zstd_level, "zstd level of the lossless baseline")->capture_default_str();
   cmd->add_flag("--no-bound", opt->no_bound, "skip the reverse water-filling bound (faster)");
+  cmd->footer(
+      "Speed fields (MB/s of the dump as f16, wall clock, single thread unless --threads):\n"
+      "  encode_mb_per_s      steady-state encode: the dump appended again to caches that hold it (no fit)\n"
+      "  fit_encode_mb_per_s  fresh caches: fit + encode of the dump\n"
+      "  decode_mb_per_s      for_each_block over caches holding the dump once\n"
+      "With zstd among the methods the methods are timed interleaved: in every repeat each method's decode and\n"
+      "steady encode run right beside a zstd decode / encode (the order alternating with the repeat), and each\n"
+      "other method gets\n"
+      "  encode_vs_zstd       median over repeats of (method encode MB/s / zstd encode MB/s) of the same repeat\n"
+      "  decode_vs_zstd       the same for decode\n"
+      "These ratios are what machine-speed drift disturbs least; the best-of MB/s fields are kept as they were.");
   cmd->callback([opt] {
     const Dump dump = load_dump(opt->kv);
     std::vector<std::string> methods;
@@ -310,15 +411,52 @@ void register_bench(CLI::App& app) {
       if (!m.empty()) methods.push_back(m);
     // Validate every --set up front (a typo fails before minutes of work).
     (void)settings_for_method(opt->sets, "");
-    nlohmann::json results = nlohmann::json::array();
+    std::unique_ptr<ZstdRunner> zstd;
+    std::vector<std::unique_ptr<CacheRunner>> runners;  // the non-zstd methods, in the order given
     for (const std::string& m : methods) {
-      if (!opt->json) std::fprintf(stderr, "bench: %s ...\n", m.c_str());
       if (m == "zstd") {
-        results.push_back(bench_zstd(dump, opt->repeats, opt->zstd_level).json);
+        if (!zstd) zstd = std::make_unique<ZstdRunner>(dump, opt->zstd_level);
       } else {
-        const Settings settings = settings_for_method(opt->sets, m);
-        results.push_back(bench_cache_method(dump, m, settings, opt->repeats, opt->threads, !opt->no_bound).json);
+        runners.push_back(std::make_unique<CacheRunner>(dump, m, settings_for_method(opt->sets, m), opt->threads));
       }
+    }
+    if (!opt->json)
+      std::fprintf(stderr, "bench: timing %s (%d repeats%s) ...\n", opt->methods.c_str(), opt->repeats,
+                   zstd && !runners.empty() ? ", interleaved with zstd" : "");
+    std::vector<PairedRatios> ratios(runners.size());
+    for (int r = 0; r < opt->repeats; ++r) {
+      for (size_t k = 0; k < runners.size(); ++k) {
+        CacheRunner& run = *runners[k];
+        run.fit_encode();
+        if (zstd) {
+          ratios[k].decode.push_back(timed_pair(r, [&] { return run.decode(); }, [&] { return zstd->decode(); }));
+          ratios[k].encode.push_back(
+              timed_pair(r, [&] { return run.steady_encode(); }, [&] { return zstd->encode(); }));
+        } else {
+          run.decode();
+          run.steady_encode();
+        }
+      }
+      if (zstd && runners.empty()) {
+        zstd->encode();
+        zstd->decode();
+      }
+    }
+    nlohmann::json results = nlohmann::json::array();
+    size_t next_runner = 0;
+    for (const std::string& m : methods) {
+      if (m == "zstd") {
+        results.push_back(zstd->result());
+        continue;
+      }
+      const size_t k = next_runner++;
+      if (!opt->json) std::fprintf(stderr, "bench: %s quality ...\n", m.c_str());
+      nlohmann::json j = cache_method_result(dump, *runners[k], !opt->no_bound);
+      if (zstd) {
+        j["encode_vs_zstd"] = median(ratios[k].encode);
+        j["decode_vs_zstd"] = median(ratios[k].decode);
+      }
+      results.push_back(std::move(j));
     }
     if (opt->json) {
       std::printf("%s\n", results.dump(2).c_str());
@@ -326,15 +464,17 @@ void register_bench(CLI::App& app) {
     }
     fmt::print("KV dump {}: {} layers x [B={}, H={}, T={}, D={}], {:.2f} MB as f16\n", opt->kv, dump.layers.size(),
                dump.batch, dump.heads, dump.tokens, dump.dim, dump.f16_bytes() / 1e6);
-    fmt::print("{:<8} {:>7} {:>8} {:>11} {:>11} {:>9} {:>9} {:>10} {:>10}\n", "method", "ratio", "bits/el",
-               "rel_mse_K", "rel_mse_V", "attn_err", "bound", "enc MB/s", "dec MB/s");
+    fmt::print("{:<8} {:>7} {:>8} {:>11} {:>11} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9}\n", "method", "ratio",
+               "bits/el", "rel_mse_K", "rel_mse_V", "attn_err", "bound", "enc MB/s", "dec MB/s", "enc/zstd",
+               "dec/zstd");
     for (const auto& r : results) {
       auto num = [&](const char* key) { return r.contains(key) ? fmt::format("{:.4g}", r[key].get<double>()) : std::string("-"); };
-      fmt::print("{:<8} {:>7.2f} {:>8.3f} {:>11} {:>11} {:>9} {:>9} {:>10.1f} {:>10.1f}\n",
+      auto ratio = [&](const char* key) { return r.contains(key) ? fmt::format("{:.3f}", r[key].get<double>()) : std::string("-"); };
+      fmt::print("{:<8} {:>7.2f} {:>8.3f} {:>11} {:>11} {:>9} {:>9} {:>10.1f} {:>10.1f} {:>9} {:>9}\n",
                  r["method"].get<std::string>(), r["compression_ratio"].get<double>(),
                  r["bits_per_element"].get<double>(), num("rel_mse_key"), num("rel_mse_value"), num("attn_rel_err"),
                  num("rd_bound_bits_per_element"), r["encode_mb_per_s"].get<double>(),
-                 r["decode_mb_per_s"].get<double>());
+                 r["decode_mb_per_s"].get<double>(), ratio("encode_vs_zstd"), ratio("decode_vs_zstd"));
     }
   });
 }
