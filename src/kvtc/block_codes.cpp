@@ -16,13 +16,31 @@ std::vector<uint8_t> encode_codes(const HeadParams& p, const uint16_t* codes, in
                                                      std::to_string(codes[size_t(i) * kept + k]) + " of component " +
                                                      std::to_string(k) + " >= its " +
                                                      std::to_string(p.quant[k].levels) + " levels");
+  return entropy_encode_codes(p, codes, n);
+}
+
+void decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes) {
+  const size_t kept = size_t(p.n_kept());
+  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc decode_codes: n = " + std::to_string(n));
+  entropy_decode_codes(p, data, size, n, codes);
+  for (int64_t i = 0; i < n; ++i)
+    for (size_t k = 0; k < kept; ++k)
+      if (codes[size_t(i) * kept + k] >= p.quant[k].levels)
+        throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
+}
+
+std::vector<uint8_t> entropy_encode_codes(const HeadParams& p, const uint16_t* codes, int64_t n) {
+  const size_t kept = size_t(p.n_kept());
   switch (p.coder) {
     case CoderChoice::kRans: {
+      // Table pointers in a reused buffer: a block is a few microseconds of work.
+      thread_local std::vector<const entropy::RansEncodeTable*> tables;
+      tables.clear();
       if (p.rans_encode.size() == p.rans_tables.size()) {
-        std::vector<const entropy::RansEncodeTable*> tables;
         for (const auto& t : p.rans_encode) tables.push_back(&t);
         return entropy::rans_encode(codes, size_t(n), kept, tables);
       }
+      // Parameters assembled by hand without build_decoders(): same bytes, slower.
       std::vector<const entropy::FrequencyTable*> freq;
       for (const auto& t : p.rans_tables) freq.push_back(&t);
       return entropy::rans_encode(codes, size_t(n), kept, freq);
@@ -39,17 +57,21 @@ std::vector<uint8_t> encode_codes(const HeadParams& p, const uint16_t* codes, in
   return {};
 }
 
-void decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes) {
+void entropy_decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes) {
   const size_t kept = size_t(p.n_kept());
-  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc decode_codes: n = " + std::to_string(n));
   switch (p.coder) {
     case CoderChoice::kRans: {
-      std::vector<entropy::RansDecodeTable> built;  // only for hand-assembled parameters
+      thread_local std::vector<const entropy::RansDecodeTable*> tables;
+      thread_local std::vector<entropy::RansDecodeTable> built;  // only for hand-assembled parameters
+      tables.clear();
+      built.clear();
       if (p.rans_decode.size() != p.rans_tables.size())
         for (const auto& t : p.rans_tables) built.emplace_back(t);
-      std::vector<const entropy::RansDecodeTable*> tables;
       for (const auto& t : built.empty() ? p.rans_decode : built) tables.push_back(&t);
-      entropy::rans_decode(data, size, size_t(n), kept, tables, codes);
+      if (built.empty())
+        entropy::rans_decode(data, size, size_t(n), kept, tables, codes, p.rans_groups);
+      else
+        entropy::rans_decode(data, size, size_t(n), kept, tables, codes);
       break;
     }
     case CoderChoice::kHuffman: {
@@ -63,10 +85,6 @@ void decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t
       entropy::unpack_fixed(data, size, size_t(n), kept, p.fixed_widths, codes);
       break;
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (size_t k = 0; k < kept; ++k)
-      if (codes[size_t(i) * kept + k] >= p.quant[k].levels)
-        throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
 }
 
 }  // namespace kvcodec::kvtc

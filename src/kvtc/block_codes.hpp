@@ -22,4 +22,11 @@ std::vector<uint8_t> encode_codes(const HeadParams& p, const uint16_t* codes, in
 // truncated bytes or a code outside its component's levels.
 void decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes);
 
+// The coder switch alone, shared with kvtc::encode_block / decode_block
+// (which do their own range handling): no check of the codes against the
+// quantizers' levels (the coders still reject symbols outside their tables
+// and bad streams). n >= 0.
+std::vector<uint8_t> entropy_encode_codes(const HeadParams& p, const uint16_t* codes, int64_t n);
+void entropy_decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes);
+
 }  // namespace kvcodec::kvtc

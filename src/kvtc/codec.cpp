@@ -13,6 +13,7 @@
 #include "alloc/allocator.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
+#include "kvtc/block_codes.hpp"
 #include "kvtc/raw_convert.hpp"
 
 namespace kvcodec::kvtc {
@@ -625,44 +626,13 @@ void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int6
 
 // --- entropy coding of a block ---------------------------------------------
 
-namespace {
-
-// Entropy coding of the codes [n, kept] of a block (s.codes).
-std::vector<uint8_t> encode_codes(const HeadParams& p, const uint16_t* codes, int64_t n) {
-  const int kept = p.n_kept();
-  switch (p.coder) {
-    case CoderChoice::kRans: {
-      thread_local std::vector<const entropy::RansEncodeTable*> tables;
-      tables.clear();
-      if (p.rans_encode.size() == p.rans_tables.size()) {
-        for (const auto& t : p.rans_encode) tables.push_back(&t);
-        return entropy::rans_encode(codes, size_t(n), size_t(kept), tables);
-      }
-      // Parameters assembled by hand without build_decoders(): same bytes, slower.
-      std::vector<const entropy::FrequencyTable*> freq;
-      for (const auto& t : p.rans_tables) freq.push_back(&t);
-      return entropy::rans_encode(codes, size_t(n), size_t(kept), freq);
-    }
-    case CoderChoice::kHuffman: {
-      std::vector<const entropy::HuffmanTable*> tables;
-      for (const auto& t : p.huffman_tables) tables.push_back(&t);
-      return entropy::huffman_encode(codes, size_t(n), size_t(kept), tables);
-    }
-    case CoderChoice::kFixed:
-    case CoderChoice::kAuto:
-      return entropy::pack_fixed(codes, size_t(n), size_t(kept), p.fixed_widths);
-  }
-  return {};
-}
-
-}  // namespace
 
 std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n) {
   BlockScratch& s = scratch();
   s.codes.resize(size_t(n) * size_t(p.n_kept()));
   // quantize_block reuses s.centred/s.coeffs/s.a..c but not s.codes.
   quantize_block(p, x, n, s.codes.data());
-  return encode_codes(p, s.codes.data(), n);
+  return entropy_encode_codes(p, s.codes.data(), n);
 }
 
 std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int64_t row_stride, int64_t n,
@@ -716,7 +686,7 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
     }
     quantize_centred(p, s.centred.data(), n, s.codes.data());
   }
-  return encode_codes(p, s.codes.data(), n);
+  return entropy_encode_codes(p, s.codes.data(), n);
 }
 
 namespace {
@@ -769,28 +739,7 @@ void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t
   BlockScratch& s = scratch();
   s.codes.resize(size_t(n) * size_t(kept));
   uint16_t* codes = s.codes.data();
-  switch (p.coder) {
-    case CoderChoice::kRans: {
-      thread_local std::vector<const entropy::RansDecodeTable*> tables;
-      thread_local std::vector<entropy::RansDecodeTable> built;
-      rans_decode_tables(p, built, tables);
-      if (built.empty())
-        entropy::rans_decode(data, size, size_t(n), size_t(kept), tables, codes, p.rans_groups);
-      else
-        entropy::rans_decode(data, size, size_t(n), size_t(kept), tables, codes);
-      break;
-    }
-    case CoderChoice::kHuffman: {
-      std::vector<const entropy::HuffmanTable*> tables;
-      for (const auto& t : p.huffman_tables) tables.push_back(&t);
-      entropy::huffman_decode(data, size, size_t(n), size_t(kept), tables, codes);
-      break;
-    }
-    case CoderChoice::kFixed:
-    case CoderChoice::kAuto:
-      entropy::unpack_fixed(data, size, size_t(n), size_t(kept), p.fixed_widths, codes);
-      break;
-  }
+  entropy_decode_codes(p, data, size, n, codes);
   finish_block(p, codes, n, out);
 }
 
