@@ -102,6 +102,11 @@ struct DecCol {
   uint32_t last;  // alphabet_size - 1
 };
 
+DecCol dec_col(const RansDecodeTable& t) {
+  return DecCol{t.slot_symbol.data(), t.syms.data(), t.search.empty() ? nullptr : t.search.data(),
+                t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
+}
+
 // The symbol owning slot: the slot table, or (AVX2, small alphabets) the
 // number of cumulative frequencies cum[1..] that are <= slot.
 inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
@@ -777,6 +782,14 @@ class Decoder {
     i_ = st.i, k0_ = st.k0, p_ = st.p;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(x_), st.X);
   }
+  // The group decoder alone over what this stream has left (then finish()).
+  void run_simd() {
+    if (!simd_) return;
+    SimdStream st = simd_stream();
+    while (st.can_step()) st.step();
+    step_padded_tail(st);
+    take(st);
+  }
 #endif
 
   void finish() {
@@ -854,9 +867,7 @@ class Decoder {
     // cyclic column sequence never wrap inside one group.
     ext_.resize(n_active_ + kRansLanes);
     for (size_t k = 0; k < ext_.size(); ++k) {
-      const RansDecodeTable& t = *(*tables_)[cols_[k % n_active_]];
-      ext_[k] = DecCol{t.slot_symbol.data(), t.syms.data(), t.search.empty() ? nullptr : t.search.data(),
-                       t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
+      ext_[k] = dec_col(*(*tables_)[cols_[k % n_active_]]);
     }
     ext_built_ = true;
   }
@@ -892,12 +903,7 @@ void rans_decode_impl(const uint8_t* data, size_t size, size_t n_rows, size_t n_
   Decoder& d = decoder(0);
   if (!d.start(data, size, n_rows, n_cols, tables, out, allow_simd, pre)) return;
 #ifdef KVCODEC_RANS_AVX2
-  if (d.simd()) {
-    SimdStream st = d.simd_stream();
-    while (st.can_step()) st.step();
-    step_padded_tail(st);
-    d.take(st);
-  }
+  d.run_simd();
 #endif
   d.finish();
 }
@@ -920,12 +926,7 @@ void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
     // As two calls would: stream a decoded (and its error, if any, first).
     if (ra) {
 #ifdef KVCODEC_RANS_AVX2
-      if (da.simd()) {
-        SimdStream st = da.simd_stream();
-        while (st.can_step()) st.step();
-        step_padded_tail(st);
-        da.take(st);
-      }
+      da.run_simd();
 #endif
       da.finish();
     }
@@ -950,13 +951,8 @@ void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
     da.take(sa);
     db.take(sb);
   } else {
-    for (Decoder* d : {&da, &db})
-      if ((d == &da ? ra : rb) && d->simd()) {
-        SimdStream st = d->simd_stream();
-        while (st.can_step()) st.step();
-        step_padded_tail(st);
-        d->take(st);
-      }
+    if (ra) da.run_simd();
+    if (rb) db.run_simd();
   }
 #endif
   if (ra) da.finish();
@@ -978,9 +974,7 @@ RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tab
   check_decode_tables(cols, tables);
   std::vector<DecCol> ext(cols.size() + kRansLanes);
   for (size_t k = 0; k < ext.size(); ++k) {
-    const RansDecodeTable& t = *tables[cols[k % cols.size()]];
-    ext[k] = DecCol{t.slot_symbol.data(), t.syms.data(), t.search.empty() ? nullptr : t.search.data(),
-                    t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
+    ext[k] = dec_col(*tables[cols[k % cols.size()]]);
   }
   g.n_active = cols.size();
   g.usable = build_simd_groups(ext.data(), g.n_active, g.groups, g.rows, g.packed);
