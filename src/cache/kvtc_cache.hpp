@@ -30,6 +30,10 @@ struct KvtcSettings {
   // the RoPE base used to remove/re-apply RoPE on keys (default: the model's).
   std::string calibration;
   double rope_theta = 0.0;
+  // Calibrated mode: the `refine` newest coded tokens also keep a refinement
+  // code of their residual (the calibration's refinement parameters); it is
+  // dropped as they age. 0: none.
+  int refine = 0;
 };
 
 // Parses and validates kvtc settings (errors name field, value and range).
