@@ -195,12 +195,14 @@ struct RansGroupTables {
     alignas(32) int32_t key0[8];  // freq[0] (cum[0] = 0)
     size_t first = 0;             // offset of the group's row 1 in rows
     uint32_t rows = 0;            // largest alphabet of the group - 1
+    bool scalar = false;          // a column past the search's limits: the group takes the scalar lanes
   };
   std::vector<Group> groups;  // indexed by the group's first column position k0
   std::vector<int32_t> rows;  // transposed keys, 8 per row
   size_t n_active = 0;        // non-skipped columns they were built for
   bool packed = false;        // keys cum << 19 | s << 13 | freq (else cum << 16 | freq)
   bool usable = false;
+  bool any_scalar = false;    // some group has scalar set
 };
 RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tables);
 

@@ -126,6 +126,30 @@ inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
   return c.slot_symbol[slot];
 }
 
+// One group of kRansLanes symbols (columns c[0..7], lane states x) by the
+// scalar lanes; reads at most 2 bytes per lane from p (after a decode step
+// x >= 2^(23 - scale) >= 2^7), so 2 * kRansLanes bytes left need no check.
+inline void scalar_group(const DecCol* c, uint32_t* x, const uint8_t*& p, uint16_t* dst) {
+#pragma GCC unroll 8
+  for (size_t j = 0; j < kRansLanes; ++j) {
+    uint32_t s = x[j];
+    const uint32_t slot = s & c[j].mask;
+    const uint32_t sym = lookup_symbol(c[j], slot);
+    const RansDecodeTable::Sym e = c[j].syms[sym];
+    dst[j] = uint16_t(sym);
+    s = e.freq * (s >> c[j].scale) + slot - e.cum;
+    // Branchless renormalisation. The bytes to pull follow from s alone
+    // (s << 8 | b < 2^23 iff s < 2^15), so the shared stream pointer
+    // advances by a value computed off the loads: the lanes' only serial
+    // dependency is one add per symbol.
+    const uint32_t n = uint32_t(s < kRansLow) + uint32_t(s < (kRansLow >> 8));
+    const uint32_t v = (uint32_t(p[0]) << 8) | p[1];  // in bounds: >= 2 bytes left per symbol
+    s = (s << (8 * n)) | (v >> (16 - 8 * n));         // n = 0: v >> 16 == 0
+    p += n;
+    x[j] = s;
+  }
+}
+
 #ifdef KVCODEC_RANS_AVX2
 // --- 8-lane AVX2 decoder (same bitstream) --------------------------------------
 //
@@ -147,26 +171,41 @@ constexpr uint32_t kPackedMaxRows = 63;
 
 using SimdGroup = RansGroupTables::Group;
 
+// A column the compare search cannot take (alphabet > 65 or scale > 14,
+// e.g. the dp allocator's 256-level components): its groups take the
+// scalar lanes inside the vector loop.
+inline bool too_big(const DecCol& c) { return c.scale > kSimdMaxScale || c.last > kSimdMaxRows; }
+
 // Builds the tables of every group start k0 reachable from 0 in steps of 8;
-// false when a column's alphabet or scale is too large for the compare search.
+// a group holding a column too big for the compare search is marked scalar
+// (any_scalar). False when no group is left for the vector steps.
 bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup>& groups, std::vector<int32_t>& rows,
-                       bool& packed) {
-  groups.resize(n_active);
+                       bool& packed, bool& any_scalar) {
+  groups.assign(n_active, SimdGroup{});
   rows.clear();
   // Scales <= 12 and alphabets <= 64 (the common case) take the packed keys
   // cum << 19 | s << 13 | freq: the count of rows below the slot is then
-  // carried by the largest key itself (one op less per row).
+  // carried by the largest key itself (one op less per row). Columns of
+  // scalar groups only do not count.
   packed = true;
-  for (size_t k = 0; k < n_active; ++k) packed &= ext[k].scale <= kPackedMaxScale && ext[k].last <= kPackedMaxRows;
+  for (size_t k = 0; k < n_active; ++k)
+    if (!too_big(ext[k])) packed &= ext[k].scale <= kPackedMaxScale && ext[k].last <= kPackedMaxRows;
+  any_scalar = false;
+  bool any_vector = false;
   size_t k0 = 0;
   do {
     SimdGroup& g = groups[k0];
     uint32_t amax = 1;
     for (size_t j = 0; j < kRansLanes; ++j) {
-      if (ext[k0 + j].scale > kSimdMaxScale) return false;
+      g.scalar |= too_big(ext[k0 + j]);
       amax = std::max(amax, ext[k0 + j].last + 1);
     }
-    if (amax - 1 > kSimdMaxRows) return false;
+    if (g.scalar) {
+      any_scalar = true;
+      k0 = (k0 + kRansLanes) % n_active;
+      continue;
+    }
+    any_vector = true;
     g.rows = amax - 1;
     g.first = rows.size();
     for (size_t j = 0; j < kRansLanes; ++j) {
@@ -190,7 +229,7 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
     }
     k0 = (k0 + kRansLanes) % n_active;
   } while (k0 != 0);
-  return true;
+  return any_vector;
 }
 
 // One stream's group decoder state: step() decodes one group of 8 symbols
@@ -201,6 +240,7 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
 struct SimdStream {
   const SimdGroup* groups = nullptr;
   const int32_t* rows = nullptr;
+  const DecCol* ext = nullptr;  // the columns, for scalar groups
   size_t n_active = 0, n_coded = 0, i = 0, k0 = 0;
   const uint8_t* p = nullptr;
   const uint8_t* end = nullptr;
@@ -210,9 +250,24 @@ struct SimdStream {
 
   bool can_step() const { return i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes; }
 
+  // A group marked scalar: the 8 lanes through scalar_group.
+  __attribute__((noinline)) void step_scalar() {
+    alignas(32) uint32_t x[kRansLanes];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(x), X);
+    scalar_group(ext + k0, x, p, dst + i);
+    X = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
+    i += kRansLanes;
+    k0 += kRansLanes;
+    while (k0 >= n_active) k0 -= n_active;
+  }
+
   __attribute__((always_inline)) inline void step() {
     const __m256i one = _mm256_set1_epi32(1);
     const SimdGroup& g = groups[k0];
+    if (g.scalar) {
+      step_scalar();
+      return;
+    }
     const __m256i scale = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.scale));
     const __m256i slot = _mm256_and_si256(X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.mask)));
     __m256i sym, lo, freq;
@@ -660,6 +715,11 @@ namespace {
 __attribute__((always_inline)) inline void step_pair_packed(SimdStream& A, SimdStream& B) {
   const SimdGroup& ga = A.groups[A.k0];
   const SimdGroup& gb = B.groups[B.k0];
+  if (ga.scalar || gb.scalar) {
+    A.step();
+    B.step();
+    return;
+  }
   const __m256i scale_a = _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.scale));
   const __m256i scale_b = _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.scale));
   const __m256i slot_a = _mm256_and_si256(A.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.mask)));
@@ -756,7 +816,8 @@ class Decoder {
       if (pre && pre->n_active == n_active_ && pre->groups.size() == n_active_) {
         simd_ = pre->usable;
         group_ptr_ = pre->groups.data(), rows_ptr_ = pre->rows.data(), packed_ = pre->packed;
-      } else if (build_ext(), build_simd_groups(ext_.data(), n_active_, groups_, rows_, packed_)) {
+        if (simd_ && pre->any_scalar) build_ext();
+      } else if (build_ext(), build_simd_groups(ext_.data(), n_active_, groups_, rows_, packed_, any_scalar_)) {
         simd_ = true;
         group_ptr_ = groups_.data(), rows_ptr_ = rows_.data();
       }
@@ -772,7 +833,7 @@ class Decoder {
   bool simd() const { return simd_; }
   SimdStream simd_stream() {
     SimdStream st;
-    st.groups = group_ptr_, st.rows = rows_ptr_;
+    st.groups = group_ptr_, st.rows = rows_ptr_, st.ext = ext_built_ ? ext_.data() : nullptr;
     st.n_active = n_active_, st.n_coded = n_coded_, st.i = i_, st.k0 = k0_;
     st.p = p_, st.end = end_, st.dst = dst_, st.packed = packed_;
     st.X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_));
@@ -804,27 +865,7 @@ class Decoder {
     // (after a decode step x >= 2^(23 - scale) >= 2^7), so with that many
     // bytes left no per-byte bound check is needed.
     while (i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes) {
-      const DecCol* c = &ext_[k0];
-#pragma GCC unroll 8
-      for (size_t j = 0; j < kRansLanes; ++j) {
-        uint32_t s = x[j];
-        const uint32_t slot = s & c[j].mask;
-        const uint32_t sym = lookup_symbol(c[j], slot);
-        const RansDecodeTable::Sym e = c[j].syms[sym];
-        dst[i + j] = uint16_t(sym);
-        s = e.freq * (s >> c[j].scale) + slot - e.cum;
-        // Branchless renormalisation. The bytes to pull follow from s alone
-        // (s << 8 | b < 2^23 iff s < 2^15), so the shared stream pointer
-        // advances by a value computed off the loads: the lanes' only serial
-        // dependency is one add per symbol.
-        {
-          const uint32_t n = uint32_t(s < kRansLow) + uint32_t(s < (kRansLow >> 8));
-          const uint32_t v = (uint32_t(p[0]) << 8) | p[1];  // in bounds: >= 2 bytes left per symbol
-          s = (s << (8 * n)) | (v >> (16 - 8 * n));  // n = 0: v >> 16 == 0
-          p += n;
-        }
-        x[j] = s;
-      }
+      scalar_group(&ext_[k0], x, p, dst + i);
       i += kRansLanes;
       k0 += kRansLanes;
       while (k0 >= n_active) k0 -= n_active;
@@ -889,7 +930,7 @@ class Decoder {
   const uint8_t* p_ = nullptr;
   const uint8_t* end_ = nullptr;
   alignas(32) uint32_t x_[kRansLanes] = {};
-  bool dense_ = true, simd_ = false, packed_ = false;
+  bool dense_ = true, simd_ = false, packed_ = false, any_scalar_ = false;
 };
 
 Decoder& decoder(int which) {
@@ -977,7 +1018,7 @@ RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tab
     ext[k] = dec_col(*tables[cols[k % cols.size()]]);
   }
   g.n_active = cols.size();
-  g.usable = build_simd_groups(ext.data(), g.n_active, g.groups, g.rows, g.packed);
+  g.usable = build_simd_groups(ext.data(), g.n_active, g.groups, g.rows, g.packed, g.any_scalar);
   // Not usable: still sized, so the decoder takes the scalar lanes without rebuilding.
   g.groups.resize(g.n_active);
 #else

@@ -285,6 +285,72 @@ TEST(RansFast, SimdDecoderMatchesPortable) {
   }
 }
 
+// Columns past the compare search's limits (alphabet > 65, as the dp
+// allocator's 256-level components, or scale > 14) no longer send the whole
+// stream to the scalar lanes: only their groups take them, inside the
+// vector loop. Same symbols and errors as the portable decoder.
+TEST(RansFast, ScalarGroupsInsideTheVectorDecoder) {
+  std::mt19937_64 rng(2026);
+  for (int trial = 0; trial < 12; ++trial) {
+    const size_t rows = 40 + size_t(trial), cols = trial % 3 == 0 ? 64 : 20 + size_t(trial);
+    std::vector<FrequencyTable> ft;
+    for (size_t k = 0; k < cols; ++k) {
+      if (k == 0) ft.push_back(random_freqs(rng, 256, 12, trial % 2 == 0));         // too many symbols
+      else if (k == 9) ft.push_back(random_freqs(rng, 10, 15, false));               // scale too large
+      else ft.push_back(random_freqs(rng, 2 + uint32_t(rng() % 20), trial % 2 ? 12 : 10, false));
+    }
+    std::vector<uint16_t> sym(rows * cols);
+    for (size_t i = 0; i < sym.size(); ++i) sym[i] = uint16_t(rng() % ft[i % cols].alphabet_size);
+    std::vector<const FrequencyTable*> fp;
+    for (const auto& t : ft) fp.push_back(&t);
+    const std::vector<uint8_t> bytes = rans_encode(sym.data(), rows, cols, fp);
+    std::vector<RansDecodeTable> dt;
+    for (const auto& t : ft) dt.emplace_back(t);
+    std::vector<const RansDecodeTable*> dp;
+    for (const auto& t : dt) dp.push_back(&t);
+    const RansGroupTables pre = rans_group_tables(dp);
+#if defined(__AVX2__)
+    EXPECT_TRUE(pre.usable) << trial;
+    EXPECT_TRUE(pre.any_scalar) << trial;
+    size_t scalar = 0;
+    for (const auto& g : pre.groups) scalar += g.scalar;
+    EXPECT_GE(scalar, 1u) << trial;
+#endif
+    for (int d = -1; d < 6; ++d) {
+      const std::vector<uint8_t> in = d < 0 ? bytes : damaged(bytes, d, rng);
+      std::vector<uint16_t> want(sym.size(), 1), a(sym.size(), 2), g(sym.size(), 3), pa(sym.size(), 4),
+          pb(sym.size(), 5);
+      std::string ew = "ok", ea = "ok", eg = "ok", ep = "ok";
+      try { rans_decode_portable(in.data(), in.size(), rows, cols, dp, want.data()); } catch (const Error& e) { ew = e.what(); }
+      try { rans_decode(in.data(), in.size(), rows, cols, dp, a.data()); } catch (const Error& e) { ea = e.what(); }
+      try { rans_decode(in.data(), in.size(), rows, cols, dp, g.data(), pre); } catch (const Error& e) { eg = e.what(); }
+      try {
+        RansDecodeJob ja, jb;  // the damaged stream paired with the intact one
+        ja.data = in.data(), ja.size = in.size(), ja.n_rows = rows, ja.n_cols = cols, ja.tables = &dp;
+        ja.out = pa.data(), ja.groups = &pre;
+        jb.data = bytes.data(), jb.size = bytes.size(), jb.n_rows = rows, jb.n_cols = cols, jb.tables = &dp;
+        jb.out = pb.data(), jb.groups = &pre;
+        rans_decode_pair(ja, jb);
+      } catch (const Error& e) {
+        ep = e.what();
+      }
+      ASSERT_EQ(ea, ew) << trial << " " << d;
+      ASSERT_EQ(eg, ew) << trial << " " << d;
+      ASSERT_EQ(ep, ew) << trial << " " << d;
+      if (d < 0) {
+        ASSERT_EQ(ew, "ok");
+        ASSERT_EQ(want, sym) << trial;
+      }
+      if (ew == "ok") {
+        ASSERT_EQ(a, want) << trial << " " << d;
+        ASSERT_EQ(g, want) << trial << " " << d;
+        ASSERT_EQ(pa, want) << trial << " " << d;
+        ASSERT_EQ(pb, sym) << trial << " " << d;
+      }
+    }
+  }
+}
+
 // The vector decoder's last groups run on a zero-padded copy of the final
 // (< 16) stream bytes and keep a step only if it stayed within the real
 // bytes. Every cut, extension and flip of a stream's last bytes: the vector
