@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <deque>
 #include <mutex>
 #include <sstream>
 
@@ -57,6 +58,10 @@ std::vector<uint8_t> KvtcCalibration::serialize() const {
     }
     return true;
   };
+  if (refined() && (int(key_refine.size()) != n_layers || int(value_refine.size()) != n_layers))
+    throw Error(ErrorCode::kInternal, "calibration: refinement params for " + std::to_string(key_refine.size()) +
+                                          "/" + std::to_string(value_refine.size()) + " layers, expected " +
+                                          std::to_string(n_layers));
   if (!scales_ok(key_scale) || !scales_ok(value_scale))
     throw Error(ErrorCode::kInternal, "calibration: key/value scales must both be empty or hold " +
                                           std::to_string(n_layers) + " x " + std::to_string(vector_dim()) +
@@ -81,6 +86,13 @@ std::vector<uint8_t> KvtcCalibration::serialize() const {
         ByteWriter b;
         b.f32s(scale.data(), scale.size());
         w.add_section("layer." + std::to_string(l) + (is_key ? ".key_scale" : ".value_scale"), b.take());
+      }
+    }
+    if (refined()) {
+      for (const bool is_key : {true, false}) {
+        ByteWriter b;
+        (is_key ? key_refine : value_refine)[size_t(l)].serialize(b);
+        w.add_section("layer." + std::to_string(l) + (is_key ? ".key_refine" : ".value_refine"), b.take());
       }
     }
   }
@@ -156,6 +168,21 @@ KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const s
                                               " is not a finite positive weight");
       (is_key ? c.key_scale : c.value_scale).push_back(std::move(scale));
     }
+  // Optional refinement parameters: all layers or none.
+  const bool refined = r.has("layer.0.key_refine") || r.has("layer.0.value_refine");
+  for (int l = 0; refined && l < c.n_layers; ++l)
+    for (const bool is_key : {true, false}) {
+      const std::string name = "layer." + std::to_string(l) + (is_key ? ".key_refine" : ".value_refine");
+      if (!r.has(name))
+        throw Error(ErrorCode::kFormat, "calibration " + label + ": refined calibration without section " + name);
+      ByteReader in(r.section(name), "calibration " + name);
+      try {
+        (is_key ? c.key_refine : c.value_refine).push_back(kvtc::HeadParams::deserialize(in, dim));
+      } catch (const Error& e) {
+        throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
+      }
+      if (!in.at_end()) throw Error(ErrorCode::kFormat, "calibration " + label + ": trailing bytes in " + name);
+    }
   return c;
 }
 
@@ -200,6 +227,8 @@ uint64_t KvtcCalibration::params_bytes() const {
   uint64_t n = 0;
   for (const auto& p : keys) n += p.serialized_size();
   for (const auto& p : values) n += p.serialized_size();
+  for (const auto& p : key_refine) n += p.serialized_size();
+  for (const auto& p : value_refine) n += p.serialized_size();
   return n;
 }
 
@@ -333,8 +362,21 @@ struct Block {
   }
 };
 
+// Refinement codes (kvtc.refine = N) of a run of consecutive coded tokens:
+// the residual after the base code, coded with the calibration's refinement
+// parameters. Groups of up to kRefineGroup tokens, never across a base
+// block boundary; the newest may be partial and grows as the base block
+// does. A group is dropped once all its tokens are older than the N newest
+// coded tokens.
+struct RefineGroup {
+  int64_t first = 0;  // coded-token index (position - sinks) of its first token
+  Block codes;
+};
+constexpr int64_t kRefineGroup = 32;
+
 struct Stream {
   std::vector<Block> blocks;
+  std::deque<RefineGroup> refine;  // oldest first, contiguous up to the newest coded token
   // Raw tokens per batch row, token-major [t][h][d] in the raw dtype (keys
   // post-RoPE, as given): sinks first, then the tail.
   std::vector<std::vector<uint16_t>> raw;  // [B][tokens * H * D]
@@ -352,6 +394,10 @@ class CalibratedKvtcCache final : public KVCache {
     for (const bool is_key : {true, false})
       if (const float* w = scale(is_key))
         for (int64_t d = 0; d < vdim(); ++d) inverse_scale_[is_key ? 0 : 1].push_back(1.0f / w[d]);
+    if (options_.refine > 0 && !calibration_->refined())
+      throw Error(ErrorCode::kConfig, "kvtc calibrated: refine=" + std::to_string(options_.refine) + " needs a "
+                                      "calibration with refinement parameters (kvcodec calibrate --set "
+                                      "kvtc.refine_ratio=R); " + options_.calibration + " has none");
   }
 
   std::string method() const override { return "kvtc"; }
@@ -376,6 +422,11 @@ class CalibratedKvtcCache final : public KVCache {
     return calibration_->weighted() ? (is_key ? calibration_->key_scale : calibration_->value_scale)[size_t(config_.layer)].data()
                                     : nullptr;
   }
+  const kvtc::HeadParams& refine_params(bool is_key) const {
+    return (is_key ? calibration_->key_refine : calibration_->value_refine)[size_t(config_.layer)];
+  }
+  void append_refinement(Stream& stream, bool is_key, int64_t b, const float* residual, int64_t m);
+  void drop_aged_refinement();
   const float* inverse_scale(bool is_key) const {
     return inverse_scale_[is_key ? 0 : 1].empty() ? nullptr : inverse_scale_[is_key ? 0 : 1].data();
   }
@@ -383,7 +434,8 @@ class CalibratedKvtcCache final : public KVCache {
   int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
   int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
   void encode_ready_blocks();
-  void decode(bool is_key, const Block& blk, int64_t first_position, int64_t b, float* out) const;
+  // first_coded: coded-token index of blk's first token (its position - sinks).
+  void decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
   void cover_positions(int64_t positions) {
     if (!rope_ || rope_->positions() < positions)
       rope_ = RopeTable::get(config_.head_dim, options_.rope_theta, positions);
@@ -458,7 +510,8 @@ void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& value
 
 void CalibratedKvtcCache::encode_ready_blocks() {
   const int64_t V = vdim();
-  std::vector<float> x;
+  const bool refining = options_.refine > 0;
+  std::vector<float> x, recon;
   std::vector<uint16_t> codes, fresh;
   // A token leaves the raw tail once `window` newer tokens follow it; sinks
   // never leave. It goes into the newest block while that one has room.
@@ -467,7 +520,10 @@ void CalibratedKvtcCache::encode_ready_blocks() {
     if (ready <= 0) break;
     const bool grow = !key_.blocks.empty() && key_.blocks.back().tokens < options_.block;
     const int64_t held = grow ? key_.blocks.back().tokens : 0;
-    const int64_t m = std::min(ready, options_.block - held);
+    int64_t m = std::min(ready, options_.block - held);
+    // Refinement groups start at every kRefineGroup-th token of a block; a
+    // step never crosses one's end.
+    if (refining) m = std::min(m, kRefineGroup - held % kRefineGroup);
     const int64_t sinks = sink_tokens();
     const int64_t first_position = sinks + encoded_tokens();
     for (Stream* stream : {&key_, &value_}) {
@@ -478,6 +534,14 @@ void CalibratedKvtcCache::encode_ready_blocks() {
         stream->blocks.emplace_back();
         stream->blocks.back().payload.resize(size_t(batch_));
       }
+      // A new group at a group boundary, or where the newest one does not
+      // reach the newest coded token (refinement just turned on by a load).
+      if (refining && (held % kRefineGroup == 0 || stream->refine.empty() ||
+                       stream->refine.back().first + stream->refine.back().codes.tokens != encoded_tokens())) {
+        stream->refine.emplace_back();
+        stream->refine.back().first = encoded_tokens();
+        stream->refine.back().codes.payload.resize(size_t(batch_));
+      }
       Block& blk = stream->blocks.back();
       x.resize(size_t(m * V));
       for (int64_t b = 0; b < batch_; ++b) {
@@ -487,35 +551,84 @@ void CalibratedKvtcCache::encode_ready_blocks() {
         if (const float* w = scale(is_key))
           for (int64_t t = 0; t < m; ++t)
             for (int64_t d = 0; d < V; ++d) x[size_t(t * V + d)] *= w[d];
-        auto& payload = blk.payload[size_t(b)];
-        if (held == 0) {
-          payload = kvtc::encode_block(p, x.data(), m);
-          continue;
-        }
-        // The held tokens' codes as coded, then the new tokens' codes.
-        codes.resize(size_t(held + m) * K);
-        kvtc::decode_codes(p, payload.data(), payload.size(), held, codes.data());
+        // The new tokens' codes, appended to the held tokens' codes as coded
+        // (encode_codes of all of them: the bytes encode_block would give).
         fresh.resize(size_t(m) * K);
         kvtc::quantize_block(p, x.data(), m, fresh.data());
-        std::copy(fresh.begin(), fresh.end(), codes.begin() + int64_t(held) * int64_t(K));
-        payload = kvtc::encode_codes(p, codes.data(), held + m);
+        auto& payload = blk.payload[size_t(b)];
+        if (held == 0) {
+          payload = kvtc::encode_codes(p, fresh.data(), m);
+        } else {
+          codes.resize(size_t(held + m) * K);
+          kvtc::decode_codes(p, payload.data(), payload.size(), held, codes.data());
+          std::copy(fresh.begin(), fresh.end(), codes.begin() + int64_t(held) * int64_t(K));
+          payload = kvtc::encode_codes(p, codes.data(), held + m);
+        }
+        if (refining) {
+          // The residual after the base reconstruction the reader will see.
+          recon.resize(x.size());
+          kvtc::dequantize_block(p, fresh.data(), m, recon.data());
+          for (size_t i = 0; i < x.size(); ++i) x[i] -= recon[i];
+          append_refinement(*stream, is_key, b, x.data(), m);
+        }
       }
       blk.tokens = held + m;
+      if (refining) stream->refine.back().codes.tokens += m;
       for (auto& raw : stream->raw) raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + m) * V);
     }
     encoded_ += m;
+    drop_aged_refinement();
   }
 }
 
-// Decodes batch row b of a block into out [n, H*D] (keys post-RoPE again).
-void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_position, int64_t b,
-                                 float* out) const {
+// Appends m tokens' refinement codes of residual [m, V] to batch row b of
+// the stream's newest refinement group (whose token count the caller
+// advances after every row).
+void CalibratedKvtcCache::append_refinement(Stream& stream, bool is_key, int64_t b, const float* residual,
+                                            int64_t m) {
+  const kvtc::HeadParams& rp = refine_params(is_key);
+  const size_t K = size_t(rp.n_kept());
+  RefineGroup& g = stream.refine.back();
+  const int64_t held = g.codes.tokens;
+  std::vector<uint16_t> codes(size_t(held + m) * K);
+  auto& payload = g.codes.payload[size_t(b)];
+  if (held > 0) kvtc::decode_codes(rp, payload.data(), payload.size(), held, codes.data());
+  kvtc::quantize_block(rp, residual, m, codes.data() + size_t(held) * K);
+  payload = kvtc::encode_codes(rp, codes.data(), held + m);
+}
+
+// Drops the refinement groups all of whose tokens are older than the
+// `refine` newest coded tokens.
+void CalibratedKvtcCache::drop_aged_refinement() {
+  for (Stream* s : {&key_, &value_})
+    while (!s->refine.empty() && s->refine.front().first + s->refine.front().codes.tokens <=
+                                     encoded_tokens() - options_.refine)
+      s->refine.pop_front();
+}
+
+// Decodes batch row b of a block into out [n, H*D] (keys post-RoPE again),
+// refinement codes added where its tokens have them.
+void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const {
   const auto& p = blk.payload[size_t(b)];
   kvtc::decode_block(params(is_key), p.data(), p.size(), blk.tokens, out);
+  const Stream& stream = is_key ? key_ : value_;
+  if (!stream.refine.empty() && stream.refine.back().first + stream.refine.back().codes.tokens > first_coded) {
+    // Groups lie inside one block: those starting in this block's range.
+    std::vector<float> fine;
+    for (const RefineGroup& g : stream.refine) {
+      if (g.first < first_coded || g.first >= first_coded + blk.tokens) continue;
+      const auto& rp = g.codes.payload[size_t(b)];
+      fine.resize(size_t(g.codes.tokens * vdim()));
+      kvtc::decode_block(refine_params(is_key), rp.data(), rp.size(), g.codes.tokens, fine.data());
+      float* dst = out + (g.first - first_coded) * vdim();
+      for (size_t i = 0; i < fine.size(); ++i) dst[i] += fine[i];
+    }
+  }
   if (const float* w = inverse_scale(is_key))
     for (int64_t t = 0; t < blk.tokens; ++t)
       for (int64_t d = 0; d < vdim(); ++d) out[t * vdim() + d] *= w[d];
-  if (is_key) rope_->rotate(out, blk.tokens, vdim(), config_.n_kv_heads, first_position, /*inverse=*/false);
+  if (is_key)
+    rope_->rotate(out, blk.tokens, vdim(), config_.n_kv_heads, sink_tokens() + first_coded, /*inverse=*/false);
 }
 
 // Blocks are visited as token-major views ([B][n][H][D] memory with strides
@@ -571,7 +684,7 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
       const int64_t j = t / 2 / batch_, b = t / 2 % batch_;
       float* out = (is_key ? key_scratch_ : value_scratch_).data() + (b * tokens + j * n) * V;
       try {
-        decode(is_key, (is_key ? key_ : value_).blocks[size_t(j0 + j)], sinks + (j0 + j) * n, b, out);
+        decode(is_key, (is_key ? key_ : value_).blocks[size_t(j0 + j)], (j0 + j) * n, b, out);
       } catch (...) {
 #pragma omp critical(kvtc_calibrated_decode_failure)
         if (!failure) failure = std::current_exception();
@@ -602,7 +715,7 @@ int64_t CalibratedKvtcCache::trim(int64_t n) {
     // The newest block must be cut: its reconstruction goes back to the raw
     // tail (stored raw and counted as such), then the tail is cut.
     const int64_t bn = key_.blocks.back().tokens;
-    const int64_t first = sink_tokens() + encoded_tokens() - bn;
+    const int64_t first = encoded_tokens() - bn;  // coded-token index
     std::vector<float> x(size_t(bn * V));
     std::vector<uint16_t> row(size_t(bn * V));
     for (Stream* s : {&key_, &value_}) {
@@ -615,6 +728,9 @@ int64_t CalibratedKvtcCache::trim(int64_t n) {
       s->blocks.pop_back();
     }
     encoded_ -= bn;
+    // The block's refinement groups went with it (they never cross blocks).
+    for (Stream* s : {&key_, &value_})
+      while (!s->refine.empty() && s->refine.back().first >= encoded_) s->refine.pop_back();
   }
   if (offset_ == 0) reset();
   return dropped;
@@ -638,8 +754,13 @@ CacheStats CalibratedKvtcCache::stats() const {
       payload += blk.serialized_size();
       pre_entropy += blk.payload.size() * ((bits_per_token * uint64_t(blk.tokens) + 7) / 8);
     }
+    uint64_t refine = 0;
+    for (const auto& g : s->refine) refine += varint_size(uint64_t(g.first)) + varint_size(uint64_t(g.codes.tokens)) +
+                                              g.codes.serialized_size();
     for (const auto& r : s->raw) raw += r.size() * 2;
-    (is_key ? st.compressed_key_bytes : st.compressed_value_bytes) = payload + raw;
+    (is_key ? st.compressed_key_bytes : st.compressed_value_bytes) = payload + refine + raw;
+    st.extras[prefix + "refine_bytes"] = double(refine);
+    st.extras[prefix + "refined_tokens"] = s->refine.empty() ? 0.0 : double(encoded_ - s->refine.front().first);
     st.extras[prefix + "kvtc_bytes"] = double(payload);
     st.extras[prefix + "side_bytes"] = 0.0;  // no per-sequence side information
     st.extras[prefix + "payload_bytes"] = double(payload);
@@ -676,6 +797,10 @@ std::string params_hash(const KvtcCalibration& c, int layer) {
     w.f32s(c.key_scale[size_t(layer)].data(), c.key_scale[size_t(layer)].size());
     w.f32s(c.value_scale[size_t(layer)].data(), c.value_scale[size_t(layer)].size());
   }
+  if (c.refined()) {
+    c.key_refine[size_t(layer)].serialize(w);
+    c.value_refine[size_t(layer)].serialize(w);
+  }
   return hash_hex(w.data().data(), w.size());
 }
 
@@ -707,6 +832,21 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
         blocks.insert(blocks.end(), p.begin(), p.end());
       }
     w.add_section(prefix + "blocks", std::move(blocks));
+    if (!s->refine.empty()) {
+      // Refinement groups: varint count, then per group varint first coded
+      // token, varint tokens, per batch row varint length + payload.
+      std::vector<uint8_t> refine;
+      append_varint(refine, s->refine.size());
+      for (const auto& g : s->refine) {
+        append_varint(refine, uint64_t(g.first));
+        append_varint(refine, uint64_t(g.codes.tokens));
+        for (const auto& p : g.codes.payload) {
+          append_varint(refine, p.size());
+          refine.insert(refine.end(), p.begin(), p.end());
+        }
+      }
+      w.add_section(prefix + "refine", std::move(refine));
+    }
     ByteWriter raw;
     for (const auto& r : s->raw) raw.u16s(r.data(), r.size());
     w.add_section(prefix + "raw", raw.take());
@@ -785,6 +925,39 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
       s->blocks.push_back(std::move(blk));
     }
     if (!blocks.at_end()) throw Error(ErrorCode::kFormat, "kvtc calibrated: trailing bytes in " + prefix + "blocks");
+    if (r.has(prefix + "refine")) {
+      if (!calibration_->refined())
+        throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache holds refinement codes but " +
+                                            options_.calibration + " has no refinement parameters");
+      ByteReader in(r.section(prefix + "refine"), "kvtc " + prefix + "refine");
+      const uint64_t groups = in.varint();
+      if (groups > uint64_t(encoded) || groups * batch > r.section(prefix + "refine").size())
+        throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "refine claims " + std::to_string(groups) +
+                                            " groups for " + std::to_string(encoded) + " coded tokens");
+      for (uint64_t i = 0; i < groups; ++i) {
+        RefineGroup g;
+        const uint64_t first = in.varint(), tokens = in.varint();
+        // Contiguous up to the newest coded token, each inside one block.
+        const uint64_t want_first = s->refine.empty() ? first : uint64_t(s->refine.back().first + s->refine.back().codes.tokens);
+        if (tokens < 1 || tokens > uint64_t(kRefineGroup) || first != want_first || first + tokens > uint64_t(encoded) ||
+            first / block != (first + tokens - 1) / block)
+          throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "refine group " + std::to_string(i) +
+                                              " (first " + std::to_string(first) + ", " + std::to_string(tokens) +
+                                              " tokens) is out of place for " + std::to_string(encoded) +
+                                              " coded tokens in blocks of " + std::to_string(block));
+        g.first = int64_t(first);
+        g.codes.tokens = int64_t(tokens);
+        for (uint64_t b = 0; b < batch; ++b) {
+          const uint64_t len = in.varint();
+          const auto bytes = in.bytes(size_t(len));
+          g.codes.payload.emplace_back(bytes.begin(), bytes.end());
+        }
+        s->refine.push_back(std::move(g));
+      }
+      if (!in.at_end()) throw Error(ErrorCode::kFormat, "kvtc calibrated: trailing bytes in " + prefix + "refine");
+      if (!s->refine.empty() && s->refine.back().first + s->refine.back().codes.tokens != encoded)
+        throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "refine does not end at the newest coded token");
+    }
     ByteReader raw(raw_bytes, "kvtc " + prefix + "raw");
     s->raw.assign(size_t(batch), {});
     for (auto& row : s->raw) {
@@ -794,10 +967,17 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   }
   // Every payload must decode: a corrupted block is refused now, not at fetch.
   std::vector<float> x(size_t(options_.block * V));
-  for (const Stream* s : {&fresh.key_, &fresh.value_})
+  for (const Stream* s : {&fresh.key_, &fresh.value_}) {
     for (const auto& blk : s->blocks)
       for (const auto& p : blk.payload)
         kvtc::decode_block(fresh.params(s == &fresh.key_), p.data(), p.size(), blk.tokens, x.data());
+    for (const auto& g : s->refine)
+      for (const auto& p : g.codes.payload)
+        kvtc::decode_block(fresh.refine_params(s == &fresh.key_), p.data(), p.size(), g.codes.tokens, x.data());
+  }
+  if (fresh.key_.refine.size() != fresh.value_.refine.size() ||
+      (!fresh.key_.refine.empty() && fresh.key_.refine.front().first != fresh.value_.refine.front().first))
+    throw Error(ErrorCode::kFormat, "kvtc calibrated: key and value refinement groups differ");
   *this = std::move(fresh);
 }
 

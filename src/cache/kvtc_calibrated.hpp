@@ -24,6 +24,13 @@
 //          error: the weights say how much an error in each dimension costs
 //          the attention output (src/model/calibrate: query energy for keys,
 //          output-projection column norms for values).
+//          layer.<i>.key_refine / layer.<i>.value_refine (optional, every
+//          layer or none): serialised HeadParams (same dim) of the
+//          REFINEMENT code: it codes a token's residual after the base code
+//          (x*scale minus the base reconstruction, in the same weighted,
+//          RoPE-removed space), so a cache with kvtc.refine = N keeps the
+//          N newest coded tokens at base + refinement quality and drops the
+//          refinement as they age (the base codes never change).
 #pragma once
 
 #include <cstdint>
@@ -49,9 +56,12 @@ struct KvtcCalibration {
   std::vector<kvtc::HeadParams> values;      // [n_layers]
   // Per-dimension weights [n_layers][n_kv_heads * head_dim]; empty = none.
   std::vector<std::vector<float>> key_scale, value_scale;
+  // Refinement parameters [n_layers]; empty = none.
+  std::vector<kvtc::HeadParams> key_refine, value_refine;
 
   int vector_dim() const { return n_kv_heads * head_dim; }
   bool weighted() const { return !key_scale.empty(); }
+  bool refined() const { return !key_refine.empty(); }
   std::string shape_string() const;          // "n_layers=6, n_kv_heads=2, head_dim=64, rope_theta=10000"
 
   std::vector<uint8_t> serialize() const;

@@ -160,18 +160,57 @@ double entropy_bits(const std::vector<uint64_t>& counts, int64_t n) {
 
 }  // namespace
 
+const char* quantizer_family_name(QuantizerFamily f) {
+  return f == QuantizerFamily::kMidtread ? "midtread" : "midrise";
+}
+
+double midtread_step_ratio(int label) {
+  if (label < 1 || label > kMidtreadChoices)
+    throw Error(ErrorCode::kInvalidArgument, "midtread choice " + std::to_string(label) + " outside [1, " +
+                                                 std::to_string(kMidtreadChoices) + "]");
+  return 5.0 * std::pow(0.76, label - 1);
+}
+
+namespace {
+
+// Squared error and code histogram of one coefficient column on the codec's
+// midtread grid: code = clamp(floor(c / step + 0.5) + zero), reconstruction
+// (code - zero) * step, levels = 2 * zero + 1.
+double midtread_sq_error(const float* c, int64_t n, int64_t stride, double step, int levels,
+                         std::vector<uint64_t>* counts) {
+  const double inv = 1.0 / step, zero = levels / 2;
+  double err = 0.0;
+  if (counts) counts->assign(size_t(levels), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = c[i * stride];
+    const double code = std::clamp(std::floor(v * inv + 0.5) + zero, 0.0, double(levels - 1));
+    const double r = (code - zero) * step;
+    err += (v - r) * (v - r);
+    if (counts) ++(*counts)[size_t(code)];
+  }
+  return err;
+}
+
+}  // namespace
+
 MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, const std::vector<float>& mean,
-                                        const std::vector<float>& components, const std::vector<int>& bit_choices) {
+                                        const std::vector<float>& components, const std::vector<int>& bit_choices,
+                                        QuantizerFamily family) {
   if (n < 1 || dim < 1 || mean.size() != size_t(dim) || components.size() != size_t(dim) * size_t(dim))
     throw Error(ErrorCode::kInvalidArgument, "measure_component_tables: " + std::to_string(n) + " tokens of dim " +
                                                  std::to_string(dim) + ", mean " + std::to_string(mean.size()) +
                                                  ", components " + std::to_string(components.size()));
-  for (int b : bit_choices)
-    if (b < 0 || b > 12)
-      throw Error(ErrorCode::kInvalidArgument, "measure_component_tables: width " + std::to_string(b) +
-                                                   " outside [0, 12]");
   MeasuredTables t;
-  t.bit_choices = bit_choices;
+  t.family = family;
+  if (family == QuantizerFamily::kMidtread) {
+    for (int j = 0; j <= kMidtreadChoices; ++j) t.bit_choices.push_back(j);
+  } else {
+    for (int b : bit_choices)
+      if (b < 0 || b > 12)
+        throw Error(ErrorCode::kInvalidArgument, "measure_component_tables: width " + std::to_string(b) +
+                                                     " outside [0, 12]");
+    t.bit_choices = bit_choices;
+  }
   t.tokens = n;
   t.mean.resize(size_t(dim));
   for (int d = 0; d < dim; ++d) t.mean[size_t(d)] = round_f16(mean[size_t(d)]);
@@ -186,10 +225,11 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
     Eigen::Map<RowMat> out(t.coeffs.data(), n, dim);
     out.noalias() = (xm.rowwise() - mu) * axes.transpose();
   }
-  const size_t J = bit_choices.size();
+  const size_t J = t.bit_choices.size();
   t.rate.assign(size_t(dim), std::vector<double>(J, 0.0));
   t.distortion.assign(size_t(dim), std::vector<double>(J, 0.0));
   t.step.assign(size_t(dim), std::vector<double>(J, 0.0));
+  t.levels.assign(size_t(dim), std::vector<int>(J, 1));
   // The step search runs on a subsample (every s-th token, >= 4096 tokens);
   // rate and distortion are then measured on every token at the chosen step.
   const int64_t sub = std::max<int64_t>(1, n / 4096);
@@ -197,14 +237,31 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
 #pragma omp parallel for schedule(dynamic, 1)
   for (int k = 0; k < dim; ++k) {
     const float* c = t.coeffs.data() + k;
-    double energy = 0.0;
-    for (int64_t i = 0; i < n; ++i) energy += double(c[i * dim]) * c[i * dim];
+    double energy = 0.0, largest = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      energy += double(c[i * dim]) * c[i * dim];
+      largest = std::max(largest, double(std::fabs(c[i * dim])));
+    }
     const double sigma = std::sqrt(energy / double(n));
     std::vector<uint64_t> counts;
     for (size_t j = 0; j < J; ++j) {
-      const int b = bit_choices[j];
+      const int b = t.bit_choices[j];
       if (b == 0) {
         t.distortion[size_t(k)][j] = energy / double(n);  // reconstructed as the mean
+        continue;
+      }
+      if (family == QuantizerFamily::kMidtread) {
+        // The codec stores the step as f32; levels cover the largest
+        // calibration coefficient (rarer outliers at run time are clamped):
+        // every level needs a nonzero probability in the entropy model, so
+        // unused levels cost rate. Within the codec's 4095-level limit.
+        const double step = double(float(std::max(sigma * midtread_step_ratio(b), 1e-30)));
+        const double half = std::clamp(std::ceil(largest / step - 0.5), 1.0, 2047.0);
+        const int levels = 2 * int(half) + 1;
+        t.step[size_t(k)][j] = step;
+        t.levels[size_t(k)][j] = levels;
+        t.distortion[size_t(k)][j] = midtread_sq_error(c, n, dim, step, levels, &counts) / double(n);
+        t.rate[size_t(k)][j] = entropy_bits(counts, n);
         continue;
       }
       const int levels = 1 << b;
@@ -230,6 +287,7 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
       // The codec stores the step as f32.
       const double stored = double(float(step));
       t.step[size_t(k)][j] = stored;
+      t.levels[size_t(k)][j] = levels;
       t.distortion[size_t(k)][j] = midrise_sq_error(c, n, dim, stored, levels, &counts) / double(n);
       t.rate[size_t(k)][j] = entropy_bits(counts, n);
     }
@@ -248,23 +306,28 @@ kvtc::HeadParams build_head_params(const MeasuredTables& t, const float* x, int6
   p.eigenvalues = eigenvalues;
   p.mean = t.mean;
   p.bits.assign(size_t(dim), 0);
+  const bool midtread = t.family == QuantizerFamily::kMidtread;
   for (int k = 0; k < dim; ++k) {
     const int b = bits[size_t(k)];
     if (b == 0) continue;
     const auto it = std::find(t.bit_choices.begin(), t.bit_choices.end(), b);
     if (it == t.bit_choices.end())
-      throw Error(ErrorCode::kInvalidArgument, "build_head_params: width " + std::to_string(b) + " not measured");
+      throw Error(ErrorCode::kInvalidArgument, "build_head_params: choice " + std::to_string(b) + " not measured");
+    const size_t j = size_t(it - t.bit_choices.begin());
     kvtc::ComponentQuantizer q;
-    q.levels = uint16_t(1u << b);
+    q.levels = uint16_t(t.levels[size_t(k)][j]);
     q.zero = uint16_t(q.levels / 2);
-    q.half_offset = true;
-    q.step = float(t.step[size_t(k)][size_t(it - t.bit_choices.begin())]);
-    p.bits[size_t(k)] = b;
+    q.half_offset = !midtread;
+    q.step = float(t.step[size_t(k)][j]);
+    // The width a fixed-width code would need (telemetry and pre-entropy size).
+    int width = 0;
+    while ((1 << width) < q.levels) ++width;
+    p.bits[size_t(k)] = width;
     p.kept.push_back(uint16_t(k));
     p.quant.push_back(q);
     p.row_scale.push_back(0.0f);
     p.basis.insert(p.basis.end(), t.axes.begin() + int64_t(k) * dim, t.axes.begin() + int64_t(k + 1) * dim);
-    p.fixed_widths.push_back(uint8_t(b));
+    p.fixed_widths.push_back(uint8_t(width));
   }
   // Entropy models from the calibration tokens' codes, as kvtc::fit_head
   // builds them (every symbol at a nonzero probability; 12/13-bit scales).
@@ -275,7 +338,10 @@ kvtc::HeadParams build_head_params(const MeasuredTables& t, const float* x, int6
   for (int k = 0; k < kept; ++k) {
     std::vector<uint64_t> counts(p.quant[size_t(k)].levels, 0);
     for (int64_t i = 0; i < n; ++i) ++counts[codes[size_t(i) * size_t(kept) + size_t(k)]];
-    const uint32_t scale = std::clamp<uint32_t>(uint32_t(p.fixed_widths[size_t(k)]) + 1, 12, 13);
+    // Midtread alphabets are sparse in their tails: 3 bits above the
+    // alphabet keep the slots of never-seen levels a small share.
+    const uint32_t scale = std::clamp<uint32_t>(uint32_t(p.fixed_widths[size_t(k)]) + (midtread ? 3 : 1), 12,
+                                                midtread ? 14 : 13);
     p.rans_tables.push_back(entropy::FrequencyTable::from_counts(counts, scale));
   }
   p.coder = kvtc::CoderChoice::kRans;
@@ -346,7 +412,8 @@ kvtc::HeadParams fit_one(const std::vector<float>& x, int64_t n, int dim, const 
   kvtc::CodecOptions codec = o.codec;
   auto ratio_of = [&](const kvtc::HeadParams& p) { return payload_ratio(p, x, n, dim); };
   if (o.measured_allocation) {
-    const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, codec.bit_choices);
+    const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, codec.bit_choices,
+                                                      o.quantizers);
     return fit_measured(t, pca, x, n, dim, o, target_ratio, achieved_ratio);
   }
   if (target_ratio > 0.0) {
@@ -609,7 +676,7 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
         bases[size_t(t)] = linalg::fit_pca(data(t).data(), s.tokens, dim);
         MeasuredTables& mt = tables[size_t(t)];
         mt = measure_component_tables(data(t).data(), s.tokens, dim, bases[size_t(t)].mean,
-                                      bases[size_t(t)].components, o.codec.bit_choices);
+                                      bases[size_t(t)].components, o.codec.bit_choices, o.quantizers);
         mt.coeffs = {};  // not needed past the tables
         params_of(t) = fit_measured(mt, bases[size_t(t)], data(t), s.tokens, dim, o, tensor_ratio(t),
                                     &ratios[size_t(t)]);
@@ -686,12 +753,48 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
     }
     for (int l = 0; l < L; ++l) report_layer(l, "global: ");
   }
+  if (o.refine_ratio > 0.0) {
+    // Residuals of the calibration tokens after the final base code, in the
+    // space the codec works in (weighted, RoPE removed); the refinement codec
+    // is fitted on them like a base tensor.
+    if (!o.measured_allocation) throw_config_error("kvtc.refine_ratio", std::to_string(o.refine_ratio),
+                                                   "unset unless allocator=measured");
+    cal.key_refine.resize(size_t(L));
+    cal.value_refine.resize(size_t(L));
+    std::vector<double> refine_ratios(size_t(2 * L));
+#pragma omp parallel for num_threads(2) schedule(dynamic, 1)
+    for (int t = 0; t < 2 * L; ++t) {
+      const kvtc::HeadParams& base = params_of(t);
+      const std::vector<float>& x = data(t);
+      std::vector<uint16_t> codes(size_t(s.tokens) * size_t(base.n_kept()));
+      std::vector<float> residual(x.size());
+      kvtc::quantize_block(base, x.data(), s.tokens, codes.data());
+      kvtc::dequantize_block(base, codes.data(), s.tokens, residual.data());
+      for (size_t i = 0; i < x.size(); ++i) residual[i] = x[i] - residual[i];
+      const linalg::PcaBasis pca = linalg::fit_pca(residual.data(), s.tokens, dim);
+      const MeasuredTables mt = measure_component_tables(residual.data(), s.tokens, dim, pca.mean, pca.components,
+                                                         o.codec.bit_choices, o.quantizers);
+      (t % 2 == 0 ? cal.key_refine : cal.value_refine)[size_t(t / 2)] =
+          fit_measured(mt, pca, residual, s.tokens, dim, o, o.refine_ratio, &refine_ratios[size_t(t)]);
+    }
+    if (progress)
+      for (int l = 0; l < L; ++l) {
+        std::ostringstream m;
+        m.precision(3);
+        m << "refinement layer " << l << ": key " << cal.key_refine[size_t(l)].n_kept() << " components, "
+          << refine_ratios[size_t(2 * l)] << "x; value " << cal.value_refine[size_t(l)].n_kept() << " components, "
+          << refine_ratios[size_t(2 * l + 1)] << "x";
+        progress(l + 1, L, m.str());
+      }
+    cal.info["refine_ratio"] = std::to_string(o.refine_ratio);
+  }
   std::ostringstream info;
   cal.info["tokens_per_layer"] = std::to_string(s.tokens);
   cal.info["sinks"] = std::to_string(o.sinks);
   cal.info["windows"] = std::to_string(o.first_window) + "-" + std::to_string(o.first_window + o.windows - 1);
   cal.info["allocator"] = o.measured_allocation ? "measured" : kvtc::allocator_name(o.codec.allocator);
   cal.info["coder"] = kvtc::coder_name(o.codec.coder);
+  if (o.measured_allocation) cal.info["quantizers"] = quantizer_family_name(o.quantizers);
   cal.info["allocation"] = o.sensitivity_allocation ? "global by KL sensitivity (" + std::to_string(o.sensitivity_windows) + " windows)" : "per tensor";
   cal.info["weighting"] = o.attention_weighting ? "attention (floor " + std::to_string(o.weight_floor) + ")" : "none";
   cal.info["target_ratio"] = o.target_ratio > 0 ? std::to_string(o.target_ratio) : "none";

@@ -24,6 +24,25 @@
 
 namespace kvcodec::model {
 
+// The quantizers the measured allocator chooses from, per component:
+//   kMidrise  the codec's midrise grid with 2^b levels for each width b of
+//             bit_choices, the step MSE-optimal for that many levels (a
+//             fixed-rate design: a 1-bit component always costs ~1 bit);
+//   kMidtread a midtread grid (a reconstruction point at 0) whose step is
+//             sigma * midtread_step_ratio(j) for choice label j >= 1
+//             (0: dropped), with enough levels to cover the calibration's
+//             largest coefficient: entropy-coded uniform quantization, whose
+//             rate falls continuously towards 0 as the step grows (most
+//             codes become the zero code), where a midrise grid cannot go
+//             below one bit per kept component.
+enum class QuantizerFamily : uint8_t { kMidrise = 0, kMidtread = 1 };
+const char* quantizer_family_name(QuantizerFamily f);
+// step / sigma of midtread choice label j (1-based): a geometric ladder
+// (ratio 0.76) from 5 sigma (a few percent of codes nonzero: ~0.1-0.3 bit
+// per component) to 0.08 sigma (~6 bits).
+inline constexpr int kMidtreadChoices = 16;
+double midtread_step_ratio(int label);
+
 struct CalibrateOptions {
   int64_t first_window = 16;      // windows of window_length tokens in the token file
   int64_t windows = 16;
@@ -43,6 +62,7 @@ struct CalibrateOptions {
   // budget (bit_budget, or the one bisected for target_ratio) is then in
   // entropy-coded bits per token vector.
   bool measured_allocation = false;
+  QuantizerFamily quantizers = QuantizerFamily::kMidrise;  // measured allocator only
   // Weighted distortion (issue 5, build item 3): the codec works on x * w
   // per dimension, so what PCA, allocation and quantizers minimise is the
   // squared error weighted by how much each dimension matters downstream:
@@ -68,6 +88,13 @@ struct CalibrateOptions {
   // payload of target_ratio (per-tensor ratios then differ).
   bool sensitivity_allocation = false;
   int sensitivity_windows = 2;
+  // > 0: also fit REFINEMENT parameters (KvtcCalibration::key_refine /
+  // value_refine) per layer and tensor: the codec fitted (same quantizer
+  // family, measured allocation) on the calibration tokens' residuals after
+  // the final base code, at this payload ratio (f16 bytes / refinement
+  // bytes). A cache with kvtc.refine = N codes the N newest coded tokens'
+  // residuals with them.
+  double refine_ratio = 0.0;
 };
 
 struct CalibrationSamples {
@@ -116,12 +143,15 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
                                 std::vector<TensorSensitivity>* sensitivities = nullptr);
 
 // What the measured allocator works from, for one tensor of one layer:
-// per principal component k and width bit_choices[j], the MSE-optimal step of
-// a midrise uniform quantizer with 2^b levels on the calibration
-// coefficients (golden-section search), the squared error per token it
-// leaves (distortion[k][j]; width 0: the coefficient's energy) and the
+// per principal component k and choice label bit_choices[j], a quantizer
+// (step[k][j], levels[k][j]), the squared error per token it leaves
+// (distortion[k][j]; label 0: dropped, the coefficient's energy) and the
 // empirical entropy of its codes in bits per token (rate[k][j]).
+// kMidrise: labels are widths b, levels 2^b, the MSE-optimal step on the
+// calibration coefficients (golden-section search). kMidtread: labels are
+// 0..kMidtreadChoices, step sigma_k * midtread_step_ratio(label).
 struct MeasuredTables {
+  QuantizerFamily family = QuantizerFamily::kMidrise;
   std::vector<int> bit_choices;
   int64_t tokens = 0;
   std::vector<float> mean;                      // [D], f16-rounded as stored
@@ -130,15 +160,18 @@ struct MeasuredTables {
   std::vector<std::vector<double>> rate;        // [D][choices]
   std::vector<std::vector<double>> distortion;  // [D][choices]
   std::vector<std::vector<double>> step;        // [D][choices] (0 for width 0)
+  std::vector<std::vector<int>> levels;         // [D][choices] (1 for width 0)
 };
 
 // x [n, dim]; mean [dim]; components [dim, dim] (PCA rows). Throws
-// Error(kInvalidArgument) on mismatched sizes or widths outside [0, 12].
+// Error(kInvalidArgument) on mismatched sizes or widths outside [0, 12]
+// (kMidrise). kMidtread ignores bit_choices (its labels are fixed).
 MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, const std::vector<float>& mean,
-                                        const std::vector<float>& components, const std::vector<int>& bit_choices);
+                                        const std::vector<float>& components, const std::vector<int>& bit_choices,
+                                        QuantizerFamily family = QuantizerFamily::kMidrise);
 
-// Codec parameters for widths `bits` [dim] (each 0 or a measured choice):
-// midrise quantizers with the measured steps, rANS models from x's codes.
+// Codec parameters for choice labels `bits` [dim] (each 0 or a measured
+// label): the measured quantizers, rANS models from x's codes.
 kvtc::HeadParams build_head_params(const MeasuredTables& tables, const float* x, int64_t n, int dim,
                                    const std::vector<double>& eigenvalues, const std::vector<int>& bits);
 

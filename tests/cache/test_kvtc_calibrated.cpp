@@ -110,6 +110,46 @@ std::string weighted_calibration_path() {
   return path;
 }
 
+// A coarse base code (1 bit per dimension on average) plus refinement
+// parameters fitted on its residuals: the refined tokens must come out
+// sharper than the base alone.
+std::string refined_calibration_path() {
+  static const std::string path = [] {
+    KvtcCalibration cal;
+    cal.n_layers = kLayers;
+    cal.n_kv_heads = kHeads;
+    cal.head_dim = kDim;
+    cal.rope_theta = kTheta;
+    cal.config_hash = "test";
+    const int V = kHeads * kDim;
+    kvtc::CodecOptions base_options, refine_options;
+    base_options.bit_budget = V;
+    refine_options.bit_budget = 3 * V;
+    for (int l = 0; l < kLayers; ++l)
+      for (bool is_key : {true, false}) {
+        const auto x = synthetic_vectors(2048, 77 + l, l, is_key);
+        const auto pca = linalg::fit_pca(x.data(), 2048, V);
+        const kvtc::HeadParams base =
+            kvtc::fit_head(x.data(), 2048, V, pca.mean, pca.components, pca.eigenvalues, base_options);
+        std::vector<uint16_t> codes(size_t(2048) * size_t(base.n_kept()));
+        std::vector<float> residual(x.size());
+        kvtc::quantize_block(base, x.data(), 2048, codes.data());
+        kvtc::dequantize_block(base, codes.data(), 2048, residual.data());
+        for (size_t i = 0; i < x.size(); ++i) residual[i] = x[i] - residual[i];
+        const auto rpca = linalg::fit_pca(residual.data(), 2048, V);
+        (is_key ? cal.keys : cal.values).push_back(base);
+        (is_key ? cal.key_refine : cal.value_refine)
+            .push_back(kvtc::fit_head(residual.data(), 2048, V, rpca.mean, rpca.components, rpca.eigenvalues,
+                                      refine_options));
+      }
+    const std::string p = (std::filesystem::temp_directory_path() /
+                           ("kvcodec_test_calib_r_" + std::to_string(::getpid()) + ".kvcal")).string();
+    cal.write_file(p);
+    return p;
+  }();
+  return path;
+}
+
 // bytes of a container with section `name` replaced (checksums recomputed).
 std::vector<uint8_t> with_section(const std::vector<uint8_t>& bytes, const std::string& name,
                                   const std::vector<uint8_t>& replacement, ContainerKind kind) {
@@ -490,6 +530,156 @@ TEST(CalibratedCache, Bf16InBf16Out) {
   const KVPair out = cache->update_and_fetch(kb.view(), vb.view());
   EXPECT_EQ(out.keys.dtype(), DType::kBF16);
   EXPECT_EQ(out.keys.shape(), kb.shape());
+}
+
+Settings refined(int refine, int window = 8, int block = 16) {
+  return {{"calibration", refined_calibration_path()},
+          {"sinks", "4"},
+          {"window", std::to_string(window)},
+          {"block", std::to_string(block)},
+          {"refine", std::to_string(refine)}};
+}
+
+// Squared error of token t (all heads) between [B, H, S, D] tensors, batch row b.
+double token_error(const Tensor& a, const Tensor& b, int64_t row, int64_t t) {
+  const int64_t S = a.shape()[2];
+  double e = 0.0;
+  for (int64_t h = 0; h < kHeads; ++h)
+    for (int64_t d = 0; d < kDim; ++d) {
+      const size_t i = size_t(((row * kHeads + h) * S + t) * kDim + d);
+      const double diff = double(a.data_as<float>()[i]) - double(b.data_as<float>()[i]);
+      e += diff * diff;
+    }
+  return e;
+}
+
+TEST(CalibrationFile, RefinementRoundTripsAndIsAllOrNothing) {
+  const KvtcCalibration cal = KvtcCalibration::read_file(refined_calibration_path());
+  ASSERT_TRUE(cal.refined());
+  ASSERT_EQ(cal.key_refine.size(), size_t(kLayers));
+  const std::vector<uint8_t> bytes = cal.serialize();
+  const KvtcCalibration again = KvtcCalibration::parse(bytes.data(), bytes.size());
+  EXPECT_EQ(again.serialize(), bytes);
+  EXPECT_GT(cal.params_bytes(), KvtcCalibration::read_file(calibration_path()).params_bytes() / 2);
+  // One layer's refinement section missing: refused, naming it.
+  const ContainerReader r = ContainerReader::parse(bytes.data(), bytes.size());
+  ContainerWriter w(ContainerKind::kCalibration);
+  for (const auto& [k, v] : r.meta()) w.set_meta(k, v);
+  for (const auto& n : r.section_names())
+    if (n != "layer.1.value_refine") {
+      const auto sec = r.section(n);
+      w.add_section(n, std::vector<uint8_t>(sec.begin(), sec.end()));
+    }
+  const std::vector<uint8_t> partial = w.finish();
+  try {
+    KvtcCalibration::parse(partial.data(), partial.size());
+    FAIL() << "a calibration with a missing refinement section was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer.1.value_refine"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CalibratedCache, RefineNeedsRefinementParametersAndCalibratedMode) {
+  Settings st = calibrated(4, 8);
+  st["refine"] = "16";
+  try {
+    make_cache("kvtc", layer_config(0), st);
+    FAIL() << "refine accepted without refinement parameters";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("refine_ratio"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(make_cache("kvtc", layer_config(0), {{"refine", "16"}}), Error);  // local mode
+  EXPECT_THROW(make_cache("kvtc", layer_config(0), refined(-1)), Error);
+  EXPECT_NO_THROW(make_cache("kvtc", layer_config(0), refined(0)));
+}
+
+TEST(CalibratedCache, RefinementSharpensTheNewestCodedTokensOnly) {
+  const int64_t S = 200, refine = 40;
+  const Sequence seq = make_sequence(2, S, 1, 5151);
+  auto plain = make_cache("kvtc", layer_config(1), refined(0));
+  auto sharp = make_cache("kvtc", layer_config(1), refined(int(refine)));
+  const KVPair a = plain->update_and_fetch(seq.keys.view(), seq.values.view());
+  const KVPair b = sharp->update_and_fetch(seq.keys.view(), seq.values.view());
+  // 200 = 4 sinks + 188 coded + window 8. Refinement groups of 32 tokens
+  // inside blocks of 16 are 16 tokens: the 40 newest coded tokens (148..187)
+  // lie in groups 144..191, so coded tokens 144..187 (positions 148..191)
+  // are refined, the older ones are the base code exactly.
+  const CacheStats st = sharp->stats();
+  EXPECT_EQ(st.extras.at("key.refined_tokens"), 44.0);
+  EXPECT_GT(st.extras.at("key.refine_bytes"), 0.0);
+  EXPECT_EQ(st.compressed_key_bytes, plain->stats().compressed_key_bytes + uint64_t(st.extras.at("key.refine_bytes")));
+  EXPECT_EQ(st.compressed_value_bytes,
+            plain->stats().compressed_value_bytes + uint64_t(st.extras.at("value.refine_bytes")));
+  for (int64_t row = 0; row < 2; ++row) {
+    double base_err = 0.0, refined_err = 0.0;
+    for (int64_t t = 0; t < S; ++t) {
+      const bool in_refined = t >= 148 && t < 192;
+      for (const bool is_key : {true, false}) {
+        const Tensor& orig = is_key ? seq.keys : seq.values;
+        const double ea = token_error(orig, is_key ? a.keys : a.values, row, t);
+        const double eb = token_error(orig, is_key ? b.keys : b.values, row, t);
+        if (in_refined) {
+          base_err += ea;
+          refined_err += eb;
+        } else {
+          EXPECT_EQ(ea, eb) << "row " << row << " token " << t;  // same base code, no refinement
+        }
+      }
+    }
+    EXPECT_LT(refined_err, 0.25 * base_err) << "row " << row;
+  }
+}
+
+TEST(CalibratedCache, RefinedCacheStreamsSavesLoadsAndTrims) {
+  const int64_t S = 230;
+  const Sequence seq = make_sequence(2, S, 0, 6262);
+  auto whole = make_cache("kvtc", layer_config(0), refined(40));
+  whole->append(seq.keys.view(), seq.values.view());
+  auto steps = make_cache("kvtc", layer_config(0), refined(40));
+  steps->append(slice(seq.keys, 0, 21), slice(seq.values, 0, 21));
+  for (int64_t t = 21; t < S; ++t) steps->append(slice(seq.keys, t, 1), slice(seq.values, t, 1));
+  const KVPair a = whole->fetch(DType::kF32), b = steps->fetch(DType::kF32);
+  EXPECT_TRUE(bit_equal(a.keys, b.keys));
+  EXPECT_TRUE(bit_equal(a.values, b.values));
+  EXPECT_EQ(whole->stats().compressed_bytes(), steps->stats().compressed_bytes());
+
+  const std::vector<uint8_t> saved = whole->save();
+  auto loaded = load_cache(saved.data(), saved.size());
+  const KVPair c = loaded->fetch(DType::kF32);
+  EXPECT_TRUE(bit_equal(a.keys, c.keys));
+  EXPECT_TRUE(bit_equal(a.values, c.values));
+  EXPECT_EQ(loaded->stats().compressed_bytes(), whole->stats().compressed_bytes());
+  for (size_t i = 0; i < saved.size(); i += 61) {
+    std::vector<uint8_t> bad = saved;
+    bad[i] ^= 0x41;
+    EXPECT_THROW(loaded->load(bad.data(), bad.size()), Error) << i;
+  }
+  // Appending to the loaded copy continues exactly like the original.
+  const Sequence more = make_sequence(2, 40, 0, 7373);
+  whole->append(more.keys.view(), more.values.view());
+  loaded->append(more.keys.view(), more.values.view());
+  EXPECT_TRUE(bit_equal(whole->fetch(DType::kF32).keys, loaded->fetch(DType::kF32).keys));
+  EXPECT_EQ(loaded->stats().compressed_bytes(), whole->stats().compressed_bytes());
+
+  // Trimming into coded blocks keeps what is left (the cut block's tokens go
+  // back to the raw tail at their refined reconstruction), then appending
+  // goes on with refinement for the new tokens.
+  const KVPair before = whole->fetch(DType::kF32);
+  EXPECT_EQ(whole->trim(60), 60);
+  const KVPair cut = whole->fetch(DType::kF32);
+  const int64_t S0 = S + 40, S1 = S0 - 60;
+  for (int64_t row = 0; row < 2; ++row)
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t t = 0; t < S1; ++t)
+        for (int64_t d = 0; d < kDim; ++d)
+          EXPECT_NEAR(cut.keys.data_as<float>()[((row * kHeads + h) * S1 + t) * kDim + d],
+                      before.keys.data_as<float>()[((row * kHeads + h) * S0 + t) * kDim + d], 2e-2);
+  whole->append(slice(more.keys, 0, 30), slice(more.values, 0, 30));
+  EXPECT_EQ(whole->offset(), S1 + 30);
+  EXPECT_GT(whole->stats().extras.at("key.refined_tokens"), 0.0);
+  const std::vector<uint8_t> again = whole->save();
+  auto reloaded = load_cache(again.data(), again.size());
+  EXPECT_TRUE(bit_equal(whole->fetch(DType::kF32).values, reloaded->fetch(DType::kF32).values));
 }
 
 }  // namespace

@@ -32,6 +32,7 @@ struct CalibrateArgs {
   std::string target_ratios;
   std::string allocators;
   std::string weightings;
+  std::string quantizers;
 };
 
 // "a,b,,c" -> {a, b, c}.
@@ -137,7 +138,16 @@ void run_calibrate(const CalibrateArgs& a) {
       throw_config_error("kvtc.weight_floor", v, "a number in (0, 1]");
     s.erase("weight_floor");
   }
+  // quantizers=midrise|midtread (measured allocator): the grids the
+  // allocation chooses from (model::QuantizerFamily).
+  if (s.count("quantizers")) {
+    const std::string v = s.at("quantizers");
+    if (v != "midrise" && v != "midtread") throw_config_error("kvtc.quantizers", v, "midrise or midtread");
+    o.quantizers = v == "midtread" ? model::QuantizerFamily::kMidtread : model::QuantizerFamily::kMidrise;
+    s.erase("quantizers");
+  }
   take_ratio("key_target_ratio", o.key_target_ratio);
+  take_ratio("refine_ratio", o.refine_ratio);
   take_ratio("value_target_ratio", o.value_target_ratio);
   const KvtcSettings ks = parse_kvtc_settings(s, probe);
   o.codec = ks.codec;
@@ -173,12 +183,25 @@ void run_calibrate(const CalibrateArgs& a) {
   if (!weightings.empty() && a.output.find("{weighting}") == std::string::npos)
     throw_config_error("--output", a.output, "a path containing {weighting} (replaced by each of --weightings)");
   if (weightings.empty()) weightings.push_back("");
+  // --quantizers midrise,midtread: the same for each family ("{quant}").
+  std::vector<std::string> families = split_list(a.quantizers);
+  for (const auto& q : families)
+    if (q != "midrise" && q != "midtread")
+      throw_config_error("--quantizers", a.quantizers, "a comma-separated list of midrise, midtread");
+  if (!families.empty() && a.output.find("{quant}") == std::string::npos)
+    throw_config_error("--output", a.output, "a path containing {quant} (replaced by each of --quantizers)");
+  if (families.empty()) families.push_back("");
   const std::string hash = model::model_config_hash(dir);
+  for (const std::string& qf : families)
   for (const std::string& wt : weightings)
   for (const std::string& al : allocators)
   for (const std::string& r : ratios) {
     model::CalibrateOptions oi = o;
     std::string path = a.output;
+    if (!qf.empty()) {
+      oi.quantizers = qf == "midtread" ? model::QuantizerFamily::kMidtread : model::QuantizerFamily::kMidrise;
+      path.replace(path.find("{quant}"), 7, qf);
+    }
     if (!wt.empty()) {
       oi.attention_weighting = wt == "attention";
       path.replace(path.find("{weighting}"), 11, wt);
@@ -225,7 +248,7 @@ void register_calibrate(CLI::App& app) {
   cmd->add_option("-o,--output", args->output, "Calibration file to write")->required();
   cmd->add_option("--set", args->sets, "kvtc.<field>=<value>: bit_budget, target_ratio, key_target_ratio, value_target_ratio, "
                                   "allocator (measured [default]|dp|rate), weighting (attention [default]|none), weight_floor [0.01], "
-                                  "sensitivity (kl [default]|none), sensitivity_windows [2], "
+                                  "sensitivity (kl [default]|none), sensitivity_windows [2], quantizers (midrise [default]|midtread), refine_ratio (refinement code's payload ratio; none by default), "
                                   "bit_choices, beta, coder, basis_bits");
   cmd->add_option("--target-ratios", args->target_ratios,
                   "Comma-separated target ratios: one calibration each from one model run; -o must contain {}");
@@ -233,6 +256,8 @@ void register_calibrate(CLI::App& app) {
                   "Comma-separated allocators (measured, dp, rate): one calibration each; -o must contain {alloc}");
   cmd->add_option("--weightings", args->weightings,
                   "Comma-separated weightings (none, attention): one calibration each; -o must contain {weighting}");
+  cmd->add_option("--quantizers", args->quantizers,
+                  "Comma-separated quantizer families (midrise, midtread): one calibration each; -o must contain {quant}");
   cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
   cmd->callback([args] {
     if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");
