@@ -86,6 +86,30 @@ void BM_Decode(benchmark::State& state) {
   state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(blocks.size()) * 64 * f.dim * 2);
 }
 
+// The reconstruction alone (codes -> f32 block) of the head's blocks at the
+// rate-allocator settings (Arg as BM_Encode's; range(1) = ReconPath: 0
+// dequantize_block (auto), 1 every term multiplied (the reference the
+// others equal bit for bit), 2 zero coefficients always skipped). Run with
+// --benchmark_repetitions for same-run ratios.
+void BM_Reconstruct(benchmark::State& state) {
+  const Fixture& f = fixture();
+  const kvtc::HeadParams p = fitted(int(state.range(0)));
+  const size_t K = size_t(p.n_kept());
+  std::vector<uint16_t> codes;
+  for (int64_t t = 0; t + 64 <= f.n; t += 64) {
+    codes.resize(codes.size() + 64 * K);
+    kvtc::quantize_block(p, &f.x[size_t(t * f.dim)], 64, codes.data() + codes.size() - 64 * K);
+  }
+  const size_t blocks = codes.size() / (64 * K);
+  std::vector<float> out(size_t(64 * f.dim));
+  for (auto _ : state)
+    for (size_t b = 0; b < blocks; ++b) {
+      kvtc::dequantize_block_path(p, codes.data() + b * 64 * K, 64, out.data(), kvtc::ReconPath(state.range(1)));
+      benchmark::DoNotOptimize(out.data());
+    }
+  state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(blocks) * 64 * f.dim * 2);
+}
+
 // The whole dump through the local-mode cache, as `kvcodec bench` drives it
 // (issue-2 settings: rate allocator, 1% target, int8 basis; Arg = target in
 // thousandths, 0 = default settings): steady-state append of every layer to
@@ -148,6 +172,7 @@ void BM_CacheDecode(benchmark::State& state) {
 BENCHMARK(BM_Memcpy);
 BENCHMARK(BM_Encode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Decode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
+BENCHMARK(BM_Reconstruct)->ArgsProduct({{-10, -50, 256}, {0, 1, 2}});
 BENCHMARK(BM_CacheAppendSteady)->Arg(10)->Arg(50)->Arg(0)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CacheDecode)->Arg(10)->Arg(50)->Arg(0)->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

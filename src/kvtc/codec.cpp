@@ -314,6 +314,15 @@ void HeadParams::build_decoders() {
   }
   basis_t.clear();
   if (basis.size() == size_t(n_kept()) * size_t(dim)) transpose_basis(*this, basis_t);
+  // See recon_skip_zeros: no -0, NaN or infinity in the mean; the basis
+  // finite with no nonzero value below 2^-40 in magnitude; steps >= 2^-39
+  // (so a nonzero coefficient, |code - offset| >= 1/2 steps, is >= 2^-40).
+  recon_skip_zeros = mean.size() == size_t(dim) && basis.size() == size_t(n_kept()) * size_t(dim) &&
+                     quant.size() == size_t(n_kept());
+  const float tiny = std::ldexp(1.0f, -40);
+  for (float m : mean) recon_skip_zeros &= std::isfinite(m) && !(m == 0.0f && std::signbit(m));
+  for (float b : basis) recon_skip_zeros &= std::isfinite(b) && (b == 0.0f || std::fabs(b) >= tiny);
+  for (const ComponentQuantizer& q : quant) recon_skip_zeros &= std::isfinite(q.step) && q.step >= 2.0f * tiny;
   rans_groups = {};
   if (!rans_decode.empty()) {
     std::vector<const entropy::RansDecodeTable*> tables;
@@ -470,6 +479,109 @@ void gemm(const float* A, size_t lda, const float* B, size_t ldb, size_t M, size
   for (; j + 16 <= N; j += 16) gemm_panel<2>(A, lda, B + j, ldb, M, K, init ? init + j : nullptr, C + j, ldc);
   if (j < N) gemm_panel<1>(A, lda, B + j, ldb, M, K, init ? init + j : nullptr, C + j, ldc);
 }
+
+// --- reconstruction without the zero coefficients ---------------------------
+//
+// At the issue-2 settings (rate allocator, 1% target) ~27% of a block's
+// codes are their component's zero code (~50% at 5%), and each costs the
+// dense kernel as much as any other code. Row by row, the nonzero
+// coefficients are packed (value and basis row offset) and one row of
+// 8 * NV output columns is accumulated over them only: per term one
+// broadcast and NV FMAs with a load, as many FMAs per term as the tiled
+// kernel, so the skipped terms are the saving. The FMAs of an output
+// element run in the same (ascending k) order from the same initial value
+// as in gemm, so only the 0 * b terms are missing (see
+// HeadParams::recon_skip_zeros for why that changes no bit).
+
+// For every 8-bit mask, the positions of its set bits, lowest first: the
+// lane permutation that packs the selected lanes to the front.
+struct PackLut {
+  alignas(8) uint8_t idx[256][8];
+  PackLut() {
+    for (unsigned m = 0; m < 256; ++m) {
+      unsigned c = 0;
+      for (unsigned j = 0; j < 8; ++j)
+        if (m >> j & 1u) idx[m][c++] = uint8_t(j);
+      for (; c < 8; ++c) idx[m][c] = 0;
+    }
+  }
+};
+const PackLut& pack_lut() {
+  static const PackLut lut;
+  return lut;
+}
+
+// The nonzero coefficients of one row [K]: their values and offsets
+// k * ldb, packed; returns their count. vals and offs hold K + 8 entries
+// (a packed store writes 8).
+inline size_t pack_nonzero(const float* coef, size_t K, size_t ldb, float* vals, int32_t* offs) {
+  const PackLut& lut = pack_lut();
+  size_t cnt = 0, k = 0;
+  const __m256i stride8 = _mm256_set1_epi32(int32_t(8 * ldb));
+  __m256i ko = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int32_t(ldb)));
+  for (; k + 8 <= K; k += 8) {
+    const __m256 c = _mm256_loadu_ps(coef + k);
+    // Unordered counts as nonzero, like the scalar c != 0.0f below.
+    const unsigned m = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_NEQ_UQ)));
+    const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lut.idx[m])));
+    _mm256_storeu_ps(vals + cnt, _mm256_permutevar8x32_ps(c, perm));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(offs + cnt), _mm256_permutevar8x32_epi32(ko, perm));
+    cnt += size_t(__builtin_popcount(m));
+    ko = _mm256_add_epi32(ko, stride8);
+  }
+  for (; k < K; ++k)
+    if (coef[k] != 0.0f) vals[cnt] = coef[k], offs[cnt] = int32_t(k * ldb), ++cnt;
+  return cnt;
+}
+
+#define KVTC_ROW_VECS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+// out[0, 8 * NV) = init + sum_j vals[j] * B[offs[j] + (0, 8 * NV)], in j order.
+template <int NV>
+inline void sparse_row(const float* vals, const int32_t* offs, size_t cnt, const float* B, const float* init,
+                       float* out) {
+  static_assert(NV >= 1 && NV <= 8, "row width");
+#define KVTC_DECL(v) __m256 a##v = NV > v ? _mm256_loadu_ps(init + 8 * v) : _mm256_setzero_ps();
+  KVTC_ROW_VECS(KVTC_DECL)
+#undef KVTC_DECL
+  for (size_t j = 0; j < cnt; ++j) {
+    const __m256 c = _mm256_broadcast_ss(vals + j);
+    const float* b = B + offs[j];
+#define KVTC_FMA(v) \
+  if constexpr (NV > v) a##v = _mm256_fmadd_ps(c, _mm256_loadu_ps(b + 8 * v), a##v);
+    KVTC_ROW_VECS(KVTC_FMA)
+#undef KVTC_FMA
+  }
+#define KVTC_STORE(v) \
+  if constexpr (NV > v) _mm256_storeu_ps(out + 8 * v, a##v);
+  KVTC_ROW_VECS(KVTC_STORE)
+#undef KVTC_STORE
+}
+#undef KVTC_ROW_VECS
+
+// out[n, D] = mean + coef[n, K] * basis over the nonzero coefficients only
+// (D a multiple of 8; D > 64 in chunks of 64 columns, each over the row's
+// same packed list).
+void dequantize_sparse(const HeadParams& p, const float* coef, int64_t n, float* vals, int32_t* offs, float* out) {
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
+  const float* B = p.basis.data();
+  const float* mean = p.mean.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t cnt = pack_nonzero(coef + size_t(i) * K, K, D, vals, offs);
+    float* o = out + size_t(i) * D;
+    size_t c0 = 0;
+    for (; c0 + 64 <= D; c0 += 64) sparse_row<8>(vals, offs, cnt, B + c0, mean + c0, o + c0);
+    switch ((D - c0) / 8) {
+      case 0: break;
+      case 1: sparse_row<1>(vals, offs, cnt, B + c0, mean + c0, o + c0); break;
+      case 2: sparse_row<2>(vals, offs, cnt, B + c0, mean + c0, o + c0); break;
+      case 3: sparse_row<3>(vals, offs, cnt, B + c0, mean + c0, o + c0); break;
+      case 4: sparse_row<4>(vals, offs, cnt, B + c0, mean + c0, o + c0); break;
+      case 5: sparse_row<5>(vals, offs, cnt, B + c0, mean + c0, o + c0); break;
+      case 6: sparse_row<6>(vals, offs, cnt, B + c0, mean + c0, o + c0); break;
+      default: sparse_row<7>(vals, offs, cnt, B + c0, mean + c0, o + c0); break;
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -483,6 +595,8 @@ struct BlockScratch {
   std::vector<uint16_t> codes;
   std::vector<float> a, b, c;
   std::vector<float> basis_t;
+  std::vector<float> vals;      // a row's nonzero coefficients (dequantize_sparse)
+  std::vector<int32_t> offs;    // and their basis row offsets
 };
 BlockScratch& scratch() {
   thread_local BlockScratch s;
@@ -562,7 +676,9 @@ void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* co
   quantize_centred(p, s.centred.data(), n, codes);
 }
 
-void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
+namespace {
+
+void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path) {
   const int kept = p.n_kept();
   const int dim = p.dim;
   Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
@@ -581,11 +697,31 @@ void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, flo
     step[k] = p.quant[k].step;
     offset[k] = recon_offset(p.quant[k]);
   }
+  size_t zeros = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t* c = codes + i * kept;
     float* o = s.coeffs.data() + i * kept;
-    for (size_t k = 0; k < K; ++k) o[k] = (float(c[k]) - offset[k]) * step[k];
+    for (size_t k = 0; k < K; ++k) {
+      o[k] = (float(c[k]) - offset[k]) * step[k];
+      zeros += o[k] == 0.0f;
+    }
   }
+#ifdef KVCODEC_KVTC_GEMM
+  // The zero-skipping rows cost ~1.5x the tiled kernel per term (one row
+  // in registers, the packing), so they pay only past ~1/3 zero
+  // coefficients (bench_kvtc BM_Reconstruct: 1.2x at the 5% target's ~50%,
+  // 0.8x at the 1% target's ~27%): the block's count decides.
+  const bool sparse = path == ReconPath::kSkipZeros || (path == ReconPath::kAuto && 5 * zeros >= 2 * size_t(n) * K);
+  if (sparse && p.recon_skip_zeros && dim % 8 == 0 && p.basis.size() == K * size_t(dim) &&
+      size_t(dim) * K <= size_t(INT32_MAX)) {
+    s.vals.resize(K + 8);
+    s.offs.resize(K + 8);
+    dequantize_sparse(p, s.coeffs.data(), n, s.vals.data(), s.offs.data(), out);
+    return;
+  }
+#else
+  (void)path, (void)zeros;
+#endif
 #ifdef KVCODEC_KVTC_GEMM
   if (dim % 8 == 0) {
     gemm(s.coeffs.data(), K, p.basis.data(), size_t(dim), size_t(n), size_t(dim), K, p.mean.data(), out, size_t(dim));
@@ -595,6 +731,16 @@ void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, flo
   ConstRowMap basis(p.basis.data(), kept, dim);
   xo.noalias() = s.coeffs * basis;
   xo.rowwise() += mu;
+}
+
+}  // namespace
+
+void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
+  dequantize_impl(p, codes, n, out, ReconPath::kAuto);
+}
+
+void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path) {
+  dequantize_impl(p, codes, n, out, path);
 }
 
 void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {

@@ -87,6 +87,16 @@ struct HeadParams {
   std::vector<float> basis_t;
   // The rANS group decoder's tables for rans_decode (see entropy.hpp).
   entropy::RansGroupTables rans_groups;
+  // The reconstruction may skip a component whose coefficient in a row is
+  // exactly 0 (dequantize_block): fma(0, b, acc) is acc bit for bit when
+  // b is finite (0 * b is a zero) and acc is not -0. An accumulator starts
+  // at the mean (so: no -0, NaN or infinity there) and an FMA returns -0
+  // only from -0 + -0 or when its nonzero exact result rounds to zero;
+  // with every nonzero |coefficient| and |basis value| >= 2^-40 (steps
+  // >= 2^-39) the exact results are multiples of 2^-149, so that cannot
+  // happen. Set by build_decoders() when those hold; false (every term
+  // multiplied) otherwise or when it was not run.
+  bool recon_skip_zeros = false;
   void build_decoders();
 };
 
@@ -121,6 +131,13 @@ void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_
 // back: the two halves of encode/decode, exposed for tests and rate studies.
 void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
+// How the reconstruction runs, for tests and benches: kAuto is
+// dequantize_block (zero coefficients skipped when at least 40% of the
+// block's are zero and p.recon_skip_zeros); kDense multiplies every term
+// (the reference the others equal bit for bit); kSkipZeros skips them
+// whenever p.recon_skip_zeros (and the AVX2 kernels are built).
+enum class ReconPath { kAuto, kDense, kSkipZeros };
+void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path);
 
 // Plain-loop reference of quantize_block + dequantize_block (projection and
 // reconstruction by naive loops), for testing the fast path.

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 
@@ -164,6 +165,91 @@ TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
         }
       }
     }
+  }
+}
+
+// The reconstruction that skips zero coefficients (ReconPath::kSkipZeros,
+// and dequantize_block, which takes it for blocks with >= 40% zeros)
+// against every term multiplied (ReconPath::kDense):
+// bit for bit, on dims that are whole 64-column chunks, a chunk and a tail,
+// tails only, and not a multiple of 8 (dense in both); rate heads at 1% and
+// 5% (many zero codes) and dp heads (midrise, none); the block's codes and
+// the same codes with every third set to its zero code; rows of zero codes
+// only (exactly the mean); heads the skip must refuse (-0 or NaN in the
+// mean, an infinite basis value, a tiny step), which must still agree.
+TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  size_t zeros_seen = 0, heads_skipping = 0;
+  for (int dim : {64, 128, 72, 24, 8, 13}) {
+    const int64_t fit_n = 4 * dim + 64;
+    const auto x = correlated(fit_n, dim, uint32_t(7 + dim));
+    for (double target : {0.01, 0.05, 0.0}) {
+      CodecOptions o;
+      o.allocator = target > 0 ? Allocator::kRate : Allocator::kDp;
+      o.target_rel_mse = target;
+      o.basis_bits = dim == 64 ? 8 : 16;
+      HeadParams p = fit(x, fit_n, dim, o);
+      heads_skipping += p.recon_skip_zeros;
+      const size_t K = size_t(p.n_kept());
+      for (int64_t n : {int64_t(1), int64_t(7), int64_t(64)}) {
+        std::vector<uint16_t> codes(size_t(n) * K);
+        quantize_block(p, x.data(), n, codes.data());
+        for (int variant = 0; variant < 3; ++variant) {
+          if (variant == 1)
+            for (size_t i = 0; i < codes.size(); i += 3) codes[i] = p.quant[i % K].zero;
+          if (variant == 2)  // the first row: zero codes only
+            for (size_t k = 0; k < K; ++k) codes[k] = p.quant[k].zero;
+          for (size_t i = 0; i < codes.size(); ++i)
+            zeros_seen += !p.quant[i % K].half_offset && codes[i] == p.quant[i % K].zero;
+          std::vector<float> fast(size_t(n * dim)), dense(fast.size()), skip(fast.size());
+          dequantize_block(p, codes.data(), n, fast.data());
+          dequantize_block_path(p, codes.data(), n, dense.data(), ReconPath::kDense);
+          dequantize_block_path(p, codes.data(), n, skip.data(), ReconPath::kSkipZeros);
+          ASSERT_TRUE(same_bits(fast, dense)) << "dim " << dim << " target " << target << " n " << n << " variant "
+                                              << variant;
+          ASSERT_TRUE(same_bits(skip, dense)) << "dim " << dim << " target " << target << " n " << n << " variant "
+                                              << variant;
+          bool midtread = true;
+          for (const auto& q : p.quant) midtread &= !q.half_offset;
+          if (variant == 2 && midtread) {
+            for (int d = 0; d < dim; ++d) ASSERT_EQ(fast[size_t(d)], p.mean[size_t(d)]) << "dim " << dim;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(zeros_seen, 1000u);
+  EXPECT_GE(heads_skipping, 12u);
+
+  // Heads the skip must refuse: then the dense product runs and agrees.
+  const int dim = 64;
+  const auto x = correlated(320, dim, 5);
+  CodecOptions o;
+  o.allocator = Allocator::kRate;
+  o.target_rel_mse = 0.05;
+  const HeadParams base = fit(x, 320, dim, o);
+  ASSERT_TRUE(base.recon_skip_zeros);
+  const size_t K = size_t(base.n_kept());
+  std::vector<uint16_t> codes(64 * K);
+  quantize_block(base, x.data(), 64, codes.data());
+  for (size_t i = 0; i < codes.size(); i += 2) codes[i] = base.quant[i % K].zero;
+  for (int edit = 0; edit < 5; ++edit) {
+    HeadParams p = base;
+    if (edit == 0) p.mean[3] = -0.0f;
+    if (edit == 1) p.mean[5] = std::numeric_limits<float>::quiet_NaN();
+    if (edit == 2) p.basis[size_t(dim) + 2] = std::numeric_limits<float>::infinity();
+    if (edit == 3) p.quant[1].step = std::ldexp(1.0f, -45);
+    if (edit == 4) p.basis[7] = std::ldexp(1.0f, -60);
+    p.build_decoders();
+    EXPECT_FALSE(p.recon_skip_zeros) << "edit " << edit;
+    std::vector<float> fast(size_t(64 * dim)), dense(fast.size()), skip(fast.size());
+    dequantize_block(p, codes.data(), 64, fast.data());
+    dequantize_block_path(p, codes.data(), 64, dense.data(), ReconPath::kDense);
+    dequantize_block_path(p, codes.data(), 64, skip.data(), ReconPath::kSkipZeros);
+    EXPECT_TRUE(same_bits(fast, dense)) << "edit " << edit;
+    EXPECT_TRUE(same_bits(skip, dense)) << "edit " << edit;
   }
 }
 
