@@ -132,19 +132,22 @@ double payload_bytes(const kvtc::HeadParams& p, const float* x, int64_t n, int64
 // f16 rounding, as HeadParams stores the mean and basis.
 float round_f16(float v) { return f16_to_f32(f32_to_f16(v)); }
 
-// Squared error and code histogram of one coefficient column quantized with
-// a midrise uniform quantizer of `levels` levels and step `step` (the codec's
-// half_offset grid: code = clamp(floor(c / step + levels / 2)), reconstruction
-// (code - levels / 2 + 0.5) * step).
-double midrise_sq_error(const float* c, int64_t n, int64_t stride, double step, int levels,
-                        std::vector<uint64_t>* counts) {
+// Squared error and code histogram of one coefficient column on one of the
+// codec's uniform grids of `levels` levels and step `step`:
+//   midrise (half_offset): code = clamp(floor(c / step + levels / 2)),
+//                          reconstruction (code - levels / 2 + 0.5) * step;
+//   midtread:              code = clamp(floor(c / step + 0.5 + zero)),
+//                          reconstruction (code - zero) * step, zero = levels / 2.
+double grid_sq_error(const float* c, int64_t n, int64_t stride, double step, int levels, bool midtread,
+                     std::vector<uint64_t>* counts) {
   const double inv = 1.0 / step, half = levels / 2;
+  const double code_offset = midtread ? half + 0.5 : half, zero = midtread ? half : half - 0.5;
   double err = 0.0;
   if (counts) counts->assign(size_t(levels), 0);
   for (int64_t i = 0; i < n; ++i) {
     const double v = c[i * stride];
-    const double code = std::clamp(std::floor(v * inv + half), 0.0, double(levels - 1));
-    const double r = (code - half + 0.5) * step;
+    const double code = std::clamp(std::floor(v * inv + code_offset), 0.0, double(levels - 1));
+    const double r = (code - zero) * step;
     err += (v - r) * (v - r);
     if (counts) ++(*counts)[size_t(code)];
   }
@@ -171,27 +174,6 @@ double midtread_step_ratio(int label) {
   return 5.0 * std::pow(0.76, label - 1);
 }
 
-namespace {
-
-// Squared error and code histogram of one coefficient column on the codec's
-// midtread grid: code = clamp(floor(c / step + 0.5) + zero), reconstruction
-// (code - zero) * step, levels = 2 * zero + 1.
-double midtread_sq_error(const float* c, int64_t n, int64_t stride, double step, int levels,
-                         std::vector<uint64_t>* counts) {
-  const double inv = 1.0 / step, zero = levels / 2;
-  double err = 0.0;
-  if (counts) counts->assign(size_t(levels), 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const double v = c[i * stride];
-    const double code = std::clamp(std::floor(v * inv + 0.5) + zero, 0.0, double(levels - 1));
-    const double r = (code - zero) * step;
-    err += (v - r) * (v - r);
-    if (counts) ++(*counts)[size_t(code)];
-  }
-  return err;
-}
-
-}  // namespace
 
 MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, const std::vector<float>& mean,
                                         const std::vector<float>& components, const std::vector<int>& bit_choices,
@@ -260,7 +242,7 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
         const int levels = 2 * int(half) + 1;
         t.step[size_t(k)][j] = step;
         t.levels[size_t(k)][j] = levels;
-        t.distortion[size_t(k)][j] = midtread_sq_error(c, n, dim, step, levels, &counts) / double(n);
+        t.distortion[size_t(k)][j] = grid_sq_error(c, n, dim, step, levels, true, &counts) / double(n);
         t.rate[size_t(k)][j] = entropy_bits(counts, n);
         continue;
       }
@@ -270,7 +252,7 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
       // wider range, light ones a finer step).
       const double g = sigma > 0 ? sigma * 4.0 / double(levels) : 1e-30;
       auto mse = [&](double log_step) {
-        return midrise_sq_error(c, n_sub, dim * sub, std::exp(log_step), levels, nullptr);
+        return grid_sq_error(c, n_sub, dim * sub, std::exp(log_step), levels, false, nullptr);
       };
       double lo = std::log(g * 0.15), hi = std::log(g * 3.0);
       const double phi = 0.6180339887498949;
@@ -288,7 +270,7 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
       const double stored = double(float(step));
       t.step[size_t(k)][j] = stored;
       t.levels[size_t(k)][j] = levels;
-      t.distortion[size_t(k)][j] = midrise_sq_error(c, n, dim, stored, levels, &counts) / double(n);
+      t.distortion[size_t(k)][j] = grid_sq_error(c, n, dim, stored, levels, false, &counts) / double(n);
       t.rate[size_t(k)][j] = entropy_bits(counts, n);
     }
   }

@@ -45,14 +45,28 @@ std::vector<float> synthetic_vectors(int64_t n, uint32_t seed, int layer, bool i
   return x;
 }
 
+// An empty calibration of the test shape (layers, heads, dim, theta).
+KvtcCalibration test_shape_calibration() {
+  KvtcCalibration cal;
+  cal.n_layers = kLayers;
+  cal.n_kv_heads = kHeads;
+  cal.head_dim = kDim;
+  cal.rope_theta = kTheta;
+  cal.config_hash = "test";
+  return cal;
+}
+
+// Writes cal to a per-process temporary file named after `tag`.
+std::string write_temp_calibration(const KvtcCalibration& cal, const std::string& tag) {
+  const std::string p = (std::filesystem::temp_directory_path() /
+                         ("kvcodec_test_calib_" + tag + std::to_string(::getpid()) + ".kvcal")).string();
+  cal.write_file(p);
+  return p;
+}
+
 std::string calibration_path() {
   static const std::string path = [] {
-    KvtcCalibration cal;
-    cal.n_layers = kLayers;
-    cal.n_kv_heads = kHeads;
-    cal.head_dim = kDim;
-    cal.rope_theta = kTheta;
-    cal.config_hash = "test";
+    KvtcCalibration cal = test_shape_calibration();
     const int V = kHeads * kDim;
     kvtc::CodecOptions o;
     o.bit_budget = 3 * V;
@@ -63,10 +77,7 @@ std::string calibration_path() {
         (is_key ? cal.keys : cal.values)
             .push_back(kvtc::fit_head(x.data(), 2048, V, pca.mean, pca.components, pca.eigenvalues, o));
       }
-    const std::string p = (std::filesystem::temp_directory_path() /
-                           ("kvcodec_test_calib_" + std::to_string(::getpid()) + ".kvcal")).string();
-    cal.write_file(p);
-    return p;
+    return write_temp_calibration(cal, "");
   }();
   return path;
 }
@@ -76,12 +87,7 @@ std::string calibration_path() {
 // stored: the calibrated cache must apply and undo them.
 std::string weighted_calibration_path() {
   static const std::string path = [] {
-    KvtcCalibration cal;
-    cal.n_layers = kLayers;
-    cal.n_kv_heads = kHeads;
-    cal.head_dim = kDim;
-    cal.rope_theta = kTheta;
-    cal.config_hash = "test";
+    KvtcCalibration cal = test_shape_calibration();
     const int V = kHeads * kDim;
     kvtc::CodecOptions o;
     o.bit_budget = 3 * V;
@@ -102,10 +108,7 @@ std::string weighted_calibration_path() {
             .push_back(kvtc::fit_head(x.data(), 2048, V, pca.mean, pca.components, pca.eigenvalues, o));
         (is_key ? cal.key_scale : cal.value_scale).push_back(w);
       }
-    const std::string p = (std::filesystem::temp_directory_path() /
-                           ("kvcodec_test_calib_w_" + std::to_string(::getpid()) + ".kvcal")).string();
-    cal.write_file(p);
-    return p;
+    return write_temp_calibration(cal, "w_");
   }();
   return path;
 }
@@ -115,12 +118,7 @@ std::string weighted_calibration_path() {
 // sharper than the base alone.
 std::string refined_calibration_path() {
   static const std::string path = [] {
-    KvtcCalibration cal;
-    cal.n_layers = kLayers;
-    cal.n_kv_heads = kHeads;
-    cal.head_dim = kDim;
-    cal.rope_theta = kTheta;
-    cal.config_hash = "test";
+    KvtcCalibration cal = test_shape_calibration();
     const int V = kHeads * kDim;
     kvtc::CodecOptions base_options, refine_options;
     base_options.bit_budget = V;
@@ -142,10 +140,7 @@ std::string refined_calibration_path() {
             .push_back(kvtc::fit_head(residual.data(), 2048, V, rpca.mean, rpca.components, rpca.eigenvalues,
                                       refine_options));
       }
-    const std::string p = (std::filesystem::temp_directory_path() /
-                           ("kvcodec_test_calib_r_" + std::to_string(::getpid()) + ".kvcal")).string();
-    cal.write_file(p);
-    return p;
+    return write_temp_calibration(cal, "r_");
   }();
   return path;
 }

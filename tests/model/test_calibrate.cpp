@@ -50,6 +50,16 @@ std::vector<float> correlated(int64_t n, int dim, uint32_t seed) {
   return x;
 }
 
+// correlated() times exponential noise per value (Laplacian-like products):
+// heavy tails, as the model's coefficients have.
+std::vector<float> heavy_tailed(int64_t n, int dim, uint32_t seed, uint32_t noise_seed) {
+  std::vector<float> x = correlated(n, dim, seed);
+  std::mt19937 rng(noise_seed);
+  std::exponential_distribution<float> e(1.0f);
+  for (auto& v : x) v *= e(rng);
+  return x;
+}
+
 TEST(RopeTable, BitIdenticalToPerCallReference) {
   const int H = 3, D = 16;
   const double theta = 10000.0;
@@ -168,10 +178,7 @@ TEST(MeasuredTables, BeatsTheBetaModelAtTheSameMeasuredRate) {
   // more distortion than the dp allocator at no more coded size.
   const int dim = 16;
   const int64_t n = 4096;
-  std::vector<float> x = correlated(n, dim, 9);
-  std::mt19937 rng(4);
-  std::exponential_distribution<float> e(1.0f);
-  for (auto& v : x) v *= e(rng);
+  const std::vector<float> x = heavy_tailed(n, dim, 9, 4);
   const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
   kvtc::CodecOptions dp;
   dp.bit_budget = 3 * dim;
@@ -200,10 +207,7 @@ TEST(MeasuredTables, MidtreadGridsAreWhatTheCodecCodes) {
   // Heavy-tailed coefficients, as the model's are.
   const int dim = 12;
   const int64_t n = 4096;
-  std::vector<float> x = correlated(n, dim, 7);
-  std::mt19937 rng(11);
-  std::exponential_distribution<float> e(1.0f);
-  for (auto& v : x) v *= e(rng);
+  const std::vector<float> x = heavy_tailed(n, dim, 7, 11);
   const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
   const MeasuredTables t =
       measure_component_tables(x.data(), n, dim, pca.mean, pca.components, {}, QuantizerFamily::kMidtread);
@@ -243,10 +247,7 @@ TEST(MeasuredTables, MidtreadBeatsMidriseAtLowRate) {
   // less distortion for the same measured rate on heavy-tailed data.
   const int dim = 16;
   const int64_t n = 4096;
-  std::vector<float> x = correlated(n, dim, 3);
-  std::mt19937 rng(5);
-  std::exponential_distribution<float> e(1.0f);
-  for (auto& v : x) v *= e(rng);
+  const std::vector<float> x = heavy_tailed(n, dim, 3, 5);
   const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
   const std::vector<int> widths = {0, 1, 2, 3, 4, 6, 8};
   const MeasuredTables rise = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, widths);
