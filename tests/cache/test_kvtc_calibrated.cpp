@@ -677,5 +677,76 @@ TEST(CalibratedCache, RefinedCacheStreamsSavesLoadsAndTrims) {
   EXPECT_TRUE(bit_equal(whole->fetch(DType::kF32).values, reloaded->fetch(DType::kF32).values));
 }
 
+TEST(CalibratedCache, MalformedRefinementSectionsAreRefused) {
+  const Sequence seq = make_sequence(1, 230, 1, 8484);
+  auto cache = make_cache("kvtc", layer_config(1), refined(40));
+  cache->append(seq.keys.view(), seq.values.view());
+  const std::vector<uint8_t> saved = cache->save();
+  const ContainerReader r = ContainerReader::parse(saved.data(), saved.size());
+  const auto section = r.section("key.refine");
+  const std::vector<uint8_t> good(section.begin(), section.end());
+  auto refused = [&](const std::vector<uint8_t>& replacement, const char* what) {
+    const std::vector<uint8_t> bad = with_section(saved, "key.refine", replacement, ContainerKind::kCache);
+    auto fresh = make_cache("kvtc", layer_config(1), refined(40));
+    EXPECT_THROW(fresh->load(bad.data(), bad.size()), Error) << what;
+  };
+  refused({}, "empty section");
+  refused({0xff, 0xff, 0xff, 0x7f}, "a group count beyond the coded tokens");
+  refused(std::vector<uint8_t>(good.begin(), good.end() - 1), "truncated");
+  {
+    std::vector<uint8_t> extra = good;
+    extra.push_back(0);
+    refused(extra, "trailing byte");
+  }
+  {
+    // Section = varint count, then per group varint first, varint tokens,
+    // payloads: rewrite the first group's header.
+    size_t at = 0;
+    auto varint = [&]() {
+      uint64_t v = 0;
+      for (int shift = 0;; shift += 7) {
+        const uint8_t b = good.at(at++);
+        v |= uint64_t(b & 0x7f) << shift;
+        if (!(b & 0x80)) return v;
+      }
+    };
+    const uint64_t count = varint(), first = varint(), tokens = varint();
+    const std::vector<uint8_t> rest(good.begin() + int64_t(at), good.end());
+    auto header = [&](uint64_t f, uint64_t t) {
+      std::vector<uint8_t> out;
+      for (uint64_t v : {count, f, t}) {
+        while (v >= 0x80) {
+          out.push_back(uint8_t(v | 0x80));
+          v >>= 7;
+        }
+        out.push_back(uint8_t(v));
+      }
+      out.insert(out.end(), rest.begin(), rest.end());
+      return out;
+    };
+    ASSERT_EQ(header(first, tokens), good);  // the parse above is right
+    refused(header(first + 1, tokens), "first group moved");
+    refused(header(first, 0), "a group of 0 tokens");
+    refused(header(first, 33), "a group over 32 tokens");
+  }
+  {
+    // Value refinement missing while keys have it.
+    const ContainerReader rr = ContainerReader::parse(saved.data(), saved.size());
+    ContainerWriter w(ContainerKind::kCache);
+    for (const auto& [k, v] : rr.meta()) w.set_meta(k, v);
+    for (const auto& n : rr.section_names())
+      if (n != "value.refine") {
+        const auto sec = rr.section(n);
+        w.add_section(n, std::vector<uint8_t>(sec.begin(), sec.end()));
+      }
+    const std::vector<uint8_t> bad = w.finish();
+    auto fresh = make_cache("kvtc", layer_config(1), refined(40));
+    EXPECT_THROW(fresh->load(bad.data(), bad.size()), Error);
+  }
+  // The untouched bytes still load.
+  auto fresh = make_cache("kvtc", layer_config(1), refined(40));
+  EXPECT_NO_THROW(fresh->load(saved.data(), saved.size()));
+}
+
 }  // namespace
 }  // namespace kvcodec
