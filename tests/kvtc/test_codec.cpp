@@ -301,9 +301,13 @@ TEST(Codec, DecodePairMatchesTwoDecodes) {
   const int dim = 32;
   const int64_t n = 256;
   const auto xa = correlated(n, dim, 41), xb = correlated(n, dim, 42);
+  // Copies of one default-constructed CodecOptions: constructing them inside
+  // the loops made g++ 12 warn (-Wdangling-pointer, a false positive on the
+  // bit_choices initializer list).
+  const CodecOptions defaults;
   for (CoderChoice ca : {CoderChoice::kRans, CoderChoice::kHuffman})
     for (CoderChoice cb : {CoderChoice::kRans, CoderChoice::kFixed}) {
-      CodecOptions oa, ob;
+      CodecOptions oa = defaults, ob = defaults;
       oa.coder = ca, ob.coder = cb;
       oa.allocator = ob.allocator = Allocator::kRate;
       oa.target_rel_mse = 0.02, ob.target_rel_mse = 0.05;
