@@ -136,17 +136,23 @@ KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const s
   for (const auto& [k, v] : r.meta())
     if (k.rfind("fit.", 0) == 0) c.info[k.substr(4)] = v;
   const int dim = c.vector_dim();
-  for (int l = 0; l < c.n_layers; ++l)
-    for (const bool is_key : {true, false}) {
-      const std::string name = "layer." + std::to_string(l) + (is_key ? ".key" : ".value");
-      ByteReader in(r.section(name), "calibration " + name);
-      try {
-        (is_key ? c.keys : c.values).push_back(kvtc::HeadParams::deserialize(in, dim));
-      } catch (const Error& e) {
-        throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
-      }
-      if (!in.at_end()) throw Error(ErrorCode::kFormat, "calibration " + label + ": trailing bytes in " + name);
+  // One serialised HeadParams section (base or refinement), the file and
+  // section named in any error.
+  const auto read_params = [&](const std::string& name) {
+    ByteReader in(r.section(name), "calibration " + name);
+    kvtc::HeadParams p;
+    try {
+      p = kvtc::HeadParams::deserialize(in, dim);
+    } catch (const Error& e) {
+      throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
     }
+    if (!in.at_end()) throw Error(ErrorCode::kFormat, "calibration " + label + ": trailing bytes in " + name);
+    return p;
+  };
+  for (int l = 0; l < c.n_layers; ++l)
+    for (const bool is_key : {true, false})
+      (is_key ? c.keys : c.values)
+          .push_back(read_params("layer." + std::to_string(l) + (is_key ? ".key" : ".value")));
   // Optional weights: all layers or none, each dim finite positive f32.
   const bool weighted = r.has("layer.0.key_scale") || r.has("layer.0.value_scale");
   for (int l = 0; weighted && l < c.n_layers; ++l)
@@ -175,13 +181,7 @@ KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const s
       const std::string name = "layer." + std::to_string(l) + (is_key ? ".key_refine" : ".value_refine");
       if (!r.has(name))
         throw Error(ErrorCode::kFormat, "calibration " + label + ": refined calibration without section " + name);
-      ByteReader in(r.section(name), "calibration " + name);
-      try {
-        (is_key ? c.key_refine : c.value_refine).push_back(kvtc::HeadParams::deserialize(in, dim));
-      } catch (const Error& e) {
-        throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
-      }
-      if (!in.at_end()) throw Error(ErrorCode::kFormat, "calibration " + label + ": trailing bytes in " + name);
+      (is_key ? c.key_refine : c.value_refine).push_back(read_params(name));
     }
   return c;
 }

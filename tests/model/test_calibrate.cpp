@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <utility>
 
 #include "alloc/allocator.hpp"
 #include "cache/kvtc_calibrated.hpp"
@@ -48,6 +49,17 @@ std::vector<float> correlated(int64_t n, int dim, uint32_t seed) {
     }
   }
   return x;
+}
+
+// Encodes and decodes x [n, dim] with p: the mean squared error per token
+// and the coded bits per token.
+std::pair<double, double> coded_error_and_bits(const kvtc::HeadParams& p, const std::vector<float>& x, int64_t n) {
+  std::vector<float> y(x.size());
+  const std::vector<uint8_t> bytes = kvtc::encode_block(p, x.data(), n);
+  kvtc::decode_block(p, bytes.data(), bytes.size(), n, y.data());
+  double err = 0.0;
+  for (size_t i = 0; i < x.size(); ++i) err += double(x[i] - y[i]) * double(x[i] - y[i]);
+  return {err / double(n), double(bytes.size()) * 8.0 / double(n)};
 }
 
 // correlated() times exponential noise per value (Laplacian-like products):
@@ -159,15 +171,10 @@ TEST(MeasuredTables, DistortionFallsAndRateRisesWithWidth) {
   // The codec built from an allocation reproduces the measured distortion.
   const alloc::AllocationResult a = alloc::allocate_bits_measured(t.rate, t.distortion, choices, 2.5 * dim);
   const kvtc::HeadParams p = build_head_params(t, x.data(), n, dim, pca.eigenvalues, a.bits);
-  std::vector<float> y(x.size());
-  const std::vector<uint8_t> bytes = kvtc::encode_block(p, x.data(), n);
-  kvtc::decode_block(p, bytes.data(), bytes.size(), n, y.data());
-  double err = 0.0;
-  for (size_t i = 0; i < x.size(); ++i) err += double(x[i] - y[i]) * double(x[i] - y[i]);
-  err /= double(n);
+  const auto [err, bits] = coded_error_and_bits(p, x, n);
   EXPECT_NEAR(err, a.distortion, 0.05 * a.distortion);
   // Entropy-coded size close to the measured rate (rANS, tables fitted on x).
-  EXPECT_LT(double(bytes.size()) * 8.0 / double(n), a.rate * 1.03 + 0.1);
+  EXPECT_LT(bits, a.rate * 1.03 + 0.1);
   EXPECT_THROW(measure_component_tables(x.data(), n, dim, pca.mean, std::vector<float>(5), choices), Error);
   EXPECT_THROW(build_head_params(t, x.data(), n, dim, pca.eigenvalues, std::vector<int>(size_t(dim), 5)), Error);
 }
@@ -184,13 +191,9 @@ TEST(MeasuredTables, BeatsTheBetaModelAtTheSameMeasuredRate) {
   dp.bit_budget = 3 * dim;
   const kvtc::HeadParams beta = kvtc::fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, dp);
   auto measure = [&](const kvtc::HeadParams& p, double* bits) {
-    const std::vector<uint8_t> b = kvtc::encode_block(p, x.data(), n);
-    std::vector<float> y(x.size());
-    kvtc::decode_block(p, b.data(), b.size(), n, y.data());
-    double err = 0.0;
-    for (size_t i = 0; i < x.size(); ++i) err += double(x[i] - y[i]) * double(x[i] - y[i]);
-    *bits = double(b.size()) * 8.0 / double(n);
-    return err / double(n);
+    const auto [err, coded_bits] = coded_error_and_bits(p, x, n);
+    *bits = coded_bits;
+    return err;
   };
   double beta_bits = 0.0;
   const double beta_err = measure(beta, &beta_bits);
@@ -229,14 +232,9 @@ TEST(MeasuredTables, MidtreadGridsAreWhatTheCodecCodes) {
   const alloc::AllocationResult a = alloc::allocate_bits_measured(t.rate, t.distortion, t.bit_choices, 1.5 * dim);
   const kvtc::HeadParams p = build_head_params(t, x.data(), n, dim, pca.eigenvalues, a.bits);
   for (const auto& q : p.quant) EXPECT_FALSE(q.half_offset);
-  std::vector<float> y(x.size());
-  const std::vector<uint8_t> bytes = kvtc::encode_block(p, x.data(), n);
-  kvtc::decode_block(p, bytes.data(), bytes.size(), n, y.data());
-  double err = 0.0;
-  for (size_t i = 0; i < x.size(); ++i) err += double(x[i] - y[i]) * double(x[i] - y[i]);
-  err /= double(n);
+  const auto [err, bits] = coded_error_and_bits(p, x, n);
   EXPECT_NEAR(err, a.distortion, 0.05 * a.distortion);
-  EXPECT_LT(double(bytes.size()) * 8.0 / double(n), a.rate * 1.03 + 0.1);
+  EXPECT_LT(bits, a.rate * 1.03 + 0.1);
   EXPECT_THROW(midtread_step_ratio(0), Error);
   EXPECT_THROW(midtread_step_ratio(kMidtreadChoices + 1), Error);
 }
