@@ -2,6 +2,7 @@
 // and write them to a calibration file for kvtc.calibration=FILE.
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstdio>
@@ -169,31 +170,28 @@ void run_calibrate(const CalibrateArgs& a) {
   if (!ratios.empty() && a.output.find("{}") == std::string::npos)
     throw_config_error("--output", a.output, "a path containing {} (replaced by each of --target-ratios)");
   if (ratios.empty()) ratios.push_back("");
-  // --allocators A1,A2 (measured|dp|rate): the same for each allocator, the
-  // path's "{alloc}" replaced by its name (a comparison from one model run).
-  std::vector<std::string> allocators = split_list(a.allocators);
-  for (const auto& al : allocators)
-    if (al != "measured" && al != "dp" && al != "rate")
-      throw_config_error("--allocators", a.allocators, "a comma-separated list of measured, dp, rate");
-  if (!allocators.empty() && a.output.find("{alloc}") == std::string::npos)
-    throw_config_error("--output", a.output, "a path containing {alloc} (replaced by each of --allocators)");
-  if (allocators.empty()) allocators.push_back("");
-  // --weightings none,attention: the same for each weighting ("{weighting}").
-  std::vector<std::string> weightings = split_list(a.weightings);
-  for (const auto& wt : weightings)
-    if (wt != "none" && wt != "attention")
-      throw_config_error("--weightings", a.weightings, "a comma-separated list of none, attention");
-  if (!weightings.empty() && a.output.find("{weighting}") == std::string::npos)
-    throw_config_error("--output", a.output, "a path containing {weighting} (replaced by each of --weightings)");
-  if (weightings.empty()) weightings.push_back("");
-  // --quantizers midrise,midtread: the same for each family ("{quant}").
-  std::vector<std::string> families = split_list(a.quantizers);
-  for (const auto& q : families)
-    if (q != "midrise" && q != "midtread")
-      throw_config_error("--quantizers", a.quantizers, "a comma-separated list of midrise, midtread");
-  if (!families.empty() && a.output.find("{quant}") == std::string::npos)
-    throw_config_error("--output", a.output, "a path containing {quant} (replaced by each of --quantizers)");
-  if (families.empty()) families.push_back("");
+  // --allocators / --weightings / --quantizers A,B: one calibration per
+  // listed value from one model run, the output path's placeholder replaced
+  // by it; each value must be one of `allowed`. Empty list: one pass ("").
+  const auto variants = [&](const char* option, const std::string& list, const std::vector<std::string>& allowed,
+                            const std::string& placeholder) {
+    std::vector<std::string> values = split_list(list);
+    std::string names;
+    for (const auto& v : allowed) names += (names.empty() ? "" : ", ") + v;
+    for (const auto& v : values)
+      if (std::find(allowed.begin(), allowed.end(), v) == allowed.end())
+        throw_config_error(option, list, "a comma-separated list of " + names);
+    if (!values.empty() && a.output.find(placeholder) == std::string::npos)
+      throw_config_error("--output", a.output,
+                         "a path containing " + placeholder + " (replaced by each of " + option + ")");
+    if (values.empty()) values.push_back("");
+    return values;
+  };
+  const std::vector<std::string> allocators =
+      variants("--allocators", a.allocators, {"measured", "dp", "rate"}, "{alloc}");
+  const std::vector<std::string> weightings =
+      variants("--weightings", a.weightings, {"none", "attention"}, "{weighting}");
+  const std::vector<std::string> families = variants("--quantizers", a.quantizers, {"midrise", "midtread"}, "{quant}");
   const std::string hash = model::model_config_hash(dir);
   for (const std::string& qf : families)
   for (const std::string& wt : weightings)
