@@ -220,6 +220,11 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
 // The same without the AVX2 group encoder (scalar lanes only); same bytes.
 std::vector<uint8_t> rans_encode_portable(const uint16_t* symbols, size_t n_rows, size_t n_cols,
                                           const std::vector<const RansEncodeTable*>& tables);
+// The AVX2 group encoder addressing every lane's table row by pointer (the
+// path rans_encode falls back to when the tables lie more than ~2 GiB
+// apart, so 32-bit offsets cannot reach them); same bytes. For tests.
+std::vector<uint8_t> rans_encode_vector_pointers(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                                 const std::vector<const RansEncodeTable*>& tables);
 // Inverse of rans_encode; out has n_rows * n_cols entries, skipped columns get
 // 0. Throws Error(kFormat) when the stream is truncated, has trailing bytes or
 // ends in states other than the initial ones.
