@@ -515,7 +515,9 @@ void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t*
   const __m256i one = _mm256_set1_epi32(1);
   const __m256i low16 = _mm256_set1_epi32(0xffff);
   const size_t step = kRansLanes % n_active;
-  const uint8_t* const base = reinterpret_cast<const uint8_t*>(cols[0].syms);
+  // An integer: the rows of other tables lie outside cols[0]'s array, where
+  // pointer arithmetic on it would be undefined.
+  const uintptr_t base = reinterpret_cast<uintptr_t>(cols[0].syms);
   for (size_t i0 = full; i0 > 0;) {
     i0 -= kRansLanes;
     k0 = k0 >= step ? k0 - step : k0 + n_active - step;
@@ -530,7 +532,7 @@ void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t*
     // The 8 lanes' constants, rows {x_max, rcp, bias, cmpl_freq | shift << 16}, transposed.
     const auto row = [&](size_t j) {
       if constexpr (kOffsets)
-        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + at[j]));
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + uintptr_t(intptr_t(at[j]))));
       else
         return _mm_loadu_si128(reinterpret_cast<const __m128i*>(c[j].syms + sy[j]));
     };
