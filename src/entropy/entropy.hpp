@@ -196,6 +196,16 @@ struct RansGroupTables {
     size_t first = 0;             // offset of the group's row 1 in rows
     uint32_t rows = 0;            // largest alphabet of the group - 1
     bool scalar = false;          // a column past the search's limits: the group takes the scalar lanes
+    // The window search (packed keys only): per lane the wrows + 1 most
+    // probable consecutive symbols a .. a + wrows. When every lane's slot
+    // lies in its window (key of a <= bound < key of a + wrows + 1), the
+    // search over the window's rows alone finds the same key; otherwise
+    // the whole search runs. Chosen by build when it saves rows on average.
+    alignas(32) int32_t wfloor[8];  // key of symbol a (the search's start)
+    alignas(32) int32_t wceil[8];   // key of symbol a + wrows + 1, or 0x7fffffff past the alphabet
+    size_t wfirst = 0;              // offset of the window's rows in rows
+    uint32_t wrows = 0;
+    bool windowed = false;
   };
   std::vector<Group> groups;  // indexed by the group's first column position k0
   std::vector<int32_t> rows;  // transposed keys, 8 per row

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 #include "entropy/entropy.hpp"
@@ -452,6 +453,10 @@ TEST(RansFast, PairMatchesTwoDecodes) {
         ja.out = ra.data();
         jb.data = bb.data(), jb.size = bb.size(), jb.n_rows = b.rows, jb.n_cols = b.cols, jb.tables = &dpb;
         jb.out = rb.data();
+        // Every other trial with prebuilt group tables (as HeadParams keeps
+        // them: the only ones with window searches).
+        const RansGroupTables ga = rans_group_tables(dpa), gb = rans_group_tables(dpb);
+        if (trial % 2) ja.groups = &ga, jb.groups = &gb;
         rans_decode_pair(ja, jb);
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::kFormat);
@@ -468,6 +473,88 @@ TEST(RansFast, PairMatchesTwoDecodes) {
       }
     }
   }
+}
+
+// The window search (RansGroupTables::Group::windowed): peaked tables of
+// up to 64 symbols (as a KV head's leading components have) get windows;
+// symbols inside every lane's window, and symbols far in the tails (every
+// group escaping to the whole search), and a mix decode as the portable
+// decoder does, alone and as a pair, and damaged streams give its errors.
+TEST(RansFast, WindowSearchMatchesPortable) {
+  std::mt19937_64 rng(123);
+  size_t windowed = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const size_t cols = 8 + size_t(rng() % 60), rows = 1 + size_t(rng() % 90);
+    std::vector<FrequencyTable> ft;
+    for (size_t k = 0; k < cols; ++k) {
+      // A discretised Laplacian of 7..64 symbols around the middle.
+      const uint32_t alphabet = 7 + uint32_t(rng() % 58);
+      const double width = 0.5 + double(rng() % 100) / 20.0;
+      std::vector<uint64_t> counts(alphabet);
+      for (uint32_t s = 0; s < alphabet; ++s)
+        counts[s] = 1 + uint64_t(1e6 * std::exp(-std::fabs(double(s) - alphabet / 2.0) / width));
+      ft.push_back(FrequencyTable::from_counts(counts, 12));
+    }
+    std::vector<RansDecodeTable> dt(ft.begin(), ft.end());
+    std::vector<const RansDecodeTable*> dp;
+    std::vector<const FrequencyTable*> fp;
+    for (size_t k = 0; k < cols; ++k) dp.push_back(&dt[k]), fp.push_back(&ft[k]);
+    const RansGroupTables pre = rans_group_tables(dp);
+    for (const auto& g : pre.groups) windowed += g.windowed;
+    for (int mode = 0; mode < 3; ++mode) {
+      // 0: the middle symbol (inside every window); 1: the ends (outside);
+      // 2: drawn from the tables' own distributions.
+      std::vector<uint16_t> sym(rows * cols);
+      for (size_t i = 0; i < sym.size(); ++i) {
+        const FrequencyTable& t = ft[i % cols];
+        if (mode == 0) sym[i] = uint16_t(t.alphabet_size / 2);
+        if (mode == 1) sym[i] = uint16_t(rng() % 2 ? 0 : t.alphabet_size - 1);
+        if (mode == 2) {
+          const uint32_t slot = uint32_t(rng() % t.total());
+          sym[i] = uint16_t(std::upper_bound(t.cum.begin(), t.cum.end(), slot) - t.cum.begin() - 1);
+        }
+      }
+      const std::vector<uint8_t> bytes = rans_encode(sym.data(), rows, cols, fp);
+      for (int d = -1; d < 4; ++d) {
+        const std::vector<uint8_t> bad = d < 0 ? bytes : damaged(bytes, d, rng);
+        std::vector<uint16_t> got(sym.size(), 1), want(sym.size(), 2), pair_a(sym.size(), 3), pair_b(sym.size(), 4);
+        std::string eg = "ok", ew = "ok", ep = "ok";
+        try {
+          rans_decode(bad.data(), bad.size(), rows, cols, dp, got.data(), pre);
+        } catch (const Error& e) {
+          eg = e.what();
+        }
+        try {
+          rans_decode_portable(bad.data(), bad.size(), rows, cols, dp, want.data());
+        } catch (const Error& e) {
+          ew = e.what();
+        }
+        try {
+          RansDecodeJob ja, jb;
+          ja.data = bytes.data(), ja.size = bytes.size(), ja.n_rows = rows, ja.n_cols = cols, ja.tables = &dp;
+          ja.out = pair_a.data(), ja.groups = &pre;
+          jb = ja;
+          jb.data = bad.data(), jb.size = bad.size(), jb.out = pair_b.data();
+          rans_decode_pair(ja, jb);
+        } catch (const Error& e) {
+          ep = e.what();
+        }
+        ASSERT_EQ(eg, ew) << "trial " << trial << " mode " << mode << " damage " << d;
+        ASSERT_EQ(ep, ew) << "trial " << trial << " mode " << mode << " damage " << d;
+        if (ew == "ok") {
+          ASSERT_EQ(got, want) << "trial " << trial << " mode " << mode << " damage " << d;
+          ASSERT_EQ(pair_a, sym) << "trial " << trial << " mode " << mode;
+          ASSERT_EQ(pair_b, want) << "trial " << trial << " mode " << mode << " damage " << d;
+          if (d < 0) {
+            ASSERT_EQ(got, sym) << "trial " << trial << " mode " << mode;
+          }
+        }
+      }
+    }
+  }
+#ifdef __AVX2__
+  EXPECT_GT(windowed, 100u);  // the window search ran (AVX2 builds build group tables)
+#endif
 }
 
 // The vectorised validation (16 columns at a time) finds an out-of-range
