@@ -292,6 +292,31 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
   return any_vector;
 }
 
+// The group decoder's vector constants, read from memory through a pointer
+// the compiler cannot see through: as immediates GCC rebuilt most of them in
+// every group step (mov, vmovq, vpbroadcast: ~3 instructions each, ~7 per
+// stream and group, where the loop is bound by its instruction count);
+// loads fold into the instructions that use them.
+struct DecodeConsts {
+  __m256i key_low = _mm256_set1_epi32(0x7fffe);      // packed bound's low bits
+  __m256i sym_mask = _mm256_set1_epi32(63);
+  __m256i freq13_mask = _mm256_set1_epi32(0x1fff);
+  __m256i freq16_mask = _mm256_set1_epi32(0xffff);
+  __m256i ans_low = _mm256_set1_epi32(int32_t(kRansLow));
+  __m256i ans_low8 = _mm256_set1_epi32(int32_t(kRansLow >> 8));
+  __m256i ctrl_base = _mm256_set1_epi32(int32_t(0x80800001u));
+  __m256i sixteen = _mm256_set1_epi32(16);
+  __m256i one = _mm256_set1_epi32(1);
+  __m256i all_ones = _mm256_set1_epi32(-1);
+};
+inline const DecodeConsts* decode_consts() {
+  static const DecodeConsts c;
+  const DecodeConsts* p = &c;
+  asm("" : "+r"(p));  // opaque: the fields are loads, not immediates
+  return p;
+}
+inline __m256i ld(const __m256i& v) { return _mm256_load_si256(&v); }
+
 // The rows a packed group's search runs over: its window's when every
 // lane's slot lies in its lane's window (one compare pair and a test: the
 // branch resolves before the rows are read), else all of them. In-process
@@ -303,13 +328,14 @@ struct SearchRows {
   uint32_t n;
   __m256i init;
 };
-__attribute__((always_inline)) inline SearchRows search_rows(const SimdGroup& g, const int32_t* rows, __m256i bound) {
+__attribute__((always_inline)) inline SearchRows search_rows(const SimdGroup& g, const int32_t* rows, __m256i bound,
+                                                             const DecodeConsts* k) {
   if (g.windowed) {
     const __m256i floor = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.wfloor));
     const __m256i ok = _mm256_andnot_si256(
         _mm256_cmpgt_epi32(floor, bound),
         _mm256_cmpgt_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.wceil)), bound));
-    if (__builtin_expect(_mm256_testc_si256(ok, _mm256_set1_epi32(-1)), 1)) return {rows + g.wfirst, g.wrows, floor};
+    if (__builtin_expect(_mm256_testc_si256(ok, ld(k->all_ones)), 1)) return {rows + g.wfirst, g.wrows, floor};
   }
   return {rows + g.first, g.rows, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.key0))};
 }
@@ -328,6 +354,7 @@ struct SimdStream {
   const uint8_t* end = nullptr;
   uint16_t* dst = nullptr;
   bool packed = false;
+  const DecodeConsts* k = decode_consts();
   __m256i X;
 
   bool can_step() const { return i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes; }
@@ -344,7 +371,7 @@ struct SimdStream {
   }
 
   __attribute__((always_inline)) inline void step() {
-    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i one = ld(k->one);
     const SimdGroup& g = groups[k0];
     if (g.scalar) {
       step_scalar();
@@ -356,8 +383,8 @@ struct SimdStream {
     if (packed) {
       // key <= bound iff cum[s] <= slot (the low 19 bits of a key stay below
       // 0x7fffe; pads 0x7fffffff exceed every bound). Four accumulators.
-      const __m256i bound = _mm256_or_si256(_mm256_slli_epi32(slot, 19), _mm256_set1_epi32(0x7fffe));
-      const SearchRows sr = search_rows(g, rows, bound);
+      const __m256i bound = _mm256_or_si256(_mm256_slli_epi32(slot, 19), ld(k->key_low));
+      const SearchRows sr = search_rows(g, rows, bound, k);
       __m256i k_a = sr.init, k_b = k_a, k_c = k_a, k_d = k_a;
       const int32_t* t = sr.t;
       const uint32_t n_rows = sr.n;
@@ -377,9 +404,9 @@ struct SimdStream {
         k_a = _mm256_max_epi32(k_a, _mm256_andnot_si256(_mm256_cmpgt_epi32(ca, bound), ca));
       }
       const __m256i key = _mm256_max_epi32(_mm256_max_epi32(k_a, k_b), _mm256_max_epi32(k_c, k_d));
-      sym = _mm256_and_si256(_mm256_srli_epi32(key, 13), _mm256_set1_epi32(63));
+      sym = _mm256_and_si256(_mm256_srli_epi32(key, 13), ld(k->sym_mask));
       lo = _mm256_srli_epi32(key, 19);
-      freq = _mm256_and_si256(key, _mm256_set1_epi32(0x1fff));
+      freq = _mm256_and_si256(key, ld(k->freq13_mask));
     } else {
     // key < bound iff cum[s] <= slot (freq < 2^16 sits below the compare).
     const __m256i bound = _mm256_slli_epi32(_mm256_add_epi32(slot, one), 16);
@@ -406,7 +433,7 @@ struct SimdStream {
     sym = _mm256_add_epi32(sym_a, sym_b);
     const __m256i key = _mm256_max_epi32(key_a, key_b);
     lo = _mm256_srli_epi32(key, 16);
-    freq = _mm256_and_si256(key, _mm256_set1_epi32(0xffff));
+    freq = _mm256_and_si256(key, ld(k->freq16_mask));
     }
     finish_group(sym, lo, freq, slot, scale);
   }
@@ -418,8 +445,8 @@ struct SimdStream {
         _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srlv_epi32(X, scale)), slot), lo);
     // Bytes per lane: (x' < 2^23) + (x' < 2^15); x' < 2^31, so signed compares are exact.
     const __m256i n = _mm256_sub_epi32(
-        _mm256_setzero_si256(), _mm256_add_epi32(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(kRansLow)), xn),
-                                                 _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(kRansLow >> 8)), xn)));
+        _mm256_setzero_si256(), _mm256_add_epi32(_mm256_cmpgt_epi32(ld(k->ans_low), xn),
+                                                 _mm256_cmpgt_epi32(ld(k->ans_low8), xn)));
     __m256i incl = _mm256_add_epi32(n, _mm256_slli_si256(n, 4));
     incl = _mm256_add_epi32(incl, _mm256_slli_si256(incl, 8));
     const __m256i carry = _mm256_shuffle_epi32(incl, 0xff);  // each half's total in its every lane
@@ -428,10 +455,10 @@ struct SimdStream {
     const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     // Per lane the 32-bit word p[o + 1] | p[o] << 8 (bytes 2, 3 zeroed by 0x80).
     const __m256i ctrl = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(excl, 8), excl),
-                                          _mm256_set1_epi32(int32_t(0x80800001u)));
+                                          ld(k->ctrl_base));
     const __m256i v = _mm256_shuffle_epi8(bytes, ctrl);
     const __m256i bits = _mm256_slli_epi32(n, 3);
-    X = _mm256_or_si256(_mm256_sllv_epi32(xn, bits), _mm256_srlv_epi32(v, _mm256_sub_epi32(_mm256_set1_epi32(16), bits)));
+    X = _mm256_or_si256(_mm256_sllv_epi32(xn, bits), _mm256_srlv_epi32(v, _mm256_sub_epi32(ld(k->sixteen), bits)));
     p += uint32_t(_mm256_extract_epi32(incl, 7));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(sym, sym), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
@@ -861,10 +888,11 @@ __attribute__((always_inline)) inline void step_pair_packed(SimdStream& A, SimdS
   const __m256i scale_b = _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.scale));
   const __m256i slot_a = _mm256_and_si256(A.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.mask)));
   const __m256i slot_b = _mm256_and_si256(B.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.mask)));
-  const __m256i low = _mm256_set1_epi32(0x7fffe);
+  const DecodeConsts* k = A.k;
+  const __m256i low = ld(k->key_low);
   const __m256i bound_a = _mm256_or_si256(_mm256_slli_epi32(slot_a, 19), low);
   const __m256i bound_b = _mm256_or_si256(_mm256_slli_epi32(slot_b, 19), low);
-  const SearchRows sa = search_rows(ga, A.rows, bound_a), sb = search_rows(gb, B.rows, bound_b);
+  const SearchRows sa = search_rows(ga, A.rows, bound_a, k), sb = search_rows(gb, B.rows, bound_b, k);
   __m256i a0 = sa.init, a1 = a0;
   __m256i b0 = sb.init, b1 = b0;
   const int32_t* ta = sa.t;
@@ -886,7 +914,7 @@ __attribute__((always_inline)) inline void step_pair_packed(SimdStream& A, SimdS
   for (uint32_t q = r; q < sb.n; ++q) KVTC_ROW(b0, tb, q, bound_b)
 #undef KVTC_ROW
   const __m256i ka = _mm256_max_epi32(a0, a1), kb = _mm256_max_epi32(b0, b1);
-  const __m256i m63 = _mm256_set1_epi32(63), m13 = _mm256_set1_epi32(0x1fff);
+  const __m256i m63 = ld(k->sym_mask), m13 = ld(k->freq13_mask);
   A.finish_group(_mm256_and_si256(_mm256_srli_epi32(ka, 13), m63), _mm256_srli_epi32(ka, 19),
                  _mm256_and_si256(ka, m13), slot_a, scale_a);
   B.finish_group(_mm256_and_si256(_mm256_srli_epi32(kb, 13), m63), _mm256_srli_epi32(kb, 19),
