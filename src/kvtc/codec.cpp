@@ -701,10 +701,14 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t* c = codes + i * kept;
     float* o = s.coeffs.data() + i * kept;
+    // A 32-bit count per row: the vectorised loop then adds compare masks
+    // lane-wise instead of widening them to 64 bits.
+    uint32_t row_zeros = 0;
     for (size_t k = 0; k < K; ++k) {
       o[k] = (float(c[k]) - offset[k]) * step[k];
-      zeros += o[k] == 0.0f;
+      row_zeros += o[k] == 0.0f;
     }
+    zeros += row_zeros;
   }
 #ifdef KVCODEC_KVTC_GEMM
   // The zero-skipping rows cost ~1.5x the tiled kernel per term (one row
