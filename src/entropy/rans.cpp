@@ -359,12 +359,22 @@ struct SimdStream {
 
   bool can_step() const { return i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes; }
 
-  // A group marked scalar: the 8 lanes through scalar_group.
-  __attribute__((noinline)) void step_scalar() {
+  // A group marked scalar: the 8 lanes through scalar_group, out of line
+  // and by value, so that no address of the stream escapes the loops that
+  // step it (its fields can then live in registers).
+  struct ScalarOut {
+    __m256i X;
+    const uint8_t* p;
+  };
+  __attribute__((noinline)) static ScalarOut scalar_step(const DecCol* c, __m256i X, const uint8_t* p, uint16_t* dst) {
     alignas(32) uint32_t x[kRansLanes];
     _mm256_store_si256(reinterpret_cast<__m256i*>(x), X);
-    scalar_group(ext + k0, x, p, dst + i);
-    X = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
+    scalar_group(c, x, p, dst);
+    return {_mm256_load_si256(reinterpret_cast<const __m256i*>(x)), p};
+  }
+  void step_scalar() {
+    const ScalarOut r = scalar_step(ext + k0, X, p, dst + i);
+    X = r.X, p = r.p;
     i += kRansLanes;
     k0 += kRansLanes;
     while (k0 >= n_active) k0 -= n_active;
@@ -920,6 +930,15 @@ __attribute__((always_inline)) inline void step_pair_packed(SimdStream& A, SimdS
   B.finish_group(_mm256_and_si256(_mm256_srli_epi32(kb, 13), m63), _mm256_srli_epi32(kb, 19),
                  _mm256_and_si256(kb, m13), slot_b, scale_b);
 }
+
+// The lockstep loop on local copies whose addresses never escape, so that
+// GCC keeps the two streams' states in registers instead of storing and
+// reloading them (the lane states through memory every group) around it.
+__attribute__((noinline)) void run_pair_packed(SimdStream& A, SimdStream& B) {
+  SimdStream a = A, b = B;
+  while (a.can_step() && b.can_step()) step_pair_packed(a, b);
+  A = a, B = b;
+}
 #endif
 
 // One rANS stream being decoded: start() validates and sets up (states,
@@ -1144,7 +1163,7 @@ void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
     // The two streams' groups alternate: independent chains the core overlaps.
     SimdStream sa = da.simd_stream(), sb = db.simd_stream();
     if (sa.packed && sb.packed) {
-      while (sa.can_step() && sb.can_step()) step_pair_packed(sa, sb);
+      run_pair_packed(sa, sb);
     } else {
       while (sa.can_step() && sb.can_step()) {
         sa.step();
