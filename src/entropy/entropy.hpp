@@ -213,6 +213,9 @@ struct RansGroupTables {
   bool packed = false;        // keys cum << 19 | s << 13 | freq (else cum << 16 | freq)
   bool usable = false;
   bool any_scalar = false;    // some group has scalar set
+  // The decode tables these were built (and validated) from: a decode
+  // given exactly these pointers skips re-validating them per call.
+  std::vector<const RansDecodeTable*> built_from;
 };
 RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tables);
 
