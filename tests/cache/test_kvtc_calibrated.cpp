@@ -145,17 +145,26 @@ std::string refined_calibration_path() {
   return path;
 }
 
-// bytes of a container with section `name` replaced (checksums recomputed).
-std::vector<uint8_t> with_section(const std::vector<uint8_t>& bytes, const std::string& name,
-                                  const std::vector<uint8_t>& replacement, ContainerKind kind) {
+// bytes of a container rewritten with section `name` replaced, or dropped
+// when replacement is null (checksums recomputed).
+std::vector<uint8_t> rewritten(const std::vector<uint8_t>& bytes, const std::string& name,
+                               const std::vector<uint8_t>* replacement, ContainerKind kind) {
   const ContainerReader r = ContainerReader::parse(bytes.data(), bytes.size());
   ContainerWriter w(kind);
   for (const auto& [k, v] : r.meta()) w.set_meta(k, v);
   for (const auto& n : r.section_names()) {
+    if (n == name && !replacement) continue;
     const auto sec = r.section(n);
-    w.add_section(n, n == name ? replacement : std::vector<uint8_t>(sec.begin(), sec.end()));
+    w.add_section(n, n == name ? *replacement : std::vector<uint8_t>(sec.begin(), sec.end()));
   }
   return w.finish();
+}
+std::vector<uint8_t> with_section(const std::vector<uint8_t>& bytes, const std::string& name,
+                                  const std::vector<uint8_t>& replacement, ContainerKind kind) {
+  return rewritten(bytes, name, &replacement, kind);
+}
+std::vector<uint8_t> without_section(const std::vector<uint8_t>& bytes, const std::string& name, ContainerKind kind) {
+  return rewritten(bytes, name, nullptr, kind);
 }
 
 CacheConfig layer_config(int layer) {
@@ -557,15 +566,7 @@ TEST(CalibrationFile, RefinementRoundTripsAndIsAllOrNothing) {
   EXPECT_EQ(again.serialize(), bytes);
   EXPECT_GT(cal.params_bytes(), KvtcCalibration::read_file(calibration_path()).params_bytes() / 2);
   // One layer's refinement section missing: refused, naming it.
-  const ContainerReader r = ContainerReader::parse(bytes.data(), bytes.size());
-  ContainerWriter w(ContainerKind::kCalibration);
-  for (const auto& [k, v] : r.meta()) w.set_meta(k, v);
-  for (const auto& n : r.section_names())
-    if (n != "layer.1.value_refine") {
-      const auto sec = r.section(n);
-      w.add_section(n, std::vector<uint8_t>(sec.begin(), sec.end()));
-    }
-  const std::vector<uint8_t> partial = w.finish();
+  const std::vector<uint8_t> partial = without_section(bytes, "layer.1.value_refine", ContainerKind::kCalibration);
   try {
     KvtcCalibration::parse(partial.data(), partial.size());
     FAIL() << "a calibration with a missing refinement section was accepted";
@@ -731,15 +732,7 @@ TEST(CalibratedCache, MalformedRefinementSectionsAreRefused) {
   }
   {
     // Value refinement missing while keys have it.
-    const ContainerReader rr = ContainerReader::parse(saved.data(), saved.size());
-    ContainerWriter w(ContainerKind::kCache);
-    for (const auto& [k, v] : rr.meta()) w.set_meta(k, v);
-    for (const auto& n : rr.section_names())
-      if (n != "value.refine") {
-        const auto sec = rr.section(n);
-        w.add_section(n, std::vector<uint8_t>(sec.begin(), sec.end()));
-      }
-    const std::vector<uint8_t> bad = w.finish();
+    const std::vector<uint8_t> bad = without_section(saved, "value.refine", ContainerKind::kCache);
     auto fresh = make_cache("kvtc", layer_config(1), refined(40));
     EXPECT_THROW(fresh->load(bad.data(), bad.size()), Error);
   }
