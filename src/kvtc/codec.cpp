@@ -81,6 +81,23 @@ RowMatrix project_all(const float* x, int64_t n, int dim, const std::vector<floa
   return centred * basis.transpose();
 }
 
+// Squared error sum of the fit tokens x [n, D] through the codec of h, as a
+// decoder reconstructs them (codes by quantize_block, values by
+// dequantize_block), in double.
+double codec_squared_error(const HeadParams& h, const float* x, int64_t n) {
+  const size_t D = size_t(h.dim);
+  std::vector<uint16_t> codes(size_t(n) * size_t(h.n_kept()));
+  std::vector<float> rec(size_t(n) * D);
+  quantize_block(h, x, n, codes.data());
+  dequantize_block(h, codes.data(), n, rec.data());
+  double err = 0.0;
+  for (size_t i = 0; i < rec.size(); ++i) {
+    const double e = double(rec[i]) - double(x[i]);
+    err += e * e;
+  }
+  return err;
+}
+
 }  // namespace
 
 const char* allocator_name(Allocator a) { return a == Allocator::kDp ? "dp" : "rate"; }
@@ -128,6 +145,39 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
   RowMatrix coeffs = project_all(x, n, dim, p.mean, stored_axes, dim);  // [n, D]
 
   std::vector<ComponentQuantizer> quant(static_cast<size_t>(dim));
+  // The rate allocator's quantizers at one step for every component: the
+  // codes span the fit coefficients' range (at most 4096 levels); a
+  // component whose codes are all equal keeps levels 0 and drops out.
+  auto uniform_quantizers = [&](double step) {
+    std::vector<ComponentQuantizer> out(static_cast<size_t>(dim));
+    for (int k = 0; k < dim; ++k) {
+      float cmin = std::numeric_limits<float>::infinity(), cmax = -cmin;
+      for (int64_t i = 0; i < n; ++i) {
+        cmin = std::min(cmin, coeffs(i, k));
+        cmax = std::max(cmax, coeffs(i, k));
+      }
+      const double lo_code = std::floor(cmin / step + 0.5), hi_code = std::floor(cmax / step + 0.5);
+      const double levels = hi_code - lo_code + 1;
+      if (levels <= 1) continue;
+      ComponentQuantizer& q = out[size_t(k)];
+      q.levels = uint16_t(std::min(levels, 4096.0));
+      q.zero = uint16_t(std::clamp(-lo_code, 0.0, double(q.levels - 1)));
+      q.half_offset = false;
+      q.step = float(step);
+    }
+    return out;
+  };
+  // Keeps in h the components of more than one level: their quantizers,
+  // int8 row scales and stored axes.
+  auto keep_components = [&](HeadParams& h, const std::vector<ComponentQuantizer>& q) {
+    for (int k = 0; k < dim; ++k)
+      if (q[size_t(k)].levels > 1) {
+        h.kept.push_back(uint16_t(k));
+        h.quant.push_back(q[size_t(k)]);
+        h.row_scale.push_back(axis_scale[size_t(k)]);
+        h.basis.insert(h.basis.end(), stored_axes.begin() + int64_t(k) * dim, stored_axes.begin() + int64_t(k + 1) * dim);
+      }
+  };
   p.bits.assign(size_t(dim), 0);
   const int budget = options.bit_budget > 0 ? options.bit_budget : 4 * dim;
 
@@ -186,23 +236,27 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
       };
       const double lo0 = lo, hi0 = hi;
       double log_step = coarsest_step(allowed, lo0, hi0);
-      // The rounded basis is not exactly orthonormal: measure the error it
-      // adds in the signal domain at the chosen step and tighten the target
-      // until the signal-domain error meets it (a few rounds at most).
+      // The rounded basis is not exactly orthonormal, dropped components
+      // and clamped codes add error, and the decoder's reconstruction has
+      // its own rounding: measure the error of the fit tokens as the codec
+      // reconstructs them (quantize_block, dequantize_block) at the chosen
+      // step, and tighten the coefficient-domain target by the excess until
+      // that error meets the allowed one. The bisection on the tightened
+      // target can land on the same step again (the error is a step
+      // function of the step), so every round also steps down by a growing
+      // minimum (1/1024 octave, 2/1024, ...): a few rounds usually, and the
+      // finest step (lo0) at the latest after 64.
       double coef_target = allowed;
-      for (int round = 0; round < 4; ++round) {
-        const double step = std::exp2(log_step);
-        RowMatrix q = coeffs;
-        for (int64_t i = 0; i < q.size(); ++i) q.data()[i] = float(step * std::floor(q.data()[i] / step + 0.5));
-        ConstRowMap axes(stored_axes.data(), dim, dim);
-        Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
-        RowMatrix rec = q * axes;
-        rec.rowwise() += mu;
-        const double signal_err = (rec - ConstRowMap(x, n, dim)).cast<double>().squaredNorm();
-        if (signal_err <= allowed) break;
+      for (int round = 0; round < 64; ++round) {
+        HeadParams trial = p;
+        keep_components(trial, uniform_quantizers(std::exp2(log_step)));
+        trial.build_decoders();
+        const double signal_err = codec_squared_error(trial, x, n);
+        if (signal_err <= allowed || log_step <= lo0) break;
+        double next = log_step;
         coef_target -= signal_err - allowed;
-        if (coef_target <= 0.0) break;
-        log_step = coarsest_step(coef_target, lo0, hi0);
+        if (coef_target > 0.0) next = coarsest_step(coef_target, lo0, hi0);
+        log_step = std::max(lo0, std::min(next, log_step - double(round + 1) / 1024.0));
       }
       hi = log_step;
     } else {
@@ -211,33 +265,11 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
         if (rate_at(std::exp2(mid)) > budget) lo = mid; else hi = mid;
       }
     }
-    const double step = std::exp2(hi);
-    for (int k = 0; k < dim; ++k) {
-      float cmin = std::numeric_limits<float>::infinity(), cmax = -cmin;
-      for (int64_t i = 0; i < n; ++i) {
-        cmin = std::min(cmin, coeffs(i, k));
-        cmax = std::max(cmax, coeffs(i, k));
-      }
-      const double lo_code = std::floor(cmin / step + 0.5), hi_code = std::floor(cmax / step + 0.5);
-      const double levels = hi_code - lo_code + 1;
-      if (levels <= 1) continue;
-      ComponentQuantizer& q = quant[size_t(k)];
-      q.levels = uint16_t(std::min(levels, 4096.0));
-      q.zero = uint16_t(std::clamp(-lo_code, 0.0, double(q.levels - 1)));
-      q.half_offset = false;
-      q.step = float(step);
-      p.bits[size_t(k)] = ceil_log2(q.levels);
-    }
+    quant = uniform_quantizers(std::exp2(hi));
+    for (int k = 0; k < dim; ++k)
+      if (quant[size_t(k)].levels > 1) p.bits[size_t(k)] = ceil_log2(quant[size_t(k)].levels);
   }
-
-  for (int k = 0; k < dim; ++k)
-    if (quant[size_t(k)].levels > 1) {
-      p.kept.push_back(uint16_t(k));
-      p.quant.push_back(quant[size_t(k)]);
-      p.row_scale.push_back(axis_scale[size_t(k)]);
-      p.basis.insert(p.basis.end(), stored_axes.begin() + int64_t(k) * dim,
-                     stored_axes.begin() + int64_t(k + 1) * dim);
-    }
+  keep_components(p, quant);
 
   // Entropy models: histograms of the fit tokens' codes, every symbol kept
   // at a nonzero probability so later tokens always code.

@@ -364,6 +364,41 @@ TEST(Codec, MoreBudgetLessError) {
   }
 }
 
+// The rate allocator's distortion target holds for the fit tokens as the
+// decoder reconstructs them (the allocator measures through quantize_block
+// and dequantize_block), with the error summed in double as kvcodec bench
+// does; and the target is used, not met by a needlessly fine step.
+TEST(Codec, RateTargetHoldsOnTheDecodedFitTokens) {
+  size_t cases = 0;
+  for (int dim : {8, 24, 64, 128})
+    for (uint32_t seed : {1u, 2u, 3u})
+      for (int basis_bits : {8, 16})
+        for (double target : {0.002, 0.01, 0.03, 0.05}) {
+          const int64_t n = 4 * dim + 200;
+          const auto x = correlated(n, dim, seed * 100 + uint32_t(dim));
+          CodecOptions o;
+          o.allocator = Allocator::kRate;
+          o.target_rel_mse = target;
+          o.basis_bits = basis_bits;
+          const HeadParams p = fit(x, n, dim, o);
+          const auto bytes = encode_block(p, x.data(), n);
+          std::vector<float> y(x.size());
+          decode_block(p, bytes.data(), bytes.size(), n, y.data());
+          double e = 0, r = 0;
+          for (size_t i = 0; i < x.size(); ++i) {
+            const double d = double(x[i]) - double(y[i]);
+            e += d * d;
+            r += double(x[i]) * double(x[i]);
+          }
+          const std::string where = "dim " + std::to_string(dim) + " seed " + std::to_string(seed) + " basis " +
+                                    std::to_string(basis_bits) + " target " + std::to_string(target);
+          EXPECT_LE(e / r, target) << where;
+          EXPECT_GE(e / r, 0.5 * target) << where;
+          ++cases;
+        }
+  EXPECT_EQ(cases, 96u);
+}
+
 TEST(Codec, CorruptSideInformationIsRejected) {
   const int dim = 16;
   const auto x = correlated(128, dim, 5);
