@@ -3,6 +3,8 @@
 // same f16 bytes measured in the same run.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -88,9 +90,10 @@ void BM_Decode(benchmark::State& state) {
 
 // The reconstruction alone (codes -> f32 block) of the head's blocks at the
 // rate-allocator settings (Arg as BM_Encode's; range(1) = ReconPath: 0
-// dequantize_block (auto), 1 every term multiplied (the reference the
-// others equal bit for bit), 2 zero coefficients always skipped). Run with
-// --benchmark_repetitions for same-run ratios.
+// dequantize_block (auto: the integer reconstruction), 1 the float product
+// with every term multiplied (the reference the float paths equal bit for
+// bit), 2 zero coefficients always skipped, 3 the integer reconstruction).
+// Run with --benchmark_repetitions for same-run ratios.
 void BM_Reconstruct(benchmark::State& state) {
   const Fixture& f = fixture();
   const kvtc::HeadParams p = fitted(int(state.range(0)));
@@ -108,6 +111,43 @@ void BM_Reconstruct(benchmark::State& state) {
       benchmark::DoNotOptimize(out.data());
     }
   state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(blocks) * 64 * f.dim * 2);
+}
+
+// Two reconstruction paths on the same codes (range(1) the baseline,
+// range(2) the contender, both ReconPath values as in BM_Reconstruct),
+// alternating block sweeps within each
+// iteration so that machine-speed drift hits both: counter speedup = the
+// median over iterations of (baseline time / contender time).
+void BM_ReconstructAB(benchmark::State& state) {
+  const Fixture& f = fixture();
+  const kvtc::HeadParams p = fitted(int(state.range(0)));
+  const size_t K = size_t(p.n_kept());
+  std::vector<uint16_t> codes;
+  for (int64_t t = 0; t + 64 <= f.n; t += 64) {
+    codes.resize(codes.size() + 64 * K);
+    kvtc::quantize_block(p, &f.x[size_t(t * f.dim)], 64, codes.data() + codes.size() - 64 * K);
+  }
+  const size_t blocks = codes.size() / (64 * K);
+  std::vector<float> out(size_t(64 * f.dim));
+  const auto base = kvtc::ReconPath(state.range(1)), contender = kvtc::ReconPath(state.range(2));
+  std::vector<double> ratios;
+  const auto sweep = [&](kvtc::ReconPath path) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t b = 0; b < blocks; ++b) {
+      kvtc::dequantize_block_path(p, codes.data() + b * 64 * K, 64, out.data(), path);
+      benchmark::DoNotOptimize(out.data());
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  for (auto _ : state) {
+    const bool base_first = ratios.size() % 2 == 0;
+    const double a = sweep(base_first ? base : contender);
+    const double b = sweep(base_first ? contender : base);
+    ratios.push_back(base_first ? a / b : b / a);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  state.counters["speedup"] = ratios.empty() ? 0.0 : ratios[ratios.size() / 2];
+  state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(blocks) * 64 * f.dim * 2 * 2);
 }
 
 // The whole dump through the local-mode cache, as `kvcodec bench` drives it
@@ -172,7 +212,10 @@ void BM_CacheDecode(benchmark::State& state) {
 BENCHMARK(BM_Memcpy);
 BENCHMARK(BM_Encode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Decode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
-BENCHMARK(BM_Reconstruct)->ArgsProduct({{-10, -50, 256}, {0, 1, 2}});
+BENCHMARK(BM_Reconstruct)->ArgsProduct({{-10, -50, 256}, {0, 1, 2, 3}});
+// The integer reconstruction against the float product, dense and with
+// zero terms skipped.
+BENCHMARK(BM_ReconstructAB)->ArgsProduct({{-10, -50, 256}, {1, 2}, {3}});
 BENCHMARK(BM_CacheAppendSteady)->Arg(10)->Arg(50)->Arg(0)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CacheDecode)->Arg(10)->Arg(50)->Arg(0)->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

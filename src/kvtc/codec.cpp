@@ -335,9 +335,66 @@ void transpose_basis(const HeadParams& p, std::vector<float>& out) {
     for (size_t d = 0; d < D; ++d) out[d * K8 + k] = p.basis[k * D + d];
 }
 
+// Index of W[k][d] in HeadParams::recon_w ([ceil(D/8)][Kp/2][8][2]).
+inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
+
+// The integer reconstruction's tables (HeadParams::recon_int); false, with
+// the tables cleared, when some level count or value does not allow them.
+bool build_recon_int(HeadParams& p) {
+  p.recon_zero2.clear(), p.recon_scale.clear(), p.recon_w.clear();
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
+  if (K == 0 || D == 0 || p.mean.size() != D || p.basis.size() != K * D || p.quant.size() != K) return false;
+  std::vector<double> cmax(K);  // the largest |c| = |2 code - zero2| of a valid code
+  std::vector<int16_t> zero2(K);
+  for (size_t k = 0; k < K; ++k) {
+    const ComponentQuantizer& q = p.quant[k];
+    const int64_t z2 = q.half_offset ? 2 * int64_t(q.levels / 2) - 1 : 2 * int64_t(q.zero);
+    const int64_t top = 2 * (int64_t(q.levels) - 1) - z2;
+    const int64_t m = std::max(std::abs(z2), std::abs(top));
+    if (q.levels == 0 || m > 32767 || !std::isfinite(q.step)) return false;
+    zero2[k] = int16_t(z2);
+    cmax[k] = double(m);
+  }
+  for (float v : p.mean)
+    if (!std::isfinite(v)) return false;
+  for (float v : p.basis)
+    if (!std::isfinite(v)) return false;
+  const size_t kp2 = (K + 1) / 2;
+  std::vector<float> scale(D);
+  std::vector<int16_t> w(((D + 7) / 8) * kp2 * 16, 0);
+  std::vector<double> exact(K);
+  for (size_t d = 0; d < D; ++d) {
+    double amax = 0, sum = 0;
+    for (size_t k = 0; k < K; ++k) {
+      exact[k] = double(p.quant[k].step) * double(p.basis[k * D + d]) / 2;
+      amax = std::max(amax, std::fabs(exact[k]));
+      sum += cmax[k] * std::fabs(exact[k]);
+    }
+    if (!(amax > 0)) continue;  // a column of zero weights: x = mean
+    // 15 bits for the largest weight, unless the worst-case sum of valid
+    // codes needs a coarser unit to stay below 2^30 (+ the roundings).
+    double unit = std::max(amax / 32767, sum / 1073741824.0);
+    float su = float(unit);
+    if (double(su) < unit) su = std::nextafter(su, std::numeric_limits<float>::infinity());
+    if (!std::isfinite(su) || !std::isnormal(su)) return false;
+    double bound = 0;
+    for (size_t k = 0; k < K; ++k) {
+      const double r = std::nearbyint(exact[k] / double(su));
+      if (std::fabs(r) > 32767) return false;  // not reached: su >= amax / 32767
+      w[recon_w_index(k, d, kp2)] = int16_t(r);
+      bound += cmax[k] * std::fabs(r);
+    }
+    if (bound > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
+    scale[d] = su;
+  }
+  p.recon_zero2 = std::move(zero2), p.recon_scale = std::move(scale), p.recon_w = std::move(w);
+  return true;
+}
+
 }  // namespace
 
 void HeadParams::build_decoders() {
+  recon_int = build_recon_int(*this);
   rans_decode.clear();
   rans_encode.clear();
   for (const auto& t : rans_tables) {
@@ -618,6 +675,124 @@ void dequantize_sparse(const HeadParams& p, const float* coef, int64_t n, float*
 
 }  // namespace
 
+// --- integer reconstruction (HeadParams::recon_int) ------------------------
+
+namespace {
+
+// Whether p's integer tables match its shapes (parameters edited after
+// build_decoders() without calling it again fall back to the float product).
+bool recon_int_ready(const HeadParams& p) {
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
+  return p.recon_int && p.recon_zero2.size() == K && p.recon_scale.size() == D &&
+         p.recon_w.size() == (D + 7) / 8 * ((K + 1) / 2) * 16 && p.mean.size() == D;
+}
+
+// c[i][k] = 2 code[i][k] - zero2[k] as int16 (modulo 2^16 for codes past a
+// component's levels, which decoders reject before), rows padded to Kp.
+void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_t* c, size_t kp) {
+  const size_t K = size_t(p.n_kept());
+  const int16_t* z = p.recon_zero2.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t* r = codes + size_t(i) * K;
+    int16_t* o = c + size_t(i) * kp;
+    for (size_t k = 0; k < K; ++k) o[k] = int16_t(uint16_t(2u * r[k] - uint16_t(z[k])));
+    if (kp > K) o[K] = 0;
+  }
+}
+
+// out[n, D] from the doubled codes c [n, Kp] by plain loops: the sum in
+// int64, wrapped to int32 as the vector adds wrap (only codes past the
+// levels can get there), then the one fma.
+void recon_int_plain(const HeadParams& p, const int16_t* c, size_t kp, int64_t n, float* out) {
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim), kp2 = kp / 2;
+  for (int64_t i = 0; i < n; ++i)
+    for (size_t d = 0; d < D; ++d) {
+      int64_t acc = 0;
+      for (size_t k = 0; k < K; ++k) acc += int64_t(c[size_t(i) * kp + k]) * p.recon_w[recon_w_index(k, d, kp2)];
+      const float a = float(int32_t(uint32_t(uint64_t(acc))));
+      out[size_t(i) * D + d] = std::fma(a, p.recon_scale[d], p.mean[d]);
+    }
+}
+
+#ifdef KVCODEC_KVTC_GEMM
+// A tile of R rows x 8 * NV output columns: per pair of components one
+// broadcast of the row's two codes (one 32-bit word) and NV madds of 8
+// columns' interleaved weight pairs, accumulated in int32. At most 4 rows:
+// 8 accumulators, 2 weight vectors, the broadcast and a madd result fit
+// the 16 registers (6 rows made GCC keep accumulators on the stack).
+#define KVTC_TILE_ROWS(X) X(0) X(1) X(2) X(3)
+template <int R, int NV>
+inline void recon_int_tile(const int16_t* A, size_t lda, const int16_t* W, size_t block_stride, size_t kp2,
+                           const float* scale, const float* mean, float* C, size_t ldc) {
+  static_assert(R >= 1 && R <= 4 && (NV == 1 || NV == 2), "tile shape");
+#define KVTC_DECL(r) __m256i c##r##0 = _mm256_setzero_si256(), c##r##1 = _mm256_setzero_si256();
+  KVTC_TILE_ROWS(KVTC_DECL)
+#undef KVTC_DECL
+  for (size_t j = 0; j < kp2; ++j) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + j * 16));
+    const __m256i w1 =
+        NV == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + block_stride + j * 16)) : _mm256_setzero_si256();
+#define KVTC_MADD(r)                                                                \
+  if constexpr (R > r) {                                                            \
+    int32_t pair;                                                                   \
+    std::memcpy(&pair, A + size_t(r) * lda + 2 * j, sizeof(pair));                  \
+    const __m256i a = _mm256_set1_epi32(pair);                                      \
+    c##r##0 = _mm256_add_epi32(c##r##0, _mm256_madd_epi16(a, w0));                  \
+    if constexpr (NV == 2) c##r##1 = _mm256_add_epi32(c##r##1, _mm256_madd_epi16(a, w1)); \
+  }
+    KVTC_TILE_ROWS(KVTC_MADD)
+#undef KVTC_MADD
+  }
+  const __m256 s0 = _mm256_loadu_ps(scale), m0 = _mm256_loadu_ps(mean);
+  const __m256 s1 = NV == 2 ? _mm256_loadu_ps(scale + 8) : s0, m1 = NV == 2 ? _mm256_loadu_ps(mean + 8) : m0;
+#define KVTC_STORE(r)                                                                                   \
+  if constexpr (R > r) {                                                                                \
+    _mm256_storeu_ps(C + size_t(r) * ldc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##r##0), s0, m0));        \
+    if constexpr (NV == 2)                                                                              \
+      _mm256_storeu_ps(C + size_t(r) * ldc + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##r##1), s1, m1)); \
+  }
+  KVTC_TILE_ROWS(KVTC_STORE)
+#undef KVTC_STORE
+}
+#undef KVTC_TILE_ROWS
+
+template <int NV>
+void recon_int_panel(const int16_t* A, size_t lda, const int16_t* W, size_t block_stride, size_t kp2, size_t M,
+                     const float* scale, const float* mean, float* C, size_t ldc) {
+  size_t i = 0;
+  for (; i + 4 <= M; i += 4)
+    recon_int_tile<4, NV>(A + i * lda, lda, W, block_stride, kp2, scale, mean, C + i * ldc, ldc);
+  if (i + 2 <= M) {
+    recon_int_tile<2, NV>(A + i * lda, lda, W, block_stride, kp2, scale, mean, C + i * ldc, ldc);
+    i += 2;
+  }
+  for (; i < M; ++i) recon_int_tile<1, NV>(A + i * lda, lda, W, block_stride, kp2, scale, mean, C + i * ldc, ldc);
+}
+#endif
+
+// out[n, D] by the integer reconstruction from codes [n, K] (recon_int_ready(p)).
+void recon_int(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, std::vector<int16_t>& c) {
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim), kp = (K + 1) / 2 * 2, kp2 = kp / 2;
+  c.resize(size_t(n) * kp);
+  doubled_codes(p, codes, n, c.data(), kp);
+#ifdef KVCODEC_KVTC_GEMM
+  if (D % 8 == 0) {
+    const size_t block_stride = kp2 * 16;  // int16 entries of one 8-column block
+    size_t b = 0;
+    for (; b + 16 <= D; b += 16)
+      recon_int_panel<2>(c.data(), kp, p.recon_w.data() + (b / 8) * block_stride, block_stride, kp2, size_t(n),
+                         p.recon_scale.data() + b, p.mean.data() + b, out + b, D);
+    if (b < D)
+      recon_int_panel<1>(c.data(), kp, p.recon_w.data() + (b / 8) * block_stride, block_stride, kp2, size_t(n),
+                         p.recon_scale.data() + b, p.mean.data() + b, out + b, D);
+    return;
+  }
+#endif
+  recon_int_plain(p, c.data(), kp, n, out);
+}
+
+}  // namespace
+
 // --- quantization: fast path (Eigen) and plain reference ------------------
 
 // Per-thread scratch of the block hot paths: a block is ~10 us of work, so
@@ -629,6 +804,7 @@ struct BlockScratch {
   std::vector<float> basis_t;
   std::vector<float> vals;      // a row's nonzero coefficients (dequantize_sparse)
   std::vector<int32_t> offs;    // and their basis row offsets
+  std::vector<int16_t> doubled; // doubled centred codes [n, Kp] (integer reconstruction)
 };
 BlockScratch& scratch() {
   thread_local BlockScratch s;
@@ -720,6 +896,14 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
     return;
   }
   BlockScratch& s = scratch();
+  const bool integer = recon_int_ready(p);
+  if (path == ReconPath::kInteger && !integer)
+    throw Error(ErrorCode::kInvalidArgument,
+                "kvtc: the integer reconstruction needs HeadParams::recon_int (run build_decoders())");
+  if (integer && (path == ReconPath::kAuto || path == ReconPath::kInteger)) {
+    recon_int(p, codes, n, out, s.doubled);
+    return;
+  }
   s.coeffs.resize(n, kept);
   const size_t K = static_cast<size_t>(kept);
   s.a.resize(K), s.b.resize(K);
@@ -803,6 +987,21 @@ void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int6
         acc += c * double(p.basis[size_t(k) * size_t(p.dim) + size_t(d)]);
       }
       out[i * p.dim + d] = float(acc);
+    }
+}
+
+void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
+  if (!recon_int_ready(p))
+    throw Error(ErrorCode::kInvalidArgument, "kvtc: the integer reconstruction needs HeadParams::recon_int");
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim), kp2 = (K + 1) / 2;
+  for (int64_t i = 0; i < n; ++i)
+    for (size_t d = 0; d < D; ++d) {
+      int64_t acc = 0;
+      for (size_t k = 0; k < K; ++k) {
+        const int16_t c = int16_t(uint16_t(2u * codes[size_t(i) * K + k] - uint16_t(p.recon_zero2[k])));
+        acc += int64_t(c) * int64_t(p.recon_w[((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2]);
+      }
+      out[size_t(i) * D + d] = std::fma(float(int32_t(uint32_t(uint64_t(acc)))), p.recon_scale[d], p.mean[d]);
     }
 }
 

@@ -97,6 +97,28 @@ struct HeadParams {
   // happen. Set by build_decoders() when those hold; false (every term
   // multiplied) otherwise or when it was not run.
   bool recon_skip_zeros = false;
+  // The integer reconstruction (dequantize_block's default when set):
+  // x[d] = fma(float(acc[d]), recon_scale[d], mean[d]) with the exact int32
+  // sum acc[d] = sum_k c[k] * W[k][d] of the doubled centred codes
+  // c[k] = 2 * code[k] - recon_zero2[k] (int16) and the weights
+  // W[k][d] = round(step[k] * basis[k][d] / 2 / recon_scale[d]) (int16,
+  // |W| <= 32767, sum_k max|c[k]| * |W[k][d]| < 2^31: no valid code can
+  // overflow). An integer sum has one value whatever the order, so the
+  // AVX2 kernel (_mm256_madd_epi16: 16 products per instruction, an FMA's
+  // 8; bench_kvtc BM_ReconstructAB: ~1.1-1.3x the float kernel at the 1%
+  // target on Zen 3), the plain loops and any build give the same bits. Its
+  // distance to the float product is bounded by the weights' rounding:
+  // |x - exact| <= recon_scale[d] * sum_k |c[k]| / 2 (+ float rounding), at
+  // 15 bits of the column's largest weight far below the quantisation error.
+  // recon_w is laid out [ceil(D/8)][Kp/2][8][2] (Kp = K rounded up to even:
+  // a pair of components' weights interleaved per output column, the
+  // operand layout of madd). Set by build_decoders() when every level count
+  // keeps |c| <= 32767 and the parameters are finite; false otherwise (the
+  // float reconstruction runs).
+  std::vector<int16_t> recon_zero2;  // [K]
+  std::vector<float> recon_scale;    // [D]
+  std::vector<int16_t> recon_w;      // [ceil(D/8)][Kp/2][8][2]
+  bool recon_int = false;
   void build_decoders();
 };
 
@@ -132,16 +154,23 @@ void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_
 void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
 // How the reconstruction runs, for tests and benches: kAuto is
-// dequantize_block (zero coefficients skipped when at least 40% of the
-// block's are zero and p.recon_skip_zeros); kDense multiplies every term
-// (the reference the others equal bit for bit); kSkipZeros skips them
-// whenever p.recon_skip_zeros (and the AVX2 kernels are built).
-enum class ReconPath { kAuto, kDense, kSkipZeros };
+// dequantize_block (the integer reconstruction when p.recon_int; otherwise
+// the float product, zero coefficients skipped when at least 40% of the
+// block's are zero and p.recon_skip_zeros); kDense is the float product
+// multiplying every term (the reference the float paths equal bit for
+// bit); kSkipZeros skips zero terms whenever p.recon_skip_zeros (and the
+// AVX2 kernels are built); kInteger is the integer reconstruction
+// (Error(kInvalidArgument) without p.recon_int).
+enum class ReconPath { kAuto, kDense, kSkipZeros, kInteger };
 void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path);
 
 // Plain-loop reference of quantize_block + dequantize_block (projection and
-// reconstruction by naive loops), for testing the fast path.
+// reconstruction by naive loops in double), for testing the fast path.
 void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
+// Plain loops of the integer reconstruction (see HeadParams::recon_int),
+// which the fast path equals bit for bit. Error(kInvalidArgument) without
+// p.recon_int.
+void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
 
 }  // namespace kvcodec::kvtc

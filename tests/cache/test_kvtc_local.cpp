@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <iomanip>
 #include <random>
 
 #include "kvcodec/cache.hpp"
@@ -130,7 +131,7 @@ TEST(KvtcLocal, PerTensorTargets) {
   cache->append(k.view(), v.view());
   const KVPair out = cache->fetch(DType::kF32);
   const double ek = rel_mse_f16(k, out.keys), ev = rel_mse_f16(v, out.values);
-  EXPECT_LE(ek, 0.03);
+  EXPECT_LE(ek, 0.03) << std::setprecision(12) << ek;
   EXPECT_GT(ek, 0.01);
   EXPECT_LE(ev, 0.004);
   const CacheStats st = cache->stats();

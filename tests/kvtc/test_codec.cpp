@@ -49,6 +49,10 @@ HeadParams fit(const std::vector<float>& x, int64_t n, int dim, const CodecOptio
   return fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
 }
 
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
 struct Case {
   Allocator allocator;
   CoderChoice coder;
@@ -125,8 +129,10 @@ TEST(Codec, FastPathMatchesReference) {
       differ += fast[i] != ref[i];
     }
     EXPECT_LT(differ, fast.size() / 1000 + 2);
+    // The float product kernel (the integer reconstruction, dequantize_block's
+    // default, has its own tests below).
     std::vector<float> out_fast(size_t(n * dim)), out_ref(out_fast.size());
-    dequantize_block(p, fast.data(), n, out_fast.data());
+    dequantize_block_path(p, fast.data(), n, out_fast.data(), ReconPath::kDense);
     dequantize_block_reference(p, fast.data(), n, out_ref.data());
     for (size_t i = 0; i < out_fast.size(); ++i) EXPECT_NEAR(out_fast[i], out_ref[i], 1e-4 * (1 + std::fabs(out_ref[i])));
   }
@@ -158,7 +164,7 @@ TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
           }
           EXPECT_LT(differ, fast.size() / 500 + 2) << "dim " << dim << " n " << n << " K " << K;
           std::vector<float> out_fast(size_t(n * dim)), out_ref(out_fast.size());
-          dequantize_block(p, fast.data(), n, out_fast.data());
+          dequantize_block_path(p, fast.data(), n, out_fast.data(), ReconPath::kDense);
           dequantize_block_reference(p, fast.data(), n, out_ref.data());
           for (size_t i = 0; i < out_fast.size(); ++i)
             ASSERT_NEAR(out_fast[i], out_ref[i], 1e-4 * (1 + std::fabs(out_ref[i]))) << "dim " << dim << " n " << n;
@@ -178,9 +184,6 @@ TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
 // only (exactly the mean); heads the skip must refuse (-0 or NaN in the
 // mean, an infinite basis value, a tiny step), which must still agree.
 TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
-  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-  };
   size_t zeros_seen = 0, heads_skipping = 0;
   for (int dim : {64, 128, 72, 24, 8, 13}) {
     const int64_t fit_n = 4 * dim + 64;
@@ -207,8 +210,15 @@ TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
           dequantize_block(p, codes.data(), n, fast.data());
           dequantize_block_path(p, codes.data(), n, dense.data(), ReconPath::kDense);
           dequantize_block_path(p, codes.data(), n, skip.data(), ReconPath::kSkipZeros);
-          ASSERT_TRUE(same_bits(fast, dense)) << "dim " << dim << " target " << target << " n " << n << " variant "
-                                              << variant;
+          // dequantize_block: the integer reconstruction (its reference bit
+          // for bit) where it holds, else the float product's choice.
+          std::vector<float> expected(fast.size());
+          if (p.recon_int)
+            dequantize_block_integer_reference(p, codes.data(), n, expected.data());
+          else
+            expected = dense;
+          ASSERT_TRUE(same_bits(fast, expected)) << "dim " << dim << " target " << target << " n " << n << " variant "
+                                                 << variant;
           ASSERT_TRUE(same_bits(skip, dense)) << "dim " << dim << " target " << target << " n " << n << " variant "
                                               << variant;
           bool midtread = true;
@@ -248,9 +258,163 @@ TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
     dequantize_block(p, codes.data(), 64, fast.data());
     dequantize_block_path(p, codes.data(), 64, dense.data(), ReconPath::kDense);
     dequantize_block_path(p, codes.data(), 64, skip.data(), ReconPath::kSkipZeros);
-    EXPECT_TRUE(same_bits(fast, dense)) << "edit " << edit;
+    std::vector<float> expected = dense;
+    if (p.recon_int) dequantize_block_integer_reference(p, codes.data(), 64, expected.data());
+    EXPECT_EQ(p.recon_int, edit != 1 && edit != 2) << "edit " << edit;  // NaN / infinity: no integer tables
+    EXPECT_TRUE(same_bits(fast, expected)) << "edit " << edit;
     EXPECT_TRUE(same_bits(skip, dense)) << "edit " << edit;
   }
+}
+
+// The integer reconstruction (HeadParams::recon_int), the decoders' default:
+// the AVX2 madd kernel (D % 8 == 0) and the plain loops (other D) equal the
+// plain-loop reference bit for bit, on fitted heads of both allocators and
+// every remainder of the tiles (rows not a multiple of 6 or 4, odd K, D not
+// a multiple of 16 or of 8), with the codes of real rows and with uniformly
+// random valid codes (every extreme of c = 2 code - zero2 reached).
+TEST(Codec, IntegerReconstructionEqualsItsReferenceBitForBit) {
+  std::mt19937 rng(17);
+  size_t heads = 0, odd_k = 0;
+  for (int dim : {8, 13, 24, 40, 64, 72, 128}) {
+    const int64_t fit_n = 4 * dim + 64;
+    const auto x = correlated(fit_n, dim, uint32_t(300 + dim));
+    for (int setting = 0; setting < 4; ++setting) {
+      CodecOptions o;
+      if (setting < 2) {
+        o.allocator = Allocator::kRate;
+        o.target_rel_mse = setting == 0 ? 0.01 : 0.05;
+        o.basis_bits = 8;
+      } else {
+        o.bit_budget = setting == 2 ? dim / 2 + 1 : 3 * dim;
+      }
+      const HeadParams p = fit(x, fit_n, dim, o);
+      const size_t K = size_t(p.n_kept());
+      if (K == 0) continue;
+      ASSERT_TRUE(p.recon_int) << "dim " << dim << " setting " << setting;
+      ++heads, odd_k += K % 2;
+      for (int64_t n : {int64_t(1), int64_t(5), int64_t(7), int64_t(64), int64_t(71)}) {
+        std::vector<uint16_t> codes(size_t(n) * K);
+        for (int random = 0; random < 2; ++random) {
+          if (random)
+            for (size_t i = 0; i < codes.size(); ++i)
+              codes[i] = uint16_t(std::uniform_int_distribution<int>(0, p.quant[i % K].levels - 1)(rng));
+          else
+            quantize_block(p, x.data(), n, codes.data());
+          std::vector<float> fast(size_t(n * dim)), path(fast.size()), ref(fast.size());
+          dequantize_block(p, codes.data(), n, fast.data());
+          dequantize_block_path(p, codes.data(), n, path.data(), ReconPath::kInteger);
+          dequantize_block_integer_reference(p, codes.data(), n, ref.data());
+          ASSERT_TRUE(same_bits(fast, ref)) << "dim " << dim << " setting " << setting << " n " << n << " K " << K;
+          ASSERT_TRUE(same_bits(path, ref)) << "dim " << dim << " setting " << setting << " n " << n;
+        }
+      }
+    }
+  }
+  EXPECT_GE(heads, 25u);
+  EXPECT_GE(odd_k, 1u);  // a padded component pair was exercised
+}
+
+// Its distance to the exact product (the double-precision reference) stays
+// within what the weights' rounding allows: |W s - w| <= s / 2 per term, so
+// |x - exact| <= s_d / 2 * sum_k |c_k|, plus the float roundings of the
+// int32 -> float conversion and the fma (2^-24 each, relative). Also where
+// the worst-case sum of 16383-level components forces a coarser unit than
+// 15 bits of the largest weight (the int32 accumulator's limit).
+TEST(Codec, IntegerReconstructionStaysWithinItsRoundingBound) {
+  std::mt19937 rng(23);
+  double worst_ratio = 0;  // the largest error / bound seen
+  for (int dim : {24, 64, 128}) {
+    const int64_t fit_n = 4 * dim + 64;
+    const auto x = correlated(fit_n, dim, uint32_t(500 + dim));
+    for (int setting = 0; setting < 3; ++setting) {
+      CodecOptions o;
+      if (setting == 0) {
+        o.allocator = Allocator::kRate;
+        o.target_rel_mse = 0.01;
+        o.basis_bits = 8;
+      } else {
+        o.bit_budget = 3 * dim;
+      }
+      HeadParams p = fit(x, fit_n, dim, o);
+      const size_t K = size_t(p.n_kept());
+      if (setting == 2) {
+        // Every component at 16383 levels: sum_k max|c_k| |w_k| needs the
+        // coarser unit (the int32 accumulator) instead of 15 bits.
+        for (auto& q : p.quant) q.levels = 16383, q.zero = 8191, q.half_offset = false;
+        p.build_decoders();
+      }
+      ASSERT_TRUE(p.recon_int) << "dim " << dim << " setting " << setting;
+      const int64_t n = 64;
+      std::vector<uint16_t> codes(size_t(n) * K);
+      for (size_t i = 0; i < codes.size(); ++i) {
+        const int levels = p.quant[i % K].levels;
+        // Extremes half of the time: the largest |c| the tables allow.
+        const int pick = std::uniform_int_distribution<int>(0, 3)(rng);
+        codes[i] = uint16_t(pick == 0 ? 0 : pick == 1 ? levels - 1 : std::uniform_int_distribution<int>(0, levels - 1)(rng));
+      }
+      std::vector<float> got(size_t(n * dim)), exact(got.size());
+      dequantize_block(p, codes.data(), n, got.data());
+      dequantize_block_reference(p, codes.data(), n, exact.data());
+      for (int64_t i = 0; i < n; ++i)
+        for (int d = 0; d < dim; ++d) {
+          double sum_c = 0, acc_scaled = 0;
+          for (size_t k = 0; k < K; ++k) {
+            const double c = 2.0 * codes[size_t(i) * K + k] - p.recon_zero2[k];
+            sum_c += std::fabs(c);
+            acc_scaled += c * double(p.quant[k].step) * double(p.basis[k * size_t(dim) + size_t(d)]) / 2;
+          }
+          const size_t at = size_t(i * dim + d);
+          const double bound = double(p.recon_scale[size_t(d)]) / 2 * sum_c +
+                               std::ldexp(1.0, -22) * (std::fabs(acc_scaled) + std::fabs(exact[at]) + 1e-30);
+          const double err = std::fabs(double(got[at]) - double(exact[at]));
+          ASSERT_LE(err, bound) << "dim " << dim << " setting " << setting << " row " << i << " d " << d;
+          worst_ratio = std::max(worst_ratio, err / bound);
+        }
+    }
+  }
+  EXPECT_GT(worst_ratio, 0.0);  // the check compared real differences
+}
+
+// Where the integer tables cannot hold (a level count whose doubled codes
+// pass int16, a non-finite basis or mean) build_decoders() leaves recon_int
+// off: dequantize_block runs the float product, and asking for the integer
+// path is an error naming what is missing.
+TEST(Codec, IntegerReconstructionIsOffWhereItCannotHold) {
+  const int dim = 64;
+  const auto x = correlated(320, dim, 9);
+  CodecOptions o;
+  o.allocator = Allocator::kRate;
+  o.target_rel_mse = 0.01;
+  const HeadParams base = fit(x, 320, dim, o);
+  ASSERT_TRUE(base.recon_int);
+  const size_t K = size_t(base.n_kept());
+  std::vector<uint16_t> codes(64 * K);
+  quantize_block(base, x.data(), 64, codes.data());
+  for (int edit = 0; edit < 4; ++edit) {
+    HeadParams p = base;
+    if (edit == 0) p.quant[2].levels = 16385, p.quant[2].zero = 0;  // 2 * 16384 > 32767
+    if (edit == 1) p.quant[0].levels = 40000, p.quant[0].zero = 20000, p.quant[0].half_offset = false;
+    if (edit == 2) p.basis[5] = std::numeric_limits<float>::quiet_NaN();
+    if (edit == 3) p.mean[1] = std::numeric_limits<float>::infinity();
+    p.build_decoders();
+    EXPECT_FALSE(p.recon_int) << "edit " << edit;
+    std::vector<float> fast(size_t(64 * dim)), dense(fast.size());
+    dequantize_block(p, codes.data(), 64, fast.data());
+    dequantize_block_path(p, codes.data(), 64, dense.data(), ReconPath::kDense);
+    EXPECT_TRUE(same_bits(fast, dense)) << "edit " << edit;
+    try {
+      dequantize_block_path(p, codes.data(), 64, dense.data(), ReconPath::kInteger);
+      ADD_FAILURE() << "edit " << edit << ": integer path without its tables";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("recon_int"), std::string::npos) << e.what();
+    }
+  }
+  // 16384 levels still fit (|c| <= 32767): on.
+  HeadParams p = base;
+  p.quant[2].levels = 16384, p.quant[2].zero = 8192, p.quant[2].half_offset = false;
+  p.build_decoders();
+  EXPECT_TRUE(p.recon_int);
 }
 
 // encode_block_rows (rounding to the raw dtype fused into the centring) ==
@@ -366,8 +530,9 @@ TEST(Codec, MoreBudgetLessError) {
 
 // The rate allocator's distortion target holds for the fit tokens as the
 // decoder reconstructs them (the allocator measures through quantize_block
-// and dequantize_block), with the error summed in double as kvcodec bench
-// does; and the target is used, not met by a needlessly fine step.
+// and dequantize_block, the integer reconstruction included), with the
+// error summed in double as kvcodec bench does; and the target is used,
+// not met by a needlessly fine step.
 TEST(Codec, RateTargetHoldsOnTheDecodedFitTokens) {
   size_t cases = 0;
   for (int dim : {8, 24, 64, 128})
