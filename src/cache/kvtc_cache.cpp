@@ -171,7 +171,7 @@ void KvtcCache::fit() {
   for (Stream* stream : {&key_, &value_}) {
     std::vector<float> x(size_t(heads) * size_t(n) * size_t(D));
     for (int64_t h = 0; h < heads; ++h) raw_to_f32(stream->raw[size_t(h)], first, n, &x[size_t(h * n) * size_t(D)]);
-    const std::vector<linalg::PcaBasis> pcas = linalg::fit_pca_batched(x.data(), heads, n, D);
+    const std::vector<linalg::PcaBasis> pcas = linalg::fit_pca_batched(x.data(), heads, n, D, options_.threads);
     stream->heads.assign(size_t(heads), {});
 #pragma omp parallel for num_threads(options_.threads) schedule(dynamic)
     for (int64_t h = 0; h < heads; ++h) {

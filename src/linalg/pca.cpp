@@ -8,6 +8,8 @@
 #endif
 #include "linalg/pca.hpp"
 
+#include <omp.h>
+
 #include <Eigen/Dense>
 
 #include <algorithm>
@@ -138,13 +140,21 @@ PcaBasis fit_pca(const float* x, int64_t n, int dim) {
   return fit_unchecked(x, n, dim);
 }
 
-std::vector<PcaBasis> fit_pca_batched(const float* x, int64_t batch, int64_t n, int dim) {
+std::vector<PcaBasis> fit_pca_batched(const float* x, int64_t batch, int64_t n, int dim, int threads) {
   // Validate everything before the parallel loop: an exception must not
   // escape an OpenMP region.
   check_fit_args(x, batch, n, dim, "fit_pca_batched");
+  if (threads < 0) throw Error(ErrorCode::kInvalidArgument, "fit_pca_batched: threads must be >= 0");
   std::vector<PcaBasis> out(static_cast<size_t>(batch));
   const int64_t stride = n * dim;
-#pragma omp parallel for schedule(dynamic, 1)
+  if (threads == 1) {
+    // No team: its idle workers would spin on the other cores for a while
+    // after the loop, beside whatever single-threaded work comes next.
+    for (int64_t b = 0; b < batch; ++b) out[b] = fit_unchecked(x + b * stride, n, dim);
+    return out;
+  }
+  const int team = threads > 0 ? threads : omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
   for (int64_t b = 0; b < batch; ++b) {
     out[b] = fit_unchecked(x + b * stride, n, dim);
   }

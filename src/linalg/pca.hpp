@@ -34,9 +34,11 @@ struct PcaBasis {
 PcaBasis fit_pca(const float* x, int64_t n, int dim);
 
 // x: [batch, n, dim] row-major (e.g. batch = B*H heads of n tokens each).
-// One call fits every slice, in parallel over batch with OpenMP; the result
-// is identical, bit for bit, to calling fit_pca on each slice in turn.
-std::vector<PcaBasis> fit_pca_batched(const float* x, int64_t batch, int64_t n, int dim);
+// One call fits every slice, in parallel over batch with OpenMP on
+// `threads` threads (0: OpenMP's default, every core; 1: the calling thread
+// alone, no team); the result is identical, bit for bit, to calling
+// fit_pca on each slice in turn.
+std::vector<PcaBasis> fit_pca_batched(const float* x, int64_t batch, int64_t n, int dim, int threads = 0);
 
 // coeffs[i, k] = sum_d (x[i, d] - mean[d]) * components[k, d] for k < n_keep.
 // x: [n, dim], coeffs: [n, n_keep], both row-major. 0 <= n_keep <= dim.

@@ -116,16 +116,20 @@ TEST(Pca, BatchedEqualsLoop) {
     auto part = make_data(n, dim, 100 + b, float(b));
     x.insert(x.end(), part.begin(), part.end());
   }
-  auto all = fit_pca_batched(x.data(), batch, n, dim);
-  ASSERT_EQ(all.size(), static_cast<size_t>(batch));
-  for (int b = 0; b < batch; ++b) {
-    PcaBasis one = fit_pca(x.data() + b * n * dim, n, dim);
-    EXPECT_EQ(all[b].dim, one.dim);
-    EXPECT_EQ(all[b].mean, one.mean) << b;
-    EXPECT_EQ(all[b].components, one.components) << b;
-    EXPECT_EQ(all[b].eigenvalues, one.eigenvalues) << b;
+  // The default team, one thread (no team), and explicit teams of 2 and 3.
+  for (int threads : {0, 1, 2, 3}) {
+    auto all = fit_pca_batched(x.data(), batch, n, dim, threads);
+    ASSERT_EQ(all.size(), static_cast<size_t>(batch));
+    for (int b = 0; b < batch; ++b) {
+      PcaBasis one = fit_pca(x.data() + b * n * dim, n, dim);
+      EXPECT_EQ(all[b].dim, one.dim);
+      EXPECT_EQ(all[b].mean, one.mean) << b << " threads " << threads;
+      EXPECT_EQ(all[b].components, one.components) << b << " threads " << threads;
+      EXPECT_EQ(all[b].eigenvalues, one.eigenvalues) << b << " threads " << threads;
+    }
+    EXPECT_TRUE(fit_pca_batched(x.data(), 0, n, dim, threads).empty());
   }
-  EXPECT_TRUE(fit_pca_batched(x.data(), 0, n, dim).empty());
+  EXPECT_THROW(fit_pca_batched(x.data(), batch, n, dim, -1), Error);
 }
 
 TEST(Pca, FastPathsMatchReference) {
