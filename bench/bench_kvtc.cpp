@@ -88,6 +88,18 @@ void BM_Decode(benchmark::State& state) {
   state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(blocks.size()) * 64 * f.dim * 2);
 }
 
+// The codes of the fixture head's whole 64-token blocks under p, block after
+// block ([blocks * 64, K]).
+std::vector<uint16_t> block_codes(const Fixture& f, const kvtc::HeadParams& p) {
+  const size_t K = size_t(p.n_kept());
+  std::vector<uint16_t> codes;
+  for (int64_t t = 0; t + 64 <= f.n; t += 64) {
+    codes.resize(codes.size() + 64 * K);
+    kvtc::quantize_block(p, &f.x[size_t(t * f.dim)], 64, codes.data() + codes.size() - 64 * K);
+  }
+  return codes;
+}
+
 // The reconstruction alone (codes -> f32 block) of the head's blocks at the
 // rate-allocator settings (Arg as BM_Encode's; range(1) = ReconPath: 0
 // dequantize_block (auto: the integer reconstruction), 1 the float product
@@ -98,11 +110,7 @@ void BM_Reconstruct(benchmark::State& state) {
   const Fixture& f = fixture();
   const kvtc::HeadParams p = fitted(int(state.range(0)));
   const size_t K = size_t(p.n_kept());
-  std::vector<uint16_t> codes;
-  for (int64_t t = 0; t + 64 <= f.n; t += 64) {
-    codes.resize(codes.size() + 64 * K);
-    kvtc::quantize_block(p, &f.x[size_t(t * f.dim)], 64, codes.data() + codes.size() - 64 * K);
-  }
+  const std::vector<uint16_t> codes = block_codes(f, p);
   const size_t blocks = codes.size() / (64 * K);
   std::vector<float> out(size_t(64 * f.dim));
   for (auto _ : state)
@@ -115,18 +123,14 @@ void BM_Reconstruct(benchmark::State& state) {
 
 // Two reconstruction paths on the same codes (range(1) the baseline,
 // range(2) the contender, both ReconPath values as in BM_Reconstruct),
-// alternating block sweeps within each
-// iteration so that machine-speed drift hits both: counter speedup = the
-// median over iterations of (baseline time / contender time).
+// alternating block sweeps within each iteration so that machine-speed
+// drift hits both: counter speedup = the median over iterations of
+// (baseline time / contender time).
 void BM_ReconstructAB(benchmark::State& state) {
   const Fixture& f = fixture();
   const kvtc::HeadParams p = fitted(int(state.range(0)));
   const size_t K = size_t(p.n_kept());
-  std::vector<uint16_t> codes;
-  for (int64_t t = 0; t + 64 <= f.n; t += 64) {
-    codes.resize(codes.size() + 64 * K);
-    kvtc::quantize_block(p, &f.x[size_t(t * f.dim)], 64, codes.data() + codes.size() - 64 * K);
-  }
+  const std::vector<uint16_t> codes = block_codes(f, p);
   const size_t blocks = codes.size() / (64 * K);
   std::vector<float> out(size_t(64 * f.dim));
   const auto base = kvtc::ReconPath(state.range(1)), contender = kvtc::ReconPath(state.range(2));

@@ -126,6 +126,20 @@ inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
   return c.slot_symbol[slot];
 }
 
+// Whether a whole group of kRansLanes symbols is left and can be decoded
+// without per-byte checks: 2 bytes per lane at most (see scalar_group).
+inline bool group_fits(size_t i, size_t n_coded, const uint8_t* p, const uint8_t* end) {
+  return i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes;
+}
+
+// Past one group: i by kRansLanes symbols, k0 by as many columns of the
+// n_active-column cycle.
+inline void next_group(size_t& i, size_t& k0, size_t n_active) {
+  i += kRansLanes;
+  k0 += kRansLanes;
+  while (k0 >= n_active) k0 -= n_active;
+}
+
 // One group of kRansLanes symbols (columns c[0..7], lane states x) by the
 // scalar lanes; reads at most 2 bytes per lane from p (after a decode step
 // x >= 2^(23 - scale) >= 2^7), so 2 * kRansLanes bytes left need no check.
@@ -386,7 +400,7 @@ struct SimdStream {
   const DecodeConsts* k = decode_consts();
   __m256i X;
 
-  bool can_step() const { return i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes; }
+  bool can_step() const { return group_fits(i, n_coded, p, end); }
 
   // A group marked scalar: the 8 lanes through scalar_group, out of line
   // and by value, so that no address of the stream escapes the loops that
@@ -404,9 +418,7 @@ struct SimdStream {
   void step_scalar() {
     const ScalarOut r = scalar_step(ext + k0, X, p, dst + i);
     X = r.X, p = r.p;
-    i += kRansLanes;
-    k0 += kRansLanes;
-    while (k0 >= n_active) k0 -= n_active;
+    next_group(i, k0, n_active);
   }
 
   __attribute__((always_inline)) inline void step() {
@@ -480,9 +492,7 @@ struct SimdStream {
   // Update, renormalisation and output of one group whose symbols are found.
   __attribute__((always_inline)) inline void finish_group(__m256i sym, __m256i lo, __m256i freq, __m256i slot, __m256i q) {
     finish_group_at(k, sym, lo, freq, slot, q, X, p, dst + i);
-    i += kRansLanes;
-    k0 += kRansLanes;
-    while (k0 >= n_active) k0 -= n_active;
+    next_group(i, k0, n_active);
   }
 };
 
@@ -956,10 +966,8 @@ __attribute__((always_inline)) inline void step_pair_packed(const SimdStream& A,
                   _mm256_and_si256(ka, m13), slot_a, q_a, ca.X, ca.p, A.dst + ca.i);
   finish_group_at(k, _mm256_and_si256(_mm256_srli_epi32(kb, 13), m63), _mm256_srli_epi32(kb, 19),
                   _mm256_and_si256(kb, m13), slot_b, q_b, cb.X, cb.p, B.dst + cb.i);
-  ca.i += kRansLanes, cb.i += kRansLanes;
-  ca.k0 += kRansLanes, cb.k0 += kRansLanes;
-  while (ca.k0 >= A.n_active) ca.k0 -= A.n_active;
-  while (cb.k0 >= B.n_active) cb.k0 -= B.n_active;
+  next_group(ca.i, ca.k0, A.n_active);
+  next_group(cb.i, cb.k0, B.n_active);
 }
 
 // The lockstep loop while both streams can step and neither's next group
@@ -977,8 +985,8 @@ __attribute__((noinline)) void run_pair_vector(SimdStream& A, SimdStream& B) {
   const uint8_t* const end_a = A.end;
   const uint8_t* const end_b = B.end;
   const size_t last_a = A.n_coded, last_b = B.n_coded;
-  while (ca.i + kRansLanes <= last_a && size_t(end_a - ca.p) >= 2 * kRansLanes && cb.i + kRansLanes <= last_b &&
-         size_t(end_b - cb.p) >= 2 * kRansLanes && !A.groups[ca.k0].scalar && !B.groups[cb.k0].scalar)
+  while (group_fits(ca.i, last_a, ca.p, end_a) && group_fits(cb.i, last_b, cb.p, end_b) && !A.groups[ca.k0].scalar &&
+         !B.groups[cb.k0].scalar)
     step_pair_packed(A, ca, B, cb);
   A.X = ca.X, A.p = ca.p, A.i = ca.i, A.k0 = ca.k0;
   B.X = cb.X, B.p = cb.p, B.i = cb.i, B.k0 = cb.k0;
@@ -1106,11 +1114,9 @@ class Decoder {
     // Scalar lanes: a group of kRansLanes symbols reads at most 2 bytes each
     // (after a decode step x >= 2^(23 - scale) >= 2^7), so with that many
     // bytes left no per-byte bound check is needed.
-    while (i + kRansLanes <= n_coded && size_t(end - p) >= 2 * kRansLanes) {
+    while (group_fits(i, n_coded, p, end)) {
       scalar_group(&ext_[k0], x, p, dst + i);
-      i += kRansLanes;
-      k0 += kRansLanes;
-      while (k0 >= n_active) k0 -= n_active;
+      next_group(i, k0, n_active);
     }
     // Careful path for the tail: every byte read is bounds-checked.
     for (; i < n_coded; ++i) {

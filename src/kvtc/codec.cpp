@@ -147,16 +147,23 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
   std::vector<ComponentQuantizer> quant(static_cast<size_t>(dim));
   // The rate allocator's quantizers at one step for every component: the
   // codes span the fit coefficients' range (at most 4096 levels); a
-  // component whose codes are all equal keeps levels 0 and drops out.
+  // component whose codes are all equal keeps levels 0 and drops out. The
+  // ranges do not depend on the step: found once, lazily (dp needs none).
+  std::vector<float> coef_min, coef_max;
   auto uniform_quantizers = [&](double step) {
+    if (coef_min.empty()) {
+      coef_min.assign(size_t(dim), std::numeric_limits<float>::infinity());
+      coef_max.assign(size_t(dim), -std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < n; ++i)
+        for (int k = 0; k < dim; ++k) {
+          coef_min[size_t(k)] = std::min(coef_min[size_t(k)], coeffs(i, k));
+          coef_max[size_t(k)] = std::max(coef_max[size_t(k)], coeffs(i, k));
+        }
+    }
     std::vector<ComponentQuantizer> out(static_cast<size_t>(dim));
     for (int k = 0; k < dim; ++k) {
-      float cmin = std::numeric_limits<float>::infinity(), cmax = -cmin;
-      for (int64_t i = 0; i < n; ++i) {
-        cmin = std::min(cmin, coeffs(i, k));
-        cmax = std::max(cmax, coeffs(i, k));
-      }
-      const double lo_code = std::floor(cmin / step + 0.5), hi_code = std::floor(cmax / step + 0.5);
+      const double lo_code = std::floor(coef_min[size_t(k)] / step + 0.5);
+      const double hi_code = std::floor(coef_max[size_t(k)] / step + 0.5);
       const double levels = hi_code - lo_code + 1;
       if (levels <= 1) continue;
       ComponentQuantizer& q = out[size_t(k)];
@@ -687,6 +694,7 @@ bool recon_int_ready(const HeadParams& p) {
          p.recon_w.size() == (D + 7) / 8 * ((K + 1) / 2) * 16 && p.mean.size() == D;
 }
 
+#ifdef KVCODEC_KVTC_GEMM
 // c[i][k] = 2 code[i][k] - zero2[k] as int16 (modulo 2^16 for codes past a
 // component's levels, which decoders reject before), rows padded to Kp.
 void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_t* c, size_t kp) {
@@ -700,21 +708,6 @@ void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_
   }
 }
 
-// out[n, D] from the doubled codes c [n, Kp] by plain loops: the sum in
-// int64, wrapped to int32 as the vector adds wrap (only codes past the
-// levels can get there), then the one fma.
-void recon_int_plain(const HeadParams& p, const int16_t* c, size_t kp, int64_t n, float* out) {
-  const size_t K = size_t(p.n_kept()), D = size_t(p.dim), kp2 = kp / 2;
-  for (int64_t i = 0; i < n; ++i)
-    for (size_t d = 0; d < D; ++d) {
-      int64_t acc = 0;
-      for (size_t k = 0; k < K; ++k) acc += int64_t(c[size_t(i) * kp + k]) * p.recon_w[recon_w_index(k, d, kp2)];
-      const float a = float(int32_t(uint32_t(uint64_t(acc))));
-      out[size_t(i) * D + d] = std::fma(a, p.recon_scale[d], p.mean[d]);
-    }
-}
-
-#ifdef KVCODEC_KVTC_GEMM
 // A tile of R rows x 8 * NV output columns: per pair of components one
 // broadcast of the row's two codes (one 32-bit word) and NV madds of 8
 // columns' interleaved weight pairs, accumulated in int32. At most 4 rows:
@@ -770,13 +763,16 @@ void recon_int_panel(const int16_t* A, size_t lda, const int16_t* W, size_t bloc
 }
 #endif
 
-// out[n, D] by the integer reconstruction from codes [n, K] (recon_int_ready(p)).
+// out[n, D] by the integer reconstruction from codes [n, K] (recon_int_ready(p)):
+// the madd tiles, or (no AVX2, D % 8 != 0) the plain loops of the
+// reference, which the tiles equal bit for bit.
 void recon_int(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, std::vector<int16_t>& c) {
-  const size_t K = size_t(p.n_kept()), D = size_t(p.dim), kp = (K + 1) / 2 * 2, kp2 = kp / 2;
-  c.resize(size_t(n) * kp);
-  doubled_codes(p, codes, n, c.data(), kp);
+  const size_t D = size_t(p.dim);
 #ifdef KVCODEC_KVTC_GEMM
   if (D % 8 == 0) {
+    const size_t K = size_t(p.n_kept()), kp = (K + 1) / 2 * 2, kp2 = kp / 2;
+    c.resize(size_t(n) * kp);
+    doubled_codes(p, codes, n, c.data(), kp);
     const size_t block_stride = kp2 * 16;  // int16 entries of one 8-column block
     size_t b = 0;
     for (; b + 16 <= D; b += 16)
@@ -787,8 +783,10 @@ void recon_int(const HeadParams& p, const uint16_t* codes, int64_t n, float* out
                          p.recon_scale.data() + b, p.mean.data() + b, out + b, D);
     return;
   }
+#else
+  (void)c, (void)D;
 #endif
-  recon_int_plain(p, c.data(), kp, n, out);
+  dequantize_block_integer_reference(p, codes, n, out);
 }
 
 }  // namespace
@@ -999,7 +997,7 @@ void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* cod
       int64_t acc = 0;
       for (size_t k = 0; k < K; ++k) {
         const int16_t c = int16_t(uint16_t(2u * codes[size_t(i) * K + k] - uint16_t(p.recon_zero2[k])));
-        acc += int64_t(c) * int64_t(p.recon_w[((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2]);
+        acc += int64_t(c) * int64_t(p.recon_w[recon_w_index(k, d, kp2)]);
       }
       out[size_t(i) * D + d] = std::fma(float(int32_t(uint32_t(uint64_t(acc)))), p.recon_scale[d], p.mean[d]);
     }

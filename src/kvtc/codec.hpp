@@ -169,7 +169,8 @@ void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n
 void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
 // Plain loops of the integer reconstruction (see HeadParams::recon_int),
-// which the fast path equals bit for bit. Error(kInvalidArgument) without
+// which the AVX2 tiles equal bit for bit; also what dequantize_block runs
+// without them (no AVX2, or D % 8 != 0). Error(kInvalidArgument) without
 // p.recon_int.
 void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
 

@@ -147,14 +147,11 @@ std::vector<PcaBasis> fit_pca_batched(const float* x, int64_t batch, int64_t n, 
   if (threads < 0) throw Error(ErrorCode::kInvalidArgument, "fit_pca_batched: threads must be >= 0");
   std::vector<PcaBasis> out(static_cast<size_t>(batch));
   const int64_t stride = n * dim;
-  if (threads == 1) {
-    // No team: its idle workers would spin on the other cores for a while
-    // after the loop, beside whatever single-threaded work comes next.
-    for (int64_t b = 0; b < batch; ++b) out[b] = fit_unchecked(x + b * stride, n, dim);
-    return out;
-  }
+  // threads == 1: no team at all (the if clause), since its idle workers
+  // would spin on the other cores for a while after the loop, beside
+  // whatever single-threaded work comes next.
   const int team = threads > 0 ? threads : omp_get_max_threads();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (team > 1)
   for (int64_t b = 0; b < batch; ++b) {
     out[b] = fit_unchecked(x + b * stride, n, dim);
   }

@@ -49,6 +49,24 @@ HeadParams fit(const std::vector<float>& x, int64_t n, int dim, const CodecOptio
   return fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
 }
 
+// A 64-dim head of the rate allocator at a distortion target, fitted on 320
+// correlated rows (seed), and the codes of its first 64 rows.
+struct RateBlock {
+  HeadParams head;
+  std::vector<uint16_t> codes;
+};
+RateBlock rate_block(uint32_t seed, double target) {
+  const int dim = 64;
+  const auto x = correlated(320, dim, seed);
+  CodecOptions o;
+  o.allocator = Allocator::kRate;
+  o.target_rel_mse = target;
+  RateBlock r{fit(x, 320, dim, o), {}};
+  r.codes.resize(64 * size_t(r.head.n_kept()));
+  quantize_block(r.head, x.data(), 64, r.codes.data());
+  return r;
+}
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -235,15 +253,11 @@ TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
 
   // Heads the skip must refuse: then the dense product runs and agrees.
   const int dim = 64;
-  const auto x = correlated(320, dim, 5);
-  CodecOptions o;
-  o.allocator = Allocator::kRate;
-  o.target_rel_mse = 0.05;
-  const HeadParams base = fit(x, 320, dim, o);
+  const RateBlock rb = rate_block(5, 0.05);
+  const HeadParams& base = rb.head;
   ASSERT_TRUE(base.recon_skip_zeros);
   const size_t K = size_t(base.n_kept());
-  std::vector<uint16_t> codes(64 * K);
-  quantize_block(base, x.data(), 64, codes.data());
+  std::vector<uint16_t> codes = rb.codes;
   for (size_t i = 0; i < codes.size(); i += 2) codes[i] = base.quant[i % K].zero;
   for (int edit = 0; edit < 5; ++edit) {
     HeadParams p = base;
@@ -381,15 +395,10 @@ TEST(Codec, IntegerReconstructionStaysWithinItsRoundingBound) {
 // path is an error naming what is missing.
 TEST(Codec, IntegerReconstructionIsOffWhereItCannotHold) {
   const int dim = 64;
-  const auto x = correlated(320, dim, 9);
-  CodecOptions o;
-  o.allocator = Allocator::kRate;
-  o.target_rel_mse = 0.01;
-  const HeadParams base = fit(x, 320, dim, o);
+  const RateBlock rb = rate_block(9, 0.01);
+  const HeadParams& base = rb.head;
   ASSERT_TRUE(base.recon_int);
-  const size_t K = size_t(base.n_kept());
-  std::vector<uint16_t> codes(64 * K);
-  quantize_block(base, x.data(), 64, codes.data());
+  const std::vector<uint16_t>& codes = rb.codes;
   for (int edit = 0; edit < 4; ++edit) {
     HeadParams p = base;
     if (edit == 0) p.quant[2].levels = 16385, p.quant[2].zero = 0;  // 2 * 16384 > 32767
