@@ -10,6 +10,7 @@
 
 #include "kvcodec/cache.hpp"
 #include "kvcodec/safetensors.hpp"
+#include "kvtc/block_codes.hpp"
 #include "kvtc/codec.hpp"
 #include "linalg/pca.hpp"
 
@@ -98,6 +99,34 @@ std::vector<uint16_t> block_codes(const Fixture& f, const kvtc::HeadParams& p) {
     kvtc::quantize_block(p, &f.x[size_t(t * f.dim)], 64, codes.data() + codes.size() - 64 * K);
   }
   return codes;
+}
+
+// The encoder's two stages alone, on the same blocks as BM_Encode: the
+// projection and quantisation (quantize_block) and the entropy coding of
+// the codes (entropy_encode_codes), to see where encode time goes.
+void BM_Quantize(benchmark::State& state) {
+  const Fixture& f = fixture();
+  const kvtc::HeadParams p = fitted(int(state.range(0)));
+  std::vector<uint16_t> codes(size_t(64) * size_t(p.n_kept()));
+  for (auto _ : state)
+    for (int64_t t = 0; t + 64 <= f.n; t += 64) {
+      kvtc::quantize_block(p, &f.x[size_t(t * f.dim)], 64, codes.data());
+      benchmark::DoNotOptimize(codes.data());
+    }
+  state.SetBytesProcessed(int64_t(state.iterations()) * f.n * f.dim * 2);
+  state.counters["kept"] = p.n_kept();
+  state.counters["tokens"] = double(f.n);
+}
+
+void BM_EntropyEncode(benchmark::State& state) {
+  const Fixture& f = fixture();
+  const kvtc::HeadParams p = fitted(int(state.range(0)));
+  const std::vector<uint16_t> codes = block_codes(f, p);
+  const size_t per_block = size_t(64) * size_t(p.n_kept());
+  for (auto _ : state)
+    for (size_t b = 0; b + per_block <= codes.size(); b += per_block)
+      benchmark::DoNotOptimize(kvtc::entropy_encode_codes(p, codes.data() + b, 64));
+  state.SetBytesProcessed(int64_t(state.iterations()) * f.n * f.dim * 2);
 }
 
 // The reconstruction alone (codes -> f32 block) of the head's blocks at the
@@ -216,6 +245,8 @@ void BM_CacheDecode(benchmark::State& state) {
 BENCHMARK(BM_Memcpy);
 BENCHMARK(BM_Encode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Decode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
+BENCHMARK(BM_Quantize)->Arg(256)->Arg(-10)->Arg(-50);
+BENCHMARK(BM_EntropyEncode)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Reconstruct)->ArgsProduct({{-10, -50, 256}, {0, 1, 2, 3}});
 // The integer reconstruction against the float product, dense and with
 // zero terms skipped.
