@@ -118,6 +118,37 @@ void BM_Quantize(benchmark::State& state) {
   state.counters["tokens"] = double(f.n);
 }
 
+// The float projection kernel against the integer one (quantize_block's
+// default), alternating within each iteration; counter speedup = median
+// float time / integer time (q1, q3 its quartiles).
+void BM_QuantizeAB(benchmark::State& state) {
+  const Fixture& f = fixture();
+  const kvtc::HeadParams p = fitted(int(state.range(0)));
+  const size_t per_block = size_t(64) * size_t(p.n_kept());
+  std::vector<uint16_t> codes(size_t(f.n / 64) * per_block), codes2(codes.size());
+  std::vector<double> ratios;
+  for (auto _ : state) {
+    double t[2];
+    for (int v : {0, 1}) {
+      const auto path = v ? kvtc::QuantPath::kInteger : kvtc::QuantPath::kFloat;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t b = 0; b + 64 <= f.n; b += 64) {
+        kvtc::quantize_block_path(p, &f.x[size_t(b * f.dim)], 64, (v ? codes2.data() : codes.data()) + size_t(b / 64) * per_block,
+                                  path);
+      }
+      t[v] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    ratios.push_back(t[0] / t[1]);
+  }
+  size_t differ = 0;
+  for (size_t i = 0; i < codes.size(); ++i) differ += codes[i] != codes2[i];
+  state.counters["codes_differ"] = double(differ) / double(codes.size());
+  std::sort(ratios.begin(), ratios.end());
+  state.counters["speedup"] = ratios[ratios.size() / 2];
+  state.counters["q1"] = ratios[ratios.size() / 4];
+  state.counters["q3"] = ratios[ratios.size() * 3 / 4];
+}
+
 void BM_EntropyEncode(benchmark::State& state) {
   const Fixture& f = fixture();
   const kvtc::HeadParams p = fitted(int(state.range(0)));
@@ -245,6 +276,7 @@ void BM_CacheDecode(benchmark::State& state) {
 BENCHMARK(BM_Memcpy);
 BENCHMARK(BM_Encode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Decode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
+BENCHMARK(BM_QuantizeAB)->Arg(-10)->Arg(-50)->Arg(256);
 BENCHMARK(BM_Quantize)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_EntropyEncode)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Reconstruct)->ArgsProduct({{-10, -50, 256}, {0, 1, 2, 3}});

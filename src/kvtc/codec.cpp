@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -398,10 +399,80 @@ bool build_recon_int(HeadParams& p) {
   return true;
 }
 
+// Index of W[k][d] in HeadParams::proj_w ([ceil(K/8)][Dp/2][8][2]).
+inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
+
+// The integer projection's tables (HeadParams::proj_int); false, with the
+// tables cleared, when the basis or a quantizer does not allow them.
+bool build_proj_int(HeadParams& p) {
+  p.proj_w.clear(), p.proj_qscale.clear();
+  p.proj_unit = p.proj_scale = p.proj_max_abs = p.proj_max_sq = 0.0f;
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
+  if (K == 0 || D == 0 || p.basis.size() != K * D || p.quant.size() != K) return false;
+  double bmax = 0, nmax = 0, range_sq = 0;
+  for (size_t k = 0; k < K; ++k) {
+    double ss = 0;
+    for (size_t d = 0; d < D; ++d) {
+      const double b = p.basis[k * D + d];
+      if (!std::isfinite(b)) return false;
+      bmax = std::max(bmax, std::fabs(b));
+      ss += b * b;
+    }
+    nmax = std::max(nmax, std::sqrt(ss));
+    const ComponentQuantizer& q = p.quant[k];
+    const double step = q.step, offset = code_offset(q);
+    if (!std::isfinite(step) || !(step > 0) || q.levels == 0) return false;
+    // The coefficients the quantizer's cells cover: |c| <= step * max(offset, levels - offset).
+    const double r = step * std::max(offset, double(q.levels) - offset);
+    range_sq += r * r;
+  }
+  if (!(bmax > 0) || !std::isfinite(range_sq)) return false;
+  // 15 bits for the largest weight, or fewer when the rows' norms would
+  // pass ~sqrt(2^31): the two roundings (of x and of W) weigh about the
+  // same when ||x|| and ||W|| do, and their product must stay below 2^31.
+  const double unit = std::min(32767.0 / bmax, 46340.0 / nmax);
+  float fu = float(unit);
+  if (double(fu) > unit) fu = std::nextafter(fu, 0.0f);
+  if (!std::isnormal(fu)) return false;
+  const size_t dp2 = (D + 1) / 2, K8 = round_up8(K);
+  std::vector<int16_t> w(K8 / 8 * dp2 * 16, 0);
+  double wn = 0;
+  for (size_t k = 0; k < K; ++k) {
+    double ss = 0;
+    for (size_t d = 0; d < D; ++d) {
+      const double r = std::nearbyint(double(p.basis[k * D + d]) * double(fu));
+      if (std::fabs(r) > 32767) return false;  // not reached: fu <= 32767 / bmax
+      w[proj_w_index(k, d, dp2)] = int16_t(r);
+      ss += r * r;
+    }
+    wn = std::max(wn, std::sqrt(ss));
+  }
+  // ||x||_2 <= x_norm keeps ||x|| * max ||W|| < 2^31; the rows' scaled
+  // norms stay below it less the rounding of x (sqrt(D) / 2).
+  const double x_norm = 2147483647.0 / (wn * (1 + 1e-9) + 1) - std::sqrt(double(D)) / 2 - 1;
+  if (!(x_norm >= 1024)) return false;  // not reached for unit rows: ~46000
+  // One scale for every row: a row as long as the quantizers' cells reach
+  // (sqrt(range_sq)) fills x_norm; longer rows, or with an element past
+  // 32767, take the float projection (their coefficients mostly clamp).
+  const float sc = float(x_norm / std::sqrt(range_sq));
+  if (!std::isnormal(sc)) return false;
+  const float margin = 1.0f - 0x1p-10f;  // covers the float roundings of the row checks
+  std::vector<float> qscale(K8, 0.0f);
+  for (size_t k = 0; k < K; ++k) {
+    qscale[k] = float(1.0 / (double(fu) * double(sc) * double(p.quant[k].step)));
+    if (!std::isfinite(qscale[k]) || qscale[k] == 0.0f) return false;
+  }
+  p.proj_w = std::move(w), p.proj_qscale = std::move(qscale), p.proj_unit = fu, p.proj_scale = sc;
+  p.proj_max_abs = 32767.0f * margin;
+  p.proj_max_sq = float(x_norm * x_norm) * margin;
+  return true;
+}
+
 }  // namespace
 
 void HeadParams::build_decoders() {
   recon_int = build_recon_int(*this);
+  proj_int = build_proj_int(*this);
   rans_decode.clear();
   rans_encode.clear();
   for (const auto& t : rans_tables) {
@@ -493,10 +564,11 @@ struct QuantConsts {
 };
 
 // codes = quantize(A[M, K] * B[K, N]) straight from the accumulators: the
-// tile of gemm_tile, whose epilogue applies quantize_block's per-code
-// operations (mul, add, floor, max, min, truncate) to the registers instead
-// of storing the coefficients and reading them back. Same floats in, same
-// operations, so the same codes as gemm + the quantisation loop.
+// tile of gemm_tile, whose epilogue applies the float projection's per-code
+// operations (mul, add, then floor and clamp, in the equivalent form below)
+// to the registers instead of storing the coefficients and reading them
+// back: the same codes as gemm + the quantisation loop. Unrolled by 8
+// (1.04-1.12x, bench_kvtc BM_QuantizeAB before the integer projection).
 // codes is [M, kept] row-major; columns >= kept are not written.
 #define KVTC_TILE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 template <int R, int NV>
@@ -506,6 +578,7 @@ inline void gemm_quant_tile(const float* A, size_t lda, const float* B, size_t l
 #define KVTC_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
   KVTC_TILE_ROWS(KVTC_DECL)
 #undef KVTC_DECL
+#pragma GCC unroll 8
   for (size_t k = 0; k < K; ++k) {
     const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
     const __m256 b1 = NV == 2 ? _mm256_loadu_ps(B + k * ldb + 8) : _mm256_setzero_ps();
@@ -522,8 +595,12 @@ inline void gemm_quant_tile(const float* A, size_t lda, const float* B, size_t l
     const size_t k0 = col + 8 * v;
     if (k0 >= kept) return;
     __m256 x = _mm256_add_ps(_mm256_mul_ps(c, _mm256_loadu_ps(q.inv_step + k0)), _mm256_loadu_ps(q.offset + k0));
-    x = _mm256_floor_ps(x);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_setzero_ps()), _mm256_loadu_ps(q.max_code + k0));
+    // floor, then the clamp to [0, max_code]: min(max_code, x) then
+    // truncation and the unsigned saturating pack give the same codes in
+    // fewer operations (truncation is the floor for x >= 0; x in (-1, 0)
+    // truncates to 0 where the floor's -1 clamps to 0; x <= -1, and NaN,
+    // which min passes on and cvtt turns into INT_MIN, saturate to 0).
+    x = _mm256_min_ps(_mm256_loadu_ps(q.max_code + k0), x);
     const __m256i i32 = _mm256_cvttps_epi32(x);
     const __m128i u16 = _mm_packus_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
     uint16_t* out = codes + r * kept + k0;
@@ -708,19 +785,25 @@ void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_
   }
 }
 
-// A tile of R rows x 8 * NV output columns: per pair of components one
-// broadcast of the row's two codes (one 32-bit word) and NV madds of 8
-// columns' interleaved weight pairs, accumulated in int32. At most 4 rows:
-// 8 accumulators, 2 weight vectors, the broadcast and a madd result fit
-// the 16 registers (6 rows made GCC keep accumulators on the stack).
+// A tile of R rows x 8 * NV output columns of an int16 product (the
+// integer reconstruction: doubled codes x weights; the integer projection:
+// scaled rows x weights): per pair of inner indices one broadcast of the
+// row's two values (one 32-bit word) and NV madds of 8 columns'
+// interleaved weight pairs, accumulated in int32; then store(r, v, acc)
+// for row r's v-th group of 8 columns. At most 4 rows: 8 accumulators,
+// 2 weight vectors, the broadcast and a madd result fit the 16 registers
+// (6 rows made GCC keep accumulators on the stack). Unrolled by 4: a
+// 32-step loop ends often enough for its exit to show (1.3x the projection
+// tiles on Zen 3 over the rolled loop).
 #define KVTC_TILE_ROWS(X) X(0) X(1) X(2) X(3)
-template <int R, int NV>
-inline void recon_int_tile(const int16_t* A, size_t lda, const int16_t* W, size_t block_stride, size_t kp2,
-                           const float* scale, const float* mean, float* C, size_t ldc) {
+template <int R, int NV, class Store>
+inline void madd_tile(const int16_t* A, size_t lda, const int16_t* W, size_t block_stride, size_t kp2,
+                      const Store& store) {
   static_assert(R >= 1 && R <= 4 && (NV == 1 || NV == 2), "tile shape");
 #define KVTC_DECL(r) __m256i c##r##0 = _mm256_setzero_si256(), c##r##1 = _mm256_setzero_si256();
   KVTC_TILE_ROWS(KVTC_DECL)
 #undef KVTC_DECL
+#pragma GCC unroll 4
   for (size_t j = 0; j < kp2; ++j) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + j * 16));
     const __m256i w1 =
@@ -736,30 +819,43 @@ inline void recon_int_tile(const int16_t* A, size_t lda, const int16_t* W, size_
     KVTC_TILE_ROWS(KVTC_MADD)
 #undef KVTC_MADD
   }
-  const __m256 s0 = _mm256_loadu_ps(scale), m0 = _mm256_loadu_ps(mean);
-  const __m256 s1 = NV == 2 ? _mm256_loadu_ps(scale + 8) : s0, m1 = NV == 2 ? _mm256_loadu_ps(mean + 8) : m0;
-#define KVTC_STORE(r)                                                                                   \
-  if constexpr (R > r) {                                                                                \
-    _mm256_storeu_ps(C + size_t(r) * ldc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##r##0), s0, m0));        \
-    if constexpr (NV == 2)                                                                              \
-      _mm256_storeu_ps(C + size_t(r) * ldc + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##r##1), s1, m1)); \
+#define KVTC_STORE(r)                          \
+  if constexpr (R > r) {                       \
+    store(size_t(r), 0, c##r##0);              \
+    if constexpr (NV == 2) store(size_t(r), 1, c##r##1); \
   }
   KVTC_TILE_ROWS(KVTC_STORE)
 #undef KVTC_STORE
 }
 #undef KVTC_TILE_ROWS
 
-template <int NV>
-void recon_int_panel(const int16_t* A, size_t lda, const int16_t* W, size_t block_stride, size_t kp2, size_t M,
-                     const float* scale, const float* mean, float* C, size_t ldc) {
+// The tiles of M rows x 8 * NV columns; store_at(i) gives the store of the
+// tile starting at row i.
+template <int NV, class StoreAt>
+void madd_panel(const int16_t* A, size_t lda, const int16_t* W, size_t block_stride, size_t kp2, size_t M,
+                const StoreAt& store_at) {
   size_t i = 0;
-  for (; i + 4 <= M; i += 4)
-    recon_int_tile<4, NV>(A + i * lda, lda, W, block_stride, kp2, scale, mean, C + i * ldc, ldc);
+  for (; i + 4 <= M; i += 4) madd_tile<4, NV>(A + i * lda, lda, W, block_stride, kp2, store_at(i));
   if (i + 2 <= M) {
-    recon_int_tile<2, NV>(A + i * lda, lda, W, block_stride, kp2, scale, mean, C + i * ldc, ldc);
+    madd_tile<2, NV>(A + i * lda, lda, W, block_stride, kp2, store_at(i));
     i += 2;
   }
-  for (; i < M; ++i) recon_int_tile<1, NV>(A + i * lda, lda, W, block_stride, kp2, scale, mean, C + i * ldc, ldc);
+  for (; i < M; ++i) madd_tile<1, NV>(A + i * lda, lda, W, block_stride, kp2, store_at(i));
+}
+
+// Integer reconstruction of the 8 * NV output columns from b (a multiple of 8).
+template <int NV>
+void recon_int_panel(const HeadParams& p, const int16_t* c, size_t kp, size_t kp2, size_t n, size_t b, float* out) {
+  const size_t D = size_t(p.dim), block_stride = kp2 * 16;  // int16 entries of one 8-column block
+  const float* scale = p.recon_scale.data() + b;
+  const float* mean = p.mean.data() + b;
+  madd_panel<NV>(c, kp, p.recon_w.data() + (b / 8) * block_stride, block_stride, kp2, n, [&](size_t i) {
+    float* C = out + i * D + b;
+    return [=](size_t r, size_t v, __m256i acc) {
+      _mm256_storeu_ps(C + r * D + 8 * v,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(scale + 8 * v), _mm256_loadu_ps(mean + 8 * v)));
+    };
+  });
 }
 #endif
 
@@ -773,14 +869,9 @@ void recon_int(const HeadParams& p, const uint16_t* codes, int64_t n, float* out
     const size_t K = size_t(p.n_kept()), kp = (K + 1) / 2 * 2, kp2 = kp / 2;
     c.resize(size_t(n) * kp);
     doubled_codes(p, codes, n, c.data(), kp);
-    const size_t block_stride = kp2 * 16;  // int16 entries of one 8-column block
     size_t b = 0;
-    for (; b + 16 <= D; b += 16)
-      recon_int_panel<2>(c.data(), kp, p.recon_w.data() + (b / 8) * block_stride, block_stride, kp2, size_t(n),
-                         p.recon_scale.data() + b, p.mean.data() + b, out + b, D);
-    if (b < D)
-      recon_int_panel<1>(c.data(), kp, p.recon_w.data() + (b / 8) * block_stride, block_stride, kp2, size_t(n),
-                         p.recon_scale.data() + b, p.mean.data() + b, out + b, D);
+    for (; b + 16 <= D; b += 16) recon_int_panel<2>(p, c.data(), kp, kp2, size_t(n), b, out);
+    if (b < D) recon_int_panel<1>(p, c.data(), kp, kp2, size_t(n), b, out);
     return;
   }
 #else
@@ -803,6 +894,8 @@ struct BlockScratch {
   std::vector<float> vals;      // a row's nonzero coefficients (dequantize_sparse)
   std::vector<int32_t> offs;    // and their basis row offsets
   std::vector<int16_t> doubled; // doubled centred codes [n, Kp] (integer reconstruction)
+  std::vector<int16_t> scaled;  // scaled centred rows [n, Dp] (integer projection)
+  std::vector<uint8_t> fits;    // whether each row takes the integer projection [n]
 };
 BlockScratch& scratch() {
   thread_local BlockScratch s;
@@ -811,22 +904,147 @@ BlockScratch& scratch() {
 
 namespace {
 
+// Whether p's integer projection tables match its shapes (parameters
+// edited after build_decoders() without calling it again: the float kernel).
+bool proj_int_ready(const HeadParams& p) {
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
+  return p.proj_int && p.quant.size() == K && p.proj_qscale.size() == round_up8(K) &&
+         p.proj_w.size() == round_up8(K) / 8 * ((D + 1) / 2) * 16 && p.proj_scale > 0.0f;
+}
+
+// The centred rows c [n, D] times p.proj_scale as int16 x [n, Dp] (Dp = D
+// rounded up to even, the pad 0), rounded to nearest even; fits[t] says
+// whether row t may take the integer projection: its largest |c| times
+// the scale within proj_max_abs and its squared norm times the scale's
+// square within proj_max_sq, both finite. A row that does not fit gets
+// zeros (and its codes from the float projection afterwards). The square
+// sums run in one fixed order, in the AVX2 and the plain loops alike
+// (lane l of a row sums c[d]^2 for d = l mod 8 by single-rounding fmas,
+// then a fixed tree), so the kernel and the reference loops decide alike.
+void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint8_t* fits) {
+  const size_t D = size_t(p.dim), Dp = (D + 1) / 2 * 2;
+  const float sc = p.proj_scale, sc2 = sc * sc;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = c + size_t(t) * D;
+    int16_t* o = x + size_t(t) * Dp;
+    alignas(32) float lane[8] = {};
+    float m = 0.0f;
+    size_t d = 0;
+#ifdef KVCODEC_KVTC_GEMM
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 vs = _mm256_set1_ps(sc);
+    __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
+    for (; d + 16 <= D; d += 16) {
+      const __m256 v0 = _mm256_loadu_ps(row + d), v1 = _mm256_loadu_ps(row + d + 8);
+      vm = _mm256_max_ps(vm, _mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)));
+      acc = _mm256_fmadd_ps(v1, v1, _mm256_fmadd_ps(v0, v0, acc));
+      // Junk for a row that does not fit: overwritten below.
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vs));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vs));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8));
+    }
+    _mm256_store_ps(lane, acc);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+#endif
+    // (A NaN may or may not reach m; the square sum catches it.)
+    for (; d < D; ++d) {
+      m = std::max(m, std::fabs(row[d]));
+      lane[d % 8] = std::fma(row[d], row[d], lane[d % 8]);
+      o[d] = int16_t(int32_t(std::nearbyint(row[d] * sc)));
+    }
+    const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    fits[t] = uint8_t(std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.proj_max_abs &&
+                      ss * sc2 <= p.proj_max_sq);
+    if (!fits[t]) std::fill(o, o + Dp, int16_t(0));
+    if (Dp > D) o[D] = 0;
+  }
+}
+
+// One code from the integer projection's sum: quantize's floor and clamp
+// as the AVX2 epilogue computes them (min(max_code, y); truncation, which
+// is the floor for y >= 0; negative and NaN y give 0).
+inline uint16_t proj_code(int32_t acc, float qscale, float offset, float max_code) {
+  const float y = std::fma(float(acc), qscale, offset);
+  const float v = max_code < y ? max_code : y;
+  return v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
+}
+
+// codes [n, K] of the scaled rows x [n, Dp] by plain loops (exact int32 sums).
+void proj_int_loops(const HeadParams& p, const int16_t* x, int64_t n, uint16_t* codes) {
+  const size_t K = size_t(p.n_kept()), D = size_t(p.dim), dp2 = (D + 1) / 2;
+  for (int64_t t = 0; t < n; ++t)
+    for (size_t k = 0; k < K; ++k) {
+      int64_t acc = 0;
+      for (size_t d = 0; d < D; ++d) acc += int64_t(x[size_t(t) * 2 * dp2 + d]) * int64_t(p.proj_w[proj_w_index(k, d, dp2)]);
+      const ComponentQuantizer& q = p.quant[k];
+      codes[size_t(t) * K + k] = proj_code(int32_t(acc), p.proj_qscale[k], code_offset(q), float(q.levels - 1));
+    }
+}
+
+#ifdef KVCODEC_KVTC_GEMM
+// codes [n, K] of the scaled rows x [n, Dp] by the madd tiles: the sums of
+// proj_int_loops (exact in any order), then proj_code's operations on 8
+// codes at a time.
+void proj_int(const HeadParams& p, const int16_t* x, size_t n, const QuantConsts& q, uint16_t* codes) {
+  const size_t K = size_t(p.n_kept()), dp2 = (size_t(p.dim) + 1) / 2, block_stride = dp2 * 16;
+  const float* qscale = p.proj_qscale.data();
+  const auto panel = [&](auto nv, size_t col) {
+    madd_panel<decltype(nv)::value>(x, 2 * dp2, p.proj_w.data() + (col / 8) * block_stride, block_stride, dp2, n,
+                                    [&](size_t i) {
+      return [=](size_t r, size_t v, __m256i acc) {
+        const size_t k0 = col + 8 * v;
+        if (k0 >= K) return;
+        __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(qscale + k0), _mm256_loadu_ps(q.offset + k0));
+        y = _mm256_min_ps(_mm256_loadu_ps(q.max_code + k0), y);
+        const __m256i i32 = _mm256_cvttps_epi32(y);
+        const __m128i u16 = _mm_packus_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        uint16_t* out = codes + (i + r) * K + k0;
+        if (k0 + 8 <= K) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out), u16);
+        } else {
+          alignas(16) uint16_t tmp[8];  // the row's last, partial group
+          _mm_store_si128(reinterpret_cast<__m128i*>(tmp), u16);
+          std::memcpy(out, tmp, (K - k0) * sizeof(uint16_t));
+        }
+      };
+    });
+  };
+  size_t col = 0;
+  for (; col + 16 <= K; col += 16) panel(std::integral_constant<int, 2>{}, col);
+  if (K - col > 8)
+    panel(std::integral_constant<int, 2>{}, col);
+  else if (col < K)
+    panel(std::integral_constant<int, 1>{}, col);
+}
+#endif
+
+void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path);
+
+// The codes of the rows that did not fit the integer projection, by the
+// float projection (row by row: a row's codes depend on that row alone).
+void float_rows_unfit(const HeadParams& p, const float* c, int64_t n, const uint8_t* fits, uint16_t* codes) {
+  const size_t D = size_t(p.dim), K = size_t(p.n_kept());
+  for (int64_t t = 0; t < n; ++t)
+    if (!fits[t]) quantize_centred(p, c + size_t(t) * D, 1, codes + size_t(t) * K, QuantPath::kFloat);
+}
+
 // Projection and quantisation of centred rows [n, dim] into codes [n, kept]
 // (the second half of quantize_block; the scratch's centred may be c).
-void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes) {
+void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path) {
   const int kept = p.n_kept();
   BlockScratch& s = scratch();
   const int dim = p.dim;
   const size_t K = static_cast<size_t>(kept);
+  const bool integer = proj_int_ready(p);
+  if (path == QuantPath::kInteger && !integer)
+    throw Error(ErrorCode::kInvalidArgument,
+                "kvtc: the integer projection needs HeadParams::proj_int (run build_decoders())");
 #ifdef KVCODEC_KVTC_GEMM
   {
     const size_t K8 = round_up8(K);
-    const std::vector<float>* bt = &p.basis_t;
-    if (bt->size() != size_t(dim) * K8) {
-      transpose_basis(p, s.basis_t);  // parameters assembled without build_decoders()
-      bt = &s.basis_t;
-    }
-    // Constants padded to K8 (the kernel reads whole groups of 8).
+    // Constants padded to K8 (the kernels read whole groups of 8).
     s.a.assign(K8, 0.0f), s.b.assign(K8, 0.0f), s.c.assign(K8, 0.0f);
     for (size_t k = 0; k < K; ++k) {
       s.a[k] = 1.0f / p.quant[k].step;
@@ -834,10 +1052,31 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
       s.c[k] = float(p.quant[k].levels - 1);
     }
     const QuantConsts q{s.a.data(), s.b.data(), s.c.data()};
+    if (integer && path != QuantPath::kFloat) {
+      s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
+      s.fits.resize(size_t(n));
+      scale_rows(p, c, n, s.scaled.data(), s.fits.data());
+      proj_int(p, s.scaled.data(), size_t(n), q, codes);
+      float_rows_unfit(p, c, n, s.fits.data(), codes);
+      return;
+    }
+    const std::vector<float>* bt = &p.basis_t;
+    if (bt->size() != size_t(dim) * K8) {
+      transpose_basis(p, s.basis_t);  // parameters assembled without build_decoders()
+      bt = &s.basis_t;
+    }
     gemm_quant(c, size_t(dim), bt->data(), K8, size_t(n), K8, size_t(dim), q, codes, K);
     return;
   }
 #else
+  if (integer && path != QuantPath::kFloat) {
+    s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
+    s.fits.resize(size_t(n));
+    scale_rows(p, c, n, s.scaled.data(), s.fits.data());
+    proj_int_loops(p, s.scaled.data(), n, codes);
+    float_rows_unfit(p, c, n, s.fits.data(), codes);
+    return;
+  }
   // Coefficients [n, kept].
   ConstRowMap cm(c, n, dim);
   ConstRowMap basis(p.basis.data(), kept, dim);
@@ -858,7 +1097,7 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
     uint16_t* out = codes + i * kept;
     // The clamp of quantize_block_reference (max(0, NaN) is 0 here, where
     // std::clamp would pass the NaN on); the AVX2 epilogue of gemm_quant
-    // does the same operations in the same order (mul, add, floor, max, min).
+    // gives the same codes (mul, add, then an equivalent of floor and clamp).
     for (size_t k = 0; k < K; ++k) {
       const float v = std::floor(ci[k] * inv_step[k] + offset[k]);
       out[k] = uint16_t(int32_t(std::min(std::max(0.0f, v), max_code[k])));
@@ -870,6 +1109,10 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
 }  // namespace
 
 void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
+  quantize_block_path(p, x, n, codes, QuantPath::kAuto);
+}
+
+void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_t* codes, QuantPath path) {
   const int kept = p.n_kept();
   if (n == 0 || kept == 0) return;
   BlockScratch& s = scratch();
@@ -879,7 +1122,7 @@ void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* co
   ConstRowMap xm(x, n, dim);
   Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
   s.centred.noalias() = xm.rowwise() - mu;
-  quantize_centred(p, s.centred.data(), n, codes);
+  quantize_centred(p, s.centred.data(), n, codes, path);
 }
 
 namespace {
@@ -974,6 +1217,36 @@ void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, ui
     }
 }
 
+void quantize_block_integer_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
+  if (!proj_int_ready(p))
+    throw Error(ErrorCode::kInvalidArgument, "kvtc: the integer projection needs HeadParams::proj_int");
+  const size_t D = size_t(p.dim), K = size_t(p.n_kept()), Dp = (D + 1) / 2 * 2, rows = static_cast<size_t>(n);
+  const float sc = p.proj_scale;
+  std::vector<float> c(rows * D);
+  for (size_t t = 0; t < rows; ++t)
+    for (size_t d = 0; d < D; ++d) c[t * D + d] = x[t * D + d] - p.mean[d];
+  std::vector<int16_t> scaled(rows * Dp, 0);
+  std::vector<uint8_t> fits(rows);
+  for (size_t t = 0; t < rows; ++t) {
+    // Which rows fit: the same largest |c| and square sum (lane order) as the kernel's.
+    float m = 0.0f, lane[8] = {};
+    for (size_t d = 0; d < D; ++d) {
+      const float v = c[t * D + d];
+      m = std::max(m, std::fabs(v));
+      lane[d % 8] = std::fma(v, v, lane[d % 8]);
+    }
+    const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    fits[t] = std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.proj_max_abs &&
+              ss * (sc * sc) <= p.proj_max_sq;
+    if (fits[t])
+      for (size_t d = 0; d < D; ++d) scaled[t * Dp + d] = int16_t(int32_t(std::nearbyint(c[t * D + d] * sc)));
+  }
+  proj_int_loops(p, scaled.data(), n, codes);
+  // A row that does not fit takes the float projection.
+  for (size_t t = 0; t < rows; ++t)
+    if (!fits[t]) quantize_block_path(p, x + t * D, 1, codes + t * K, QuantPath::kFloat);
+}
+
 void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
   const int kept = p.n_kept();
   for (int64_t i = 0; i < n; ++i)
@@ -1063,7 +1336,7 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
         }
       }
     }
-    quantize_centred(p, s.centred.data(), n, s.codes.data());
+    quantize_centred(p, s.centred.data(), n, s.codes.data(), QuantPath::kAuto);
   }
   return entropy_encode_codes(p, s.codes.data(), n);
 }

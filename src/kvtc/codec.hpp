@@ -119,6 +119,37 @@ struct HeadParams {
   std::vector<float> recon_scale;    // [D]
   std::vector<int16_t> recon_w;      // [ceil(D/8)][Kp/2][8][2]
   bool recon_int = false;
+  // The integer projection (quantize_block's default when set). A centred
+  // row c [D] becomes x = nearbyint(c * proj_scale) (int16); the weights
+  // are W[k][d] = round(basis[k][d] * proj_unit) (int16); the code is the
+  // floor, clamped, of fma(float(acc[k]), proj_qscale[k], offset[k]) with
+  // the exact int32 sum acc[k] = sum_d x[d] * W[k][d] and proj_qscale[k] =
+  // 1 / (proj_unit * proj_scale * step[k]). A row takes it when its largest
+  // |c| * proj_scale <= proj_max_abs (< 32767) and ||c||^2 * proj_scale^2
+  // <= proj_max_sq, which keeps ||x||_2 * max_k ||W[k]||_2 < 2^31, so acc
+  // and every partial sum of it fit (Cauchy-Schwarz); other rows (a
+  // non-finite value, or longer than the quantizers' cells reach) take the
+  // float kernel, row by row: a row's codes depend on that row alone. One
+  // scale for all rows (a row as long as the cells reach fills the int16
+  // range) keeps the epilogue one fma per code, as the float kernel's.
+  // As with the integer reconstruction, an integer sum has one value in
+  // any order: the AVX2 madd tiles (bench_kvtc BM_QuantizeAB: ~1.1x the
+  // float kernel on Zen 3, the scaling included) and the plain loops give
+  // the same codes. Its distance to the exact coefficient is bounded by the
+  // two roundings, 0.5 per x and per W: ||W[k]||_1 / 2 / proj_scale +
+  // ||c||_1 / 2, over proj_unit (~1e-4 of the cells' reach at worst, far
+  // below the steps of the rate targets): a code differs from the exact
+  // projection's only for a coefficient that close to a cell edge.
+  // proj_w is laid out [ceil(K/8)][Dp/2][8][2] (Dp = D rounded up to even).
+  // Set by build_decoders() when the basis and the steps are finite and the
+  // steps nonzero; false otherwise (the float kernel runs).
+  std::vector<int16_t> proj_w;       // [ceil(K/8)][Dp/2][8][2]
+  std::vector<float> proj_qscale;    // [K8]
+  float proj_unit = 0.0f;
+  float proj_scale = 0.0f;
+  float proj_max_abs = 0.0f;
+  float proj_max_sq = 0.0f;
+  bool proj_int = false;
   void build_decoders();
 };
 
@@ -164,6 +195,14 @@ void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, flo
 enum class ReconPath { kAuto, kDense, kSkipZeros, kInteger };
 void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path);
 
+// How the projection runs, for tests and benches: kAuto is quantize_block
+// (the integer projection when p.proj_int, else the float kernel); kFloat
+// the float kernel (same codes as the plain float loops); kInteger the
+// integer projection (Error(kInvalidArgument) without p.proj_int; rows
+// that do not fit it still take the float kernel, as in kAuto).
+enum class QuantPath { kAuto, kFloat, kInteger };
+void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_t* codes, QuantPath path);
+
 // Plain-loop reference of quantize_block + dequantize_block (projection and
 // reconstruction by naive loops in double), for testing the fast path.
 void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
@@ -173,5 +212,10 @@ void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int6
 // without them (no AVX2, or D % 8 != 0). Error(kInvalidArgument) without
 // p.recon_int.
 void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
+// Plain loops of the integer projection (see HeadParams::proj_int), which
+// the AVX2 tiles equal bit for bit, rows that do not fit it included
+// (those take quantize_block_path's kFloat, row by row, in both).
+// Error(kInvalidArgument) without p.proj_int.
+void quantize_block_integer_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 
 }  // namespace kvcodec::kvtc

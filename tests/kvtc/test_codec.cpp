@@ -138,7 +138,9 @@ TEST(Codec, FastPathMatchesReference) {
     o.allocator = a;
     const HeadParams p = fit(x, n, dim, o);
     std::vector<uint16_t> fast(size_t(n * p.n_kept())), ref(fast.size());
-    quantize_block(p, x.data(), n, fast.data());
+    // The float projection kernel (the integer projection, quantize_block's
+    // default, has its own tests below).
+    quantize_block_path(p, x.data(), n, fast.data(), QuantPath::kFloat);
     quantize_block_reference(p, x.data(), n, ref.data());
     // Float sums in a different order may flip a code sitting on a cell edge.
     size_t differ = 0;
@@ -156,7 +158,7 @@ TEST(Codec, FastPathMatchesReference) {
   }
 }
 
-// The register-tiled product kernels (projection and reconstruction) on
+// The register-tiled float product kernels (projection and reconstruction) on
 // shapes that exercise every remainder: rows not a multiple of 6 or 4, kept
 // components not a multiple of 8 or 16, dims that are and are not multiples
 // of 8 (the reconstruction kernel needs D % 8 == 0, else Eigen runs); the
@@ -173,7 +175,7 @@ TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
           if (!cached) p.basis_t.clear();
           const size_t K = size_t(p.n_kept());
           std::vector<uint16_t> fast(size_t(n) * K), ref(fast.size());
-          quantize_block(p, x.data(), n, fast.data());
+          quantize_block_path(p, x.data(), n, fast.data(), QuantPath::kFloat);
           quantize_block_reference(p, x.data(), n, ref.data());
           size_t differ = 0;
           for (size_t i = 0; i < fast.size(); ++i) {
@@ -424,6 +426,150 @@ TEST(Codec, IntegerReconstructionIsOffWhereItCannotHold) {
   p.quant[2].levels = 16384, p.quant[2].zero = 8192, p.quant[2].half_offset = false;
   p.build_decoders();
   EXPECT_TRUE(p.recon_int);
+}
+
+// The integer projection (HeadParams::proj_int), quantize_block's default:
+// the AVX2 madd tiles equal the plain-loop reference bit for bit on fitted
+// heads of both allocators and every remainder of the tiles (rows not a
+// multiple of 4 or 2, K not a multiple of 16 or 8, odd D), and each code
+// that differs from the exact (double) projection does so by one step, for
+// a coefficient within the projection's proven rounding bound of the cell
+// edge between them:
+//   |acc / (s unit) - c.b| <= (||W_k||_1 / 2 / s + ||c||_1 / 2) / unit
+// (s = proj_scale), plus the float epilogue's roundings.
+TEST(Codec, IntegerProjectionEqualsItsReferenceAndStaysWithinItsBound) {
+  size_t heads = 0, compared = 0, differ = 0;
+  for (int dim : {8, 13, 24, 40, 64, 72, 128}) {
+    const int64_t fit_n = 4 * dim + 64;
+    const auto x = correlated(fit_n, dim, uint32_t(500 + dim));
+    for (int setting = 0; setting < 4; ++setting) {
+      CodecOptions o;
+      if (setting < 2) {
+        o.allocator = Allocator::kRate;
+        o.target_rel_mse = setting == 0 ? 0.01 : 0.05;
+        o.basis_bits = 8;
+      } else {
+        o.bit_budget = setting == 2 ? dim / 2 + 3 : 3 * dim;
+      }
+      const HeadParams p = fit(x, fit_n, dim, o);
+      ASSERT_TRUE(p.proj_int) << "dim " << dim << " setting " << setting;
+      ++heads;
+      const size_t K = size_t(p.n_kept()), D = size_t(dim);
+      for (int64_t n : {int64_t(1), int64_t(3), int64_t(7), int64_t(64), int64_t(fit_n)}) {
+        std::vector<uint16_t> fast(size_t(n) * K), ref(fast.size()), exact(fast.size());
+        quantize_block(p, x.data(), n, fast.data());
+        quantize_block_integer_reference(p, x.data(), n, ref.data());
+        ASSERT_EQ(fast, ref) << "dim " << dim << " setting " << setting << " n " << n;
+        quantize_block_path(p, x.data(), n, ref.data(), QuantPath::kInteger);
+        ASSERT_EQ(fast, ref) << "dim " << dim << " setting " << setting << " n " << n;
+        quantize_block_reference(p, x.data(), n, exact.data());
+        const double sc = p.proj_scale;
+        const double unit = p.proj_unit;
+        for (int64_t t = 0; t < n; ++t)
+          for (size_t k = 0; k < K; ++k) {
+            const size_t i = size_t(t) * K + k;
+            ++compared;
+            if (fast[i] == exact[i]) continue;
+            ++differ;
+            ASSERT_EQ(std::abs(int(fast[i]) - int(exact[i])), 1) << "dim " << dim << " row " << t << " k " << k;
+            const ComponentQuantizer& q = p.quant[k];
+            double dot = 0, c1 = 0, w1 = 0;
+            for (size_t d = 0; d < D; ++d) {
+              const double c = double(x[size_t(t) * D + d] - p.mean[d]);
+              dot += c * double(p.basis[k * D + d]);
+              c1 += std::fabs(c);
+              w1 += std::fabs(std::nearbyint(double(p.basis[k * D + d]) * unit));
+            }
+            const double offset = q.half_offset ? double(q.levels / 2) : double(q.zero) + 0.5;
+            const double y = dot / double(q.step) + offset;
+            const double bound = (w1 / 2 / sc + c1 / 2) / unit / double(q.step) + 1e-6 * (std::fabs(y) + offset + 1);
+            // The edge between the two codes is max(fast, exact).
+            const double edge = double(std::max(fast[i], exact[i]));
+            EXPECT_LE(std::fabs(y - edge), bound) << "dim " << dim << " setting " << setting << " row " << t << " k " << k;
+          }
+      }
+    }
+  }
+  EXPECT_EQ(heads, 28u);
+  // Flips are the rare exception at these steps (~1e-5 of ||c|| apart).
+  EXPECT_LT(double(differ), 0.01 * double(compared));
+}
+
+// Rows that do not fit the integer projection (a NaN, an infinity, a value
+// far past the quantizers' cells) take the float projection, row by row, in
+// quantize_block and in the reference alike, and the other rows of their
+// block keep their own codes: a row's codes depend on that row alone. An
+// all-zero centred block gives the codes of 0 on both paths. Where the
+// tables cannot be built (a non-finite basis value, a zero or non-finite
+// step) build_decoders() leaves proj_int off: quantize_block runs the float
+// kernel, and asking for the integer path is an error naming what is
+// missing.
+TEST(Codec, IntegerProjectionFallsBackWhereItCannotHold) {
+  const int dim = 64;
+  // Fine steps (~4 bits per component): the two projections then differ in
+  // a few codes per block, which shows the integer one ran.
+  CodecOptions o;
+  o.bit_budget = 4 * dim;
+  const HeadParams base = fit(correlated(320, dim, 21), 320, dim, o);
+  ASSERT_TRUE(base.proj_int);
+  const size_t K = size_t(base.n_kept());
+  const auto x0 = correlated(64, dim, 22);
+  for (int edit = 0; edit < 4; ++edit) {
+    auto x = x0;
+    if (edit == 0) x[size_t(5 * dim + 3)] = std::nanf("");
+    if (edit == 1) x[size_t(9 * dim + 1)] = std::numeric_limits<float>::infinity();
+    if (edit == 2) x[size_t(2 * dim + 7)] = 1e20f;
+    if (edit == 3)
+      for (int64_t t = 0; t < 64; ++t) std::memcpy(&x[size_t(t * dim)], base.mean.data(), size_t(dim) * sizeof(float));
+    std::vector<uint16_t> fast(64 * K), ref(fast.size()), flt(fast.size()), alone(K), alone_float(K);
+    quantize_block(base, x.data(), 64, fast.data());
+    quantize_block_integer_reference(base, x.data(), 64, ref.data());
+    quantize_block_path(base, x.data(), 64, flt.data(), QuantPath::kFloat);
+    EXPECT_EQ(fast, ref) << "edit " << edit;
+    if (edit == 3) {
+      EXPECT_EQ(fast, flt);  // the codes of 0
+    }
+    const int64_t bad = edit == 0 ? 5 : edit == 1 ? 9 : edit == 2 ? 2 : -1;
+    size_t int_rows_differ = 0;
+    for (int64_t t = 0; t < 64; ++t) {
+      quantize_block(base, &x[size_t(t * dim)], 1, alone.data());
+      quantize_block_path(base, &x[size_t(t * dim)], 1, alone_float.data(), QuantPath::kFloat);
+      const std::vector<uint16_t> row(fast.begin() + t * int64_t(K), fast.begin() + (t + 1) * int64_t(K));
+      EXPECT_EQ(row, alone) << "edit " << edit << " row " << t;
+      if (t == bad) {
+        EXPECT_EQ(row, alone_float) << "edit " << edit;
+      }
+      int_rows_differ += row != alone_float;
+    }
+    // The other rows did take the integer projection (some codes sit on edges).
+    if (edit < 3) {
+      EXPECT_GT(int_rows_differ, 0u) << "edit " << edit;
+    }
+  }
+  for (int edit = 0; edit < 3; ++edit) {
+    HeadParams p = base;
+    if (edit == 0) p.basis[7] = std::numeric_limits<float>::quiet_NaN();
+    if (edit == 1) p.quant[3].step = 0.0f;
+    if (edit == 2) p.quant[0].step = std::numeric_limits<float>::infinity();
+    p.build_decoders();
+    EXPECT_FALSE(p.proj_int) << "edit " << edit;
+    std::vector<uint16_t> fast(64 * K), flt(fast.size());
+    quantize_block(p, x0.data(), 64, fast.data());
+    quantize_block_path(p, x0.data(), 64, flt.data(), QuantPath::kFloat);
+    EXPECT_EQ(fast, flt) << "edit " << edit;
+    for (int which = 0; which < 2; ++which) {
+      try {
+        if (which == 0)
+          quantize_block_path(p, x0.data(), 64, fast.data(), QuantPath::kInteger);
+        else
+          quantize_block_integer_reference(p, x0.data(), 64, fast.data());
+        ADD_FAILURE() << "edit " << edit << ": integer path without its tables";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find("proj_int"), std::string::npos) << e.what();
+      }
+    }
+  }
 }
 
 // encode_block_rows (rounding to the raw dtype fused into the centring) ==
