@@ -912,6 +912,15 @@ bool proj_int_ready(const HeadParams& p) {
          p.proj_w.size() == round_up8(K) / 8 * ((D + 1) / 2) * 16 && p.proj_scale > 0.0f;
 }
 
+#ifdef KVCODEC_KVTC_GEMM
+// The largest of the 8 lanes.
+inline float hmax(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+#endif
+
 // The centred rows c [n, D] times p.proj_scale as int16 x [n, Dp] (Dp = D
 // rounded up to even, the pad 0), rounded to nearest even; fits[t] says
 // whether row t may take the integer projection: its largest |c| times
@@ -921,9 +930,23 @@ bool proj_int_ready(const HeadParams& p) {
 // sums run in one fixed order, in the AVX2 and the plain loops alike
 // (lane l of a row sums c[d]^2 for d = l mod 8 by single-rounding fmas,
 // then a fixed tree), so the kernel and the reference loops decide alike.
+// Whether a scaled row fits, from its largest |c| and square-sum lanes
+// (lane l: the c[d]^2 of d = l mod 8, summed in order by fmas); a row that
+// does not gets zeros in o [Dp].
+bool finish_scaled_row(const HeadParams& p, float m, const float* lane, int16_t* o) {
+  const size_t D = size_t(p.dim), Dp = (D + 1) / 2 * 2;
+  const float sc = p.proj_scale;
+  const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  const bool fits = std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.proj_max_abs &&
+                    ss * (sc * sc) <= p.proj_max_sq;
+  if (!fits) std::fill(o, o + Dp, int16_t(0));
+  if (Dp > D) o[D] = 0;
+  return fits;
+}
+
 void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint8_t* fits) {
   const size_t D = size_t(p.dim), Dp = (D + 1) / 2 * 2;
-  const float sc = p.proj_scale, sc2 = sc * sc;
+  const float sc = p.proj_scale;
   for (int64_t t = 0; t < n; ++t) {
     const float* row = c + size_t(t) * D;
     int16_t* o = x + size_t(t) * Dp;
@@ -938,15 +961,13 @@ void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint
       const __m256 v0 = _mm256_loadu_ps(row + d), v1 = _mm256_loadu_ps(row + d + 8);
       vm = _mm256_max_ps(vm, _mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)));
       acc = _mm256_fmadd_ps(v1, v1, _mm256_fmadd_ps(v0, v0, acc));
-      // Junk for a row that does not fit: overwritten below.
+      // Junk for a row that does not fit: overwritten by finish_scaled_row.
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vs));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vs));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8));
     }
     _mm256_store_ps(lane, acc);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    m = hmax(vm);
 #endif
     // (A NaN may or may not reach m; the square sum catches it.)
     for (; d < D; ++d) {
@@ -954,11 +975,7 @@ void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint
       lane[d % 8] = std::fma(row[d], row[d], lane[d % 8]);
       o[d] = int16_t(int32_t(std::nearbyint(row[d] * sc)));
     }
-    const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-    fits[t] = uint8_t(std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.proj_max_abs &&
-                      ss * sc2 <= p.proj_max_sq);
-    if (!fits[t]) std::fill(o, o + Dp, int16_t(0));
-    if (Dp > D) o[D] = 0;
+    fits[t] = uint8_t(finish_scaled_row(p, m, lane, o));
   }
 }
 
@@ -1020,7 +1037,8 @@ void proj_int(const HeadParams& p, const int16_t* x, size_t n, const QuantConsts
 }
 #endif
 
-void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path);
+void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path,
+                      bool prescaled = false);
 
 // The codes of the rows that did not fit the integer projection, by the
 // float projection (row by row: a row's codes depend on that row alone).
@@ -1032,7 +1050,10 @@ void float_rows_unfit(const HeadParams& p, const float* c, int64_t n, const uint
 
 // Projection and quantisation of centred rows [n, dim] into codes [n, kept]
 // (the second half of quantize_block; the scratch's centred may be c).
-void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path) {
+// prescaled: the caller has filled the scratch's scaled rows and fits
+// (scale_rows' values) for the integer projection.
+void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path,
+                      bool prescaled) {
   const int kept = p.n_kept();
   BlockScratch& s = scratch();
   const int dim = p.dim;
@@ -1044,18 +1065,25 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
 #ifdef KVCODEC_KVTC_GEMM
   {
     const size_t K8 = round_up8(K);
-    // Constants padded to K8 (the kernels read whole groups of 8).
-    s.a.assign(K8, 0.0f), s.b.assign(K8, 0.0f), s.c.assign(K8, 0.0f);
+    // Constants padded to K8 (the kernels read whole groups of 8); the
+    // steps' inverses only for the float kernel (K divisions per block).
+    s.b.assign(K8, 0.0f), s.c.assign(K8, 0.0f);
     for (size_t k = 0; k < K; ++k) {
-      s.a[k] = 1.0f / p.quant[k].step;
       s.b[k] = code_offset(p.quant[k]);
       s.c[k] = float(p.quant[k].levels - 1);
     }
-    const QuantConsts q{s.a.data(), s.b.data(), s.c.data()};
-    if (integer && path != QuantPath::kFloat) {
-      s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
-      s.fits.resize(size_t(n));
-      scale_rows(p, c, n, s.scaled.data(), s.fits.data());
+    const bool use_int = integer && path != QuantPath::kFloat;
+    if (!use_int) {
+      s.a.assign(K8, 0.0f);
+      for (size_t k = 0; k < K; ++k) s.a[k] = 1.0f / p.quant[k].step;
+    }
+    const QuantConsts q{use_int ? nullptr : s.a.data(), s.b.data(), s.c.data()};
+    if (use_int) {
+      if (!prescaled) {
+        s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
+        s.fits.resize(size_t(n));
+        scale_rows(p, c, n, s.scaled.data(), s.fits.data());
+      }
       proj_int(p, s.scaled.data(), size_t(n), q, codes);
       float_rows_unfit(p, c, n, s.fits.data(), codes);
       return;
@@ -1303,12 +1331,53 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
     // (one float subtraction per element), in one pass over L1.
     s.centred.resize(n, dim);
     const float* mean = p.mean.data();
+#if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
+    // The integer projection's scaling fused in as well (scale_rows' values,
+    // row by row): the rows are in registers here already.
+    const bool fuse = raw == DType::kF16 && proj_int_ready(p);
+    const size_t Dp = (size_t(dim) + 1) / 2 * 2;
+    if (fuse) {
+      s.scaled.resize(size_t(n) * Dp);
+      s.fits.resize(size_t(n));
+    }
+#endif
     for (int64_t t = 0; t < n; ++t) {
       const float* row = x + t * row_stride;
       float* c = s.centred.data() + size_t(t) * size_t(dim);
       int d = 0;
+#if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
+      if (fuse) {
+        const uintptr_t next = reinterpret_cast<uintptr_t>(row) + uintptr_t(n * row_stride) * sizeof(float);
+        for (int e = 0; e < dim; e += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(next + uintptr_t(e) * sizeof(float)), _MM_HINT_T0);
+        int16_t* o = s.scaled.data() + size_t(t) * Dp;
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        const __m256 vs = _mm256_set1_ps(p.proj_scale);
+        __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
+        for (; d + 8 <= dim; d += 8) {
+          const __m256 v = _mm256_loadu_ps(row + d);
+          if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
+          const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          const __m256 cv = _mm256_sub_ps(r, _mm256_loadu_ps(mean + d));
+          _mm256_storeu_ps(c + d, cv);
+          vm = _mm256_max_ps(vm, _mm256_and_ps(cv, abs_mask));
+          acc = _mm256_fmadd_ps(cv, cv, acc);
+          const __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(cv, vs));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + d),
+                           _mm_packs_epi32(_mm256_castsi256_si128(xi), _mm256_extracti128_si256(xi, 1)));
+        }
+        if (d == dim) {
+          alignas(32) float lane[8];
+          _mm256_store_ps(lane, acc);
+          s.fits[size_t(t)] = uint8_t(finish_scaled_row(p, hmax(vm), lane, o));
+          continue;
+        }
+        // A NaN chunk or D % 8 != 0: the plain conversions below, then
+        // scale_rows on the finished row.
+      }
+#endif
 #if defined(__F16C__) && defined(__AVX2__)
-      if (raw == DType::kF16) {
+      if (raw == DType::kF16 && d == 0) {
         // The caller's next block of this head usually follows n rows on:
         // start its lines' fetch now (a prefetch never faults; the address
         // is formed as an integer, since it may lie past the caller's array).
@@ -1335,8 +1404,15 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
           for (size_t j = 0; j < m; ++j) c[size_t(d) + j] = f[j] - mean[size_t(d) + j];
         }
       }
+#if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
+      if (fuse) scale_rows(p, c, 1, s.scaled.data() + size_t(t) * Dp, s.fits.data() + t);
+#endif
     }
+#if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
+    quantize_centred(p, s.centred.data(), n, s.codes.data(), QuantPath::kAuto, fuse);
+#else
     quantize_centred(p, s.centred.data(), n, s.codes.data(), QuantPath::kAuto);
+#endif
   }
   return entropy_encode_codes(p, s.codes.data(), n);
 }

@@ -576,15 +576,22 @@ TEST(Codec, IntegerProjectionFallsBackWhereItCannotHold) {
 // f32_to_raw + raw_to_f32 + encode_block, byte for byte: f16 and bf16,
 // dims with and without a ragged last group of 8, strided rows, and rows
 // holding NaN, infinities, f16 overflow and subnormals (the SIMD chunk
-// falls back to the scalar conversions).
+// falls back to the scalar conversions); the integer projection's scaling
+// fused into the f16 centring pass gives scale_rows' values.
 TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
-  for (int dim : {13, 64}) {
+  for (int setting = 0; setting < 4; ++setting) {
+    const int dim = setting % 2 ? 64 : 13;
     const int64_t n_fit = std::max(4 * dim, 64);  // also the rows the blocks read
     const auto x = correlated(n_fit, dim, uint32_t(300 + dim));
     CodecOptions o;
-    o.allocator = Allocator::kRate;
-    o.target_rel_mse = 0.01;
+    if (setting < 2) {
+      o.allocator = Allocator::kRate;
+      o.target_rel_mse = 0.01;
+    } else {
+      o.bit_budget = 4 * dim;  // fine steps: the projections' roundings show in the codes
+    }
     const HeadParams p = fit(x, n_fit, dim, o);
+    ASSERT_TRUE(p.proj_int);
     for (DType raw : {DType::kF16, DType::kBF16})
       for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(64)}) {
         const int64_t stride = dim + 5;
