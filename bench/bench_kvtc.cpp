@@ -10,6 +10,7 @@
 
 #include "kvcodec/cache.hpp"
 #include "kvcodec/safetensors.hpp"
+#include "entropy/entropy.hpp"
 #include "kvtc/block_codes.hpp"
 #include "kvtc/codec.hpp"
 #include "linalg/pca.hpp"
@@ -149,6 +150,37 @@ void BM_QuantizeAB(benchmark::State& state) {
   state.counters["q3"] = ratios[ratios.size() * 3 / 4];
 }
 
+// The rANS group encoder's two forms of the state update (entropy.hpp,
+// rans_encode_other_chain): this build's default against the other,
+// alternating within each iteration over the head's blocks; counter
+// speedup = median default time / other time (q1, q3 its quartiles): below
+// 1 the default is the faster here.
+void BM_EntropyChainAB(benchmark::State& state) {
+  const Fixture& f = fixture();
+  const kvtc::HeadParams p = fitted(int(state.range(0)));
+  const std::vector<uint16_t> codes = block_codes(f, p);
+  const size_t K = size_t(p.n_kept()), per_block = 64 * K;
+  std::vector<const entropy::RansEncodeTable*> tables;
+  for (const auto& t : p.rans_encode) tables.push_back(&t);
+  std::vector<double> ratios;
+  for (auto _ : state) {
+    double t[2];
+    for (int v : {0, 1}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int rep = 0; rep < 4; ++rep)
+        for (size_t b = 0; b + per_block <= codes.size(); b += per_block)
+          benchmark::DoNotOptimize(v ? entropy::rans_encode_other_chain(codes.data() + b, 64, K, tables)
+                                     : entropy::rans_encode(codes.data() + b, 64, K, tables));
+      t[v] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    ratios.push_back(t[0] / t[1]);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  state.counters["speedup"] = ratios[ratios.size() / 2];
+  state.counters["q1"] = ratios[ratios.size() / 4];
+  state.counters["q3"] = ratios[ratios.size() * 3 / 4];
+}
+
 void BM_EntropyEncode(benchmark::State& state) {
   const Fixture& f = fixture();
   const kvtc::HeadParams p = fitted(int(state.range(0)));
@@ -276,6 +308,7 @@ void BM_CacheDecode(benchmark::State& state) {
 BENCHMARK(BM_Memcpy);
 BENCHMARK(BM_Encode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Decode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
+BENCHMARK(BM_EntropyChainAB)->Arg(-10)->Arg(-50)->Arg(256);
 BENCHMARK(BM_QuantizeAB)->Arg(-10)->Arg(-50)->Arg(256);
 BENCHMARK(BM_Quantize)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_EntropyEncode)->Arg(256)->Arg(-10)->Arg(-50);

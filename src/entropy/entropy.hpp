@@ -238,6 +238,11 @@ std::vector<uint8_t> rans_encode_portable(const uint16_t* symbols, size_t n_rows
 // apart, so 32-bit offsets cannot reach them); same bytes. For tests.
 std::vector<uint8_t> rans_encode_vector_pointers(const uint16_t* symbols, size_t n_rows, size_t n_cols,
                                                  const std::vector<const RansEncodeTable*>& tables);
+// The AVX2 group encoder with the form of its state update that this
+// build's tuning does not pick (blends and vpmulld for Zen, a shift count
+// and vpmuludq otherwise); same bytes. For tests.
+std::vector<uint8_t> rans_encode_other_chain(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                             const std::vector<const RansEncodeTable*>& tables);
 // Inverse of rans_encode; out has n_rows * n_cols entries, skipped columns get
 // 0. Throws Error(kFormat) when the stream is truncated, has trailing bytes or
 // ends in states other than the initial ones.

@@ -588,8 +588,20 @@ namespace {
 
 // Which group encoder rans_encode_impl runs: kAuto the AVX2 one (table
 // offsets, or pointers when the tables lie too far apart), kPointers the
-// AVX2 one with pointers (the fallback, for tests), kScalar the scalar lanes.
-enum class EncodePath { kAuto, kPointers, kScalar };
+// AVX2 one with pointers (the fallback, for tests), kScalar the scalar
+// lanes, kOtherChain kAuto with the state update this build's tuning does
+// not pick (for tests).
+enum class EncodePath { kAuto, kPointers, kScalar, kOtherChain };
+
+// Which form of the group encoder's state update this build runs by
+// default (see encode_groups_avx2): the blends and vpmulld when tuned for
+// Zen, the shift count and two vpmuludq otherwise. Both are built
+// everywhere; kOtherChain runs the other one, for tests.
+#if defined(__tune_znver1__) || defined(__tune_znver2__) || defined(__tune_znver3__) || defined(__tune_znver4__)
+constexpr bool kBlendChain = true;
+#else
+constexpr bool kBlendChain = false;
+#endif
 
 // Per-column data of the encoder's inner loop.
 struct EncCol {
@@ -690,7 +702,7 @@ inline GroupRows fetch_group(const EncCol* c, const int32_t* offs, const uint16_
 // overlap it: with the rows at fixed addresses the same loop ran 1.33x
 // faster. In-process A/B on the dump head's blocks at the 1% target:
 // 1.09x fetching one group ahead, 1.14x two (inter-quartile 1.11-1.18).
-template <bool kOffsets>
+template <bool kOffsets, bool kBlend>
 void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t* flat, size_t n_active, size_t full,
                         size_t k0, uint8_t*& p, uint32_t* x) {
   static const PackTable pack;
@@ -743,14 +755,34 @@ void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t*
     p -= n_hi + n_lo;
     // x >>= 8 n, then x + bias + floor(x / freq) * cmpl_freq (quotient by
     // the 32 x 32 -> high 32 multiply, even and odd lanes separately).
-    // (Two blends on the masks, m2 implying m1: one cycle shorter on the
-    // loop-carried chain than a shift count built from them.)
-    const __m256i v = _mm256_blendv_epi8(_mm256_blendv_epi8(X, _mm256_srli_epi32(X, 8), m1), _mm256_srli_epi32(X, 16), m2);
+    // Two forms of the same integers for the state's loop-carried chain:
+    // kBlend, two blends on the masks (m2 implying m1) and vpmulld, for Zen
+    // (vpblendvb 1 cycle, vpmulld 3); otherwise a shift count built from
+    // the masks and the product as two 32 x 32 -> 64 multiplies (5 cycles;
+    // q * cmpl_freq < 2^32), for Intel cores (vpblendvb 2-3 uops, vpmulld
+    // 10 cycles). In-process A/B of the two (bench_kvtc, a temporary
+    // switch): 0.93-0.97x the blends on Zen 3, 1.03-1.11x them on the GPU
+    // host's Xeon.
+    __m256i v;
+    if constexpr (kBlend) {
+      v = _mm256_blendv_epi8(_mm256_blendv_epi8(X, _mm256_srli_epi32(X, 8), m1), _mm256_srli_epi32(X, 16), m2);
+    } else {
+      const __m256i eight = _mm256_set1_epi32(8);
+      v = _mm256_srlv_epi32(X, _mm256_add_epi32(_mm256_and_si256(m1, eight), _mm256_and_si256(m2, eight)));
+    }
     const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(v, cur.rcp), 32);
     const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(v, 32), _mm256_srli_epi64(cur.rcp, 32));
     const __m256i hi = _mm256_blend_epi32(even, odd, 0xaa);
     const __m256i q = _mm256_srlv_epi32(hi, _mm256_srli_epi32(cur.cs, 16));
-    X = _mm256_add_epi32(_mm256_add_epi32(v, cur.bias), _mm256_mullo_epi32(q, _mm256_and_si256(cur.cs, low16)));
+    const __m256i cmpl = _mm256_and_si256(cur.cs, low16);
+    __m256i qc;
+    if constexpr (kBlend) {
+      qc = _mm256_mullo_epi32(q, cmpl);
+    } else {
+      const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(q, 32), _mm256_srli_epi64(cmpl, 32));
+      qc = _mm256_blend_epi32(_mm256_mul_epu32(q, cmpl), _mm256_slli_epi64(odd, 32), 0xaa);
+    }
+    X = _mm256_add_epi32(_mm256_add_epi32(v, cur.bias), qc);
     if (!more) break;
     i0 -= kRansLanes;
     k1 = k2;
@@ -846,7 +878,7 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
     // Byte offsets of the tables from cols[0]'s, when they all fit in 32
     // bits with room for 16 * symbol (< 2^20) on top.
     thread_local std::vector<int32_t> offs;
-    bool near = path == EncodePath::kAuto;
+    bool near = path == EncodePath::kAuto || path == EncodePath::kOtherChain;
     if (near) {
       offs.resize(ext.size());
       const auto base = reinterpret_cast<uintptr_t>(cols[0].syms);
@@ -857,10 +889,15 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
         offs[k] = int32_t(d);
       }
     }
-    if (near)
-      encode_groups_avx2<true>(cols, offs.data(), flat, n_active, full, k0, p, x);
+    const bool other = path == EncodePath::kOtherChain;
+    if (near && other)
+      encode_groups_avx2<true, !kBlendChain>(cols, offs.data(), flat, n_active, full, k0, p, x);
+    else if (near)
+      encode_groups_avx2<true, kBlendChain>(cols, offs.data(), flat, n_active, full, k0, p, x);
+    else if (other)
+      encode_groups_avx2<false, !kBlendChain>(cols, nullptr, flat, n_active, full, k0, p, x);
     else
-      encode_groups_avx2<false>(cols, nullptr, flat, n_active, full, k0, p, x);
+      encode_groups_avx2<false, kBlendChain>(cols, nullptr, flat, n_active, full, k0, p, x);
     k0 = 0;
   } else
 #else
@@ -896,6 +933,11 @@ std::vector<uint8_t> rans_encode_portable(const uint16_t* symbols, size_t n_rows
 std::vector<uint8_t> rans_encode_vector_pointers(const uint16_t* symbols, size_t n_rows, size_t n_cols,
                                                  const std::vector<const RansEncodeTable*>& tables) {
   return rans_encode_impl(symbols, n_rows, n_cols, tables, EncodePath::kPointers);
+}
+
+std::vector<uint8_t> rans_encode_other_chain(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                             const std::vector<const RansEncodeTable*>& tables) {
+  return rans_encode_impl(symbols, n_rows, n_cols, tables, EncodePath::kOtherChain);
 }
 
 std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,

@@ -97,6 +97,8 @@ TEST(RansFast, SameBytesAsTheTextbookEncoder) {
     // The AVX2 group encoder's fallback (row addresses by pointer, for
     // tables too far apart for 32-bit offsets).
     ASSERT_EQ(rans_encode_vector_pointers(c.symbols.data(), c.rows, c.cols, ep), ref) << "seed " << seed;
+    // The state update's other form (the one for the other vendor's cores).
+    ASSERT_EQ(rans_encode_other_chain(c.symbols.data(), c.rows, c.cols, ep), ref) << "seed " << seed;
     std::vector<uint16_t> out(c.rows * c.cols, 0xbeef);
     rans_decode(fast.data(), fast.size(), c.rows, c.cols, dp, out.data());
     for (size_t r = 0; r < c.rows; ++r)
