@@ -793,8 +793,10 @@ void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_
 // for row r's v-th group of 8 columns. At most 4 rows: 8 accumulators,
 // 2 weight vectors, the broadcast and a madd result fit the 16 registers
 // (6 rows made GCC keep accumulators on the stack). Unrolled by 4: a
-// 32-step loop ends often enough for its exit to show (1.3x the projection
-// tiles on Zen 3 over the rolled loop).
+// 32-step loop ends often enough for its exit to show (in a standalone copy
+// of the projection's tiles the rolled loop ran at the float kernel's speed,
+// unrolled 1.3-1.5x it; the integer reconstruction went from 1.04-1.20x to
+// 1.45-1.55x the float product, bench_kvtc BM_ReconstructAB).
 #define KVTC_TILE_ROWS(X) X(0) X(1) X(2) X(3)
 template <int R, int NV, class Store>
 inline void madd_tile(const int16_t* A, size_t lda, const int16_t* W, size_t block_stride, size_t kp2,
@@ -921,15 +923,6 @@ inline float hmax(__m256 v) {
 }
 #endif
 
-// The centred rows c [n, D] times p.proj_scale as int16 x [n, Dp] (Dp = D
-// rounded up to even, the pad 0), rounded to nearest even; fits[t] says
-// whether row t may take the integer projection: its largest |c| times
-// the scale within proj_max_abs and its squared norm times the scale's
-// square within proj_max_sq, both finite. A row that does not fit gets
-// zeros (and its codes from the float projection afterwards). The square
-// sums run in one fixed order, in the AVX2 and the plain loops alike
-// (lane l of a row sums c[d]^2 for d = l mod 8 by single-rounding fmas,
-// then a fixed tree), so the kernel and the reference loops decide alike.
 // Whether a scaled row fits, from its largest |c| and square-sum lanes
 // (lane l: the c[d]^2 of d = l mod 8, summed in order by fmas); a row that
 // does not gets zeros in o [Dp].
@@ -944,6 +937,15 @@ bool finish_scaled_row(const HeadParams& p, float m, const float* lane, int16_t*
   return fits;
 }
 
+// The centred rows c [n, D] times p.proj_scale as int16 x [n, Dp] (Dp = D
+// rounded up to even, the pad 0), rounded to nearest even; fits[t] says
+// whether row t may take the integer projection: its largest |c| times
+// the scale within proj_max_abs and its squared norm times the scale's
+// square within proj_max_sq, both finite. A row that does not fit gets
+// zeros (and its codes from the float projection afterwards). The square
+// sums run in one fixed order, in the AVX2 and the plain loops alike
+// (lane l of a row sums c[d]^2 for d = l mod 8 by single-rounding fmas,
+// then a fixed tree), so the kernel and the reference loops decide alike.
 void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint8_t* fits) {
   const size_t D = size_t(p.dim), Dp = (D + 1) / 2 * 2;
   const float sc = p.proj_scale;
@@ -988,15 +990,16 @@ inline uint16_t proj_code(int32_t acc, float qscale, float offset, float max_cod
   return v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
 }
 
-// codes [n, K] of the scaled rows x [n, Dp] by plain loops (exact int32 sums).
+// codes [n, K] of the scaled rows x [n, Dp] by plain loops (exact int32
+// sums: a fitting row keeps every partial sum below 2^31).
 void proj_int_loops(const HeadParams& p, const int16_t* x, int64_t n, uint16_t* codes) {
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim), dp2 = (D + 1) / 2;
   for (int64_t t = 0; t < n; ++t)
     for (size_t k = 0; k < K; ++k) {
-      int64_t acc = 0;
-      for (size_t d = 0; d < D; ++d) acc += int64_t(x[size_t(t) * 2 * dp2 + d]) * int64_t(p.proj_w[proj_w_index(k, d, dp2)]);
+      int32_t acc = 0;
+      for (size_t d = 0; d < D; ++d) acc += int32_t(x[size_t(t) * 2 * dp2 + d]) * int32_t(p.proj_w[proj_w_index(k, d, dp2)]);
       const ComponentQuantizer& q = p.quant[k];
-      codes[size_t(t) * K + k] = proj_code(int32_t(acc), p.proj_qscale[k], code_offset(q), float(q.levels - 1));
+      codes[size_t(t) * K + k] = proj_code(acc, p.proj_qscale[k], code_offset(q), float(q.levels - 1));
     }
 }
 
@@ -1097,6 +1100,7 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
     return;
   }
 #else
+  (void)prescaled;  // the fused scaling is AVX2-only
   if (integer && path != QuantPath::kFloat) {
     s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
     s.fits.resize(size_t(n));
