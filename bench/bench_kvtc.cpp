@@ -58,6 +58,16 @@ kvtc::HeadParams fitted(int arg) {
   return kvtc::fit_head(f.x.data(), f.n, f.dim, pca.mean, pca.components, pca.eigenvalues, o);
 }
 
+// An A/B bench's per-iteration ratios as counters: speedup (the median),
+// q1 and q3 (its quartiles).
+void report_ratios(benchmark::State& state, std::vector<double>& ratios) {
+  if (ratios.empty()) return;
+  std::sort(ratios.begin(), ratios.end());
+  state.counters["speedup"] = ratios[ratios.size() / 2];
+  state.counters["q1"] = ratios[ratios.size() / 4];
+  state.counters["q3"] = ratios[ratios.size() * 3 / 4];
+}
+
 void BM_Memcpy(benchmark::State& state) {
   const Fixture& f = fixture();
   std::vector<uint16_t> src(f.x.size()), dst(f.x.size());
@@ -144,10 +154,7 @@ void BM_QuantizeAB(benchmark::State& state) {
   size_t differ = 0;
   for (size_t i = 0; i < codes.size(); ++i) differ += codes[i] != codes2[i];
   state.counters["codes_differ"] = double(differ) / double(codes.size());
-  std::sort(ratios.begin(), ratios.end());
-  state.counters["speedup"] = ratios[ratios.size() / 2];
-  state.counters["q1"] = ratios[ratios.size() / 4];
-  state.counters["q3"] = ratios[ratios.size() * 3 / 4];
+  report_ratios(state, ratios);
 }
 
 // The rANS group encoder's two forms of the state update (entropy.hpp,
@@ -175,10 +182,7 @@ void BM_EntropyChainAB(benchmark::State& state) {
     }
     ratios.push_back(t[0] / t[1]);
   }
-  std::sort(ratios.begin(), ratios.end());
-  state.counters["speedup"] = ratios[ratios.size() / 2];
-  state.counters["q1"] = ratios[ratios.size() / 4];
-  state.counters["q3"] = ratios[ratios.size() * 3 / 4];
+  report_ratios(state, ratios);
 }
 
 void BM_EntropyEncode(benchmark::State& state) {
@@ -241,8 +245,7 @@ void BM_ReconstructAB(benchmark::State& state) {
     const double b = sweep(base_first ? contender : base);
     ratios.push_back(base_first ? a / b : b / a);
   }
-  std::sort(ratios.begin(), ratios.end());
-  state.counters["speedup"] = ratios.empty() ? 0.0 : ratios[ratios.size() / 2];
+  report_ratios(state, ratios);
   state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(blocks) * 64 * f.dim * 2 * 2);
 }
 

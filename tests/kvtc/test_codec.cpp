@@ -49,6 +49,21 @@ HeadParams fit(const std::vector<float>& x, int64_t n, int dim, const CodecOptio
   return fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
 }
 
+// The four settings the integer-path tests fit per dim: the rate allocator
+// at 1% and 5% (int8 basis), the dp allocator at a small budget and at 3
+// bits per component.
+CodecOptions setting_options(int setting, int dim, int small_budget) {
+  CodecOptions o;
+  if (setting < 2) {
+    o.allocator = Allocator::kRate;
+    o.target_rel_mse = setting == 0 ? 0.01 : 0.05;
+    o.basis_bits = 8;
+  } else {
+    o.bit_budget = setting == 2 ? small_budget : 3 * dim;
+  }
+  return o;
+}
+
 // A 64-dim head of the rate allocator at a distortion target, fitted on 320
 // correlated rows (seed), and the codes of its first 64 rows.
 struct RateBlock {
@@ -295,15 +310,7 @@ TEST(Codec, IntegerReconstructionEqualsItsReferenceBitForBit) {
     const int64_t fit_n = 4 * dim + 64;
     const auto x = correlated(fit_n, dim, uint32_t(300 + dim));
     for (int setting = 0; setting < 4; ++setting) {
-      CodecOptions o;
-      if (setting < 2) {
-        o.allocator = Allocator::kRate;
-        o.target_rel_mse = setting == 0 ? 0.01 : 0.05;
-        o.basis_bits = 8;
-      } else {
-        o.bit_budget = setting == 2 ? dim / 2 + 1 : 3 * dim;
-      }
-      const HeadParams p = fit(x, fit_n, dim, o);
+      const HeadParams p = fit(x, fit_n, dim, setting_options(setting, dim, dim / 2 + 1));
       const size_t K = size_t(p.n_kept());
       if (K == 0) continue;
       ASSERT_TRUE(p.recon_int) << "dim " << dim << " setting " << setting;
@@ -443,15 +450,7 @@ TEST(Codec, IntegerProjectionEqualsItsReferenceAndStaysWithinItsBound) {
     const int64_t fit_n = 4 * dim + 64;
     const auto x = correlated(fit_n, dim, uint32_t(500 + dim));
     for (int setting = 0; setting < 4; ++setting) {
-      CodecOptions o;
-      if (setting < 2) {
-        o.allocator = Allocator::kRate;
-        o.target_rel_mse = setting == 0 ? 0.01 : 0.05;
-        o.basis_bits = 8;
-      } else {
-        o.bit_budget = setting == 2 ? dim / 2 + 3 : 3 * dim;
-      }
-      const HeadParams p = fit(x, fit_n, dim, o);
+      const HeadParams p = fit(x, fit_n, dim, setting_options(setting, dim, dim / 2 + 3));
       ASSERT_TRUE(p.proj_int) << "dim " << dim << " setting " << setting;
       ++heads;
       const size_t K = size_t(p.n_kept()), D = size_t(dim);
