@@ -971,11 +971,14 @@ void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint
     _mm256_store_ps(lane, acc);
     m = hmax(vm);
 #endif
-    // (A NaN may or may not reach m; the square sum catches it.)
+    // (A NaN may or may not reach m; the square sum catches it.) Values
+    // past the int16 range, NaN included, only occur in rows that do not
+    // fit: 0 for them (a float-to-int conversion out of range is undefined).
     for (; d < D; ++d) {
       m = std::max(m, std::fabs(row[d]));
       lane[d % 8] = std::fma(row[d], row[d], lane[d % 8]);
-      o[d] = int16_t(int32_t(std::nearbyint(row[d] * sc)));
+      const float v = row[d] * sc;
+      o[d] = std::fabs(v) <= 32767.0f ? int16_t(int32_t(std::nearbyint(v))) : int16_t(0);
     }
     fits[t] = uint8_t(finish_scaled_row(p, m, lane, o));
   }
