@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "entropy/entropy.hpp"
 
@@ -714,25 +715,21 @@ void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t*
   // An integer: the rows of other tables lie outside cols[0]'s array, where
   // pointer arithmetic on it would be undefined.
   const uintptr_t base = reinterpret_cast<uintptr_t>(cols[0].syms);
-  const auto back = [&](size_t k) { return k >= step ? k - step : k + n_active - step; };
   if (full == 0) return;
-  size_t i0 = full - kRansLanes;
-  k0 = back(k0);
-  GroupRows cur = fetch_group<kOffsets>(cols + k0, kOffsets ? offs + k0 : nullptr, flat + i0, base);
-  size_t k1 = k0;
-  GroupRows nxt{};
-  if (i0 > 0) {
-    k1 = back(k0);
-    nxt = fetch_group<kOffsets>(cols + k1, kOffsets ? offs + k1 : nullptr, flat + i0 - kRansLanes, base);
-  }
+  // The groups from the last (symbol full - 8) down; fetch() steps the
+  // column cycle back one group and returns that group's rows.
+  size_t k_fetch = k0, i_fetch = full;
+  const auto fetch = [&]() {
+    k_fetch = k_fetch >= step ? k_fetch - step : k_fetch + n_active - step;
+    i_fetch -= kRansLanes;
+    return fetch_group<kOffsets>(cols + k_fetch, kOffsets ? offs + k_fetch : nullptr, flat + i_fetch, base);
+  };
+  size_t i0 = full - kRansLanes;  // the current group's first symbol
+  GroupRows cur = fetch();
+  GroupRows nxt = i0 > 0 ? fetch() : GroupRows{};
   for (;;) {
     const bool more = i0 > 0;
-    size_t k2 = k1;
-    GroupRows after{};
-    if (i0 > kRansLanes) {
-      k2 = back(k1);
-      after = fetch_group<kOffsets>(cols + k2, kOffsets ? offs + k2 : nullptr, flat + i0 - 2 * kRansLanes, base);
-    }
+    const GroupRows after = i0 > kRansLanes ? fetch() : GroupRows{};
     // Bytes to emit: (x >= x_max) + (x >= x_max << 8), as signed compares
     // (x < 2^31; x_max - 1 <= 2^31 - 1, the shifted test as x >> 8 >= x_max).
     const __m256i lim = _mm256_sub_epi32(cur.x_max, one);
@@ -760,9 +757,9 @@ void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t*
     // (vpblendvb 1 cycle, vpmulld 3); otherwise a shift count built from
     // the masks and the product as two 32 x 32 -> 64 multiplies (5 cycles;
     // q * cmpl_freq < 2^32), for Intel cores (vpblendvb 2-3 uops, vpmulld
-    // 10 cycles). In-process A/B of the two (bench_kvtc, a temporary
-    // switch): 0.93-0.97x the blends on Zen 3, 1.03-1.11x them on the GPU
-    // host's Xeon.
+    // 10 cycles). In-process A/B of the two (bench_kvtc
+    // BM_EntropyChainAB): 0.93-0.97x the blends on Zen 3, 1.03-1.11x them
+    // on the GPU host's Xeon.
     __m256i v;
     if constexpr (kBlend) {
       v = _mm256_blendv_epi8(_mm256_blendv_epi8(X, _mm256_srli_epi32(X, 8), m1), _mm256_srli_epi32(X, 16), m2);
@@ -785,7 +782,6 @@ void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t*
     X = _mm256_add_epi32(_mm256_add_epi32(v, cur.bias), qc);
     if (!more) break;
     i0 -= kRansLanes;
-    k1 = k2;
     cur = nxt;
     nxt = after;
   }
@@ -889,15 +885,16 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
         offs[k] = int32_t(d);
       }
     }
-    const bool other = path == EncodePath::kOtherChain;
-    if (near && other)
-      encode_groups_avx2<true, !kBlendChain>(cols, offs.data(), flat, n_active, full, k0, p, x);
-    else if (near)
-      encode_groups_avx2<true, kBlendChain>(cols, offs.data(), flat, n_active, full, k0, p, x);
-    else if (other)
-      encode_groups_avx2<false, !kBlendChain>(cols, nullptr, flat, n_active, full, k0, p, x);
+    const auto run = [&](auto blend) {
+      if (near)
+        encode_groups_avx2<true, decltype(blend)::value>(cols, offs.data(), flat, n_active, full, k0, p, x);
+      else
+        encode_groups_avx2<false, decltype(blend)::value>(cols, nullptr, flat, n_active, full, k0, p, x);
+    };
+    if (path == EncodePath::kOtherChain)
+      run(std::bool_constant<!kBlendChain>{});
     else
-      encode_groups_avx2<false, kBlendChain>(cols, nullptr, flat, n_active, full, k0, p, x);
+      run(std::bool_constant<kBlendChain>{});
     k0 = 0;
   } else
 #else

@@ -923,6 +923,19 @@ inline float hmax(__m256 v) {
 }
 #endif
 
+#ifdef KVCODEC_KVTC_GEMM
+// 8 centred values v of a row into its scaling: their |v| into the row's
+// running max vm, v^2 into its square-sum lanes acc (lane l takes the
+// d = l mod 8 terms, in order), v * s rounded to nearest even as int16 to
+// o[0, 8) (junk for a row that does not fit: finish_scaled_row zeroes it).
+inline void scale_chunk(__m256 v, __m256 vs, __m256 abs_mask, __m256& vm, __m256& acc, int16_t* o) {
+  vm = _mm256_max_ps(vm, _mm256_and_ps(v, abs_mask));
+  acc = _mm256_fmadd_ps(v, v, acc);
+  const __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(v, vs));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_packs_epi32(_mm256_castsi256_si128(xi), _mm256_extracti128_si256(xi, 1)));
+}
+#endif
+
 // Whether a scaled row fits, from its largest |c| and square-sum lanes
 // (lane l: the c[d]^2 of d = l mod 8, summed in order by fmas); a row that
 // does not gets zeros in o [Dp].
@@ -959,15 +972,7 @@ void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 vs = _mm256_set1_ps(sc);
     __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
-    for (; d + 16 <= D; d += 16) {
-      const __m256 v0 = _mm256_loadu_ps(row + d), v1 = _mm256_loadu_ps(row + d + 8);
-      vm = _mm256_max_ps(vm, _mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)));
-      acc = _mm256_fmadd_ps(v1, v1, _mm256_fmadd_ps(v0, v0, acc));
-      // Junk for a row that does not fit: overwritten by finish_scaled_row.
-      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vs));
-      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vs));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8));
-    }
+    for (; d + 8 <= D; d += 8) scale_chunk(_mm256_loadu_ps(row + d), vs, abs_mask, vm, acc, o + d);
     _mm256_store_ps(lane, acc);
     m = hmax(vm);
 #endif
@@ -1010,17 +1015,26 @@ void proj_int_loops(const HeadParams& p, const int16_t* x, int64_t n, uint16_t* 
 // codes [n, K] of the scaled rows x [n, Dp] by the madd tiles: the sums of
 // proj_int_loops (exact in any order), then proj_code's operations on 8
 // codes at a time.
-void proj_int(const HeadParams& p, const int16_t* x, size_t n, const QuantConsts& q, uint16_t* codes) {
+void proj_int(const HeadParams& p, const int16_t* x, size_t n, uint16_t* codes) {
   const size_t K = size_t(p.n_kept()), dp2 = (size_t(p.dim) + 1) / 2, block_stride = dp2 * 16;
   const float* qscale = p.proj_qscale.data();
+  // Offsets and largest codes padded to K8 (the epilogue reads groups of 8).
+  BlockScratch& s = scratch();
+  s.b.assign(round_up8(K), 0.0f), s.c.assign(round_up8(K), 0.0f);
+  for (size_t k = 0; k < K; ++k) {
+    s.b[k] = code_offset(p.quant[k]);
+    s.c[k] = float(p.quant[k].levels - 1);
+  }
+  const float* const offset = s.b.data();
+  const float* const max_code = s.c.data();
   const auto panel = [&](auto nv, size_t col) {
     madd_panel<decltype(nv)::value>(x, 2 * dp2, p.proj_w.data() + (col / 8) * block_stride, block_stride, dp2, n,
                                     [&](size_t i) {
       return [=](size_t r, size_t v, __m256i acc) {
         const size_t k0 = col + 8 * v;
         if (k0 >= K) return;
-        __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(qscale + k0), _mm256_loadu_ps(q.offset + k0));
-        y = _mm256_min_ps(_mm256_loadu_ps(q.max_code + k0), y);
+        __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(qscale + k0), _mm256_loadu_ps(offset + k0));
+        y = _mm256_min_ps(_mm256_loadu_ps(max_code + k0), y);
         const __m256i i32 = _mm256_cvttps_epi32(y);
         const __m128i u16 = _mm_packus_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
         uint16_t* out = codes + (i + r) * K + k0;
@@ -1068,32 +1082,31 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
   if (path == QuantPath::kInteger && !integer)
     throw Error(ErrorCode::kInvalidArgument,
                 "kvtc: the integer projection needs HeadParams::proj_int (run build_decoders())");
+  if (integer && path != QuantPath::kFloat) {
+    if (!prescaled) {
+      s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
+      s.fits.resize(size_t(n));
+      scale_rows(p, c, n, s.scaled.data(), s.fits.data());
+    }
+#ifdef KVCODEC_KVTC_GEMM
+    proj_int(p, s.scaled.data(), size_t(n), codes);
+#else
+    proj_int_loops(p, s.scaled.data(), n, codes);
+#endif
+    float_rows_unfit(p, c, n, s.fits.data(), codes);
+    return;
+  }
 #ifdef KVCODEC_KVTC_GEMM
   {
     const size_t K8 = round_up8(K);
-    // Constants padded to K8 (the kernels read whole groups of 8); the
-    // steps' inverses only for the float kernel (K divisions per block).
-    s.b.assign(K8, 0.0f), s.c.assign(K8, 0.0f);
+    // Constants padded to K8 (the kernel reads whole groups of 8).
+    s.a.assign(K8, 0.0f), s.b.assign(K8, 0.0f), s.c.assign(K8, 0.0f);
     for (size_t k = 0; k < K; ++k) {
+      s.a[k] = 1.0f / p.quant[k].step;
       s.b[k] = code_offset(p.quant[k]);
       s.c[k] = float(p.quant[k].levels - 1);
     }
-    const bool use_int = integer && path != QuantPath::kFloat;
-    if (!use_int) {
-      s.a.assign(K8, 0.0f);
-      for (size_t k = 0; k < K; ++k) s.a[k] = 1.0f / p.quant[k].step;
-    }
-    const QuantConsts q{use_int ? nullptr : s.a.data(), s.b.data(), s.c.data()};
-    if (use_int) {
-      if (!prescaled) {
-        s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
-        s.fits.resize(size_t(n));
-        scale_rows(p, c, n, s.scaled.data(), s.fits.data());
-      }
-      proj_int(p, s.scaled.data(), size_t(n), q, codes);
-      float_rows_unfit(p, c, n, s.fits.data(), codes);
-      return;
-    }
+    const QuantConsts q{s.a.data(), s.b.data(), s.c.data()};
     const std::vector<float>* bt = &p.basis_t;
     if (bt->size() != size_t(dim) * K8) {
       transpose_basis(p, s.basis_t);  // parameters assembled without build_decoders()
@@ -1103,15 +1116,6 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
     return;
   }
 #else
-  (void)prescaled;  // the fused scaling is AVX2-only
-  if (integer && path != QuantPath::kFloat) {
-    s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
-    s.fits.resize(size_t(n));
-    scale_rows(p, c, n, s.scaled.data(), s.fits.data());
-    proj_int_loops(p, s.scaled.data(), n, codes);
-    float_rows_unfit(p, c, n, s.fits.data(), codes);
-    return;
-  }
   // Coefficients [n, kept].
   ConstRowMap cm(c, n, dim);
   ConstRowMap basis(p.basis.data(), kept, dim);
@@ -1353,27 +1357,28 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
       float* c = s.centred.data() + size_t(t) * size_t(dim);
       int d = 0;
 #if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
-      if (fuse) {
+      if (raw == DType::kF16) {
+        // The caller's next block of this head usually follows n rows on:
+        // start its lines' fetch now (a prefetch never faults; the address
+        // is formed as an integer, since it may lie past the caller's array).
         const uintptr_t next = reinterpret_cast<uintptr_t>(row) + uintptr_t(n * row_stride) * sizeof(float);
         for (int e = 0; e < dim; e += 16)
           _mm_prefetch(reinterpret_cast<const char*>(next + uintptr_t(e) * sizeof(float)), _MM_HINT_T0);
-        int16_t* o = s.scaled.data() + size_t(t) * Dp;
+        int16_t* o = fuse ? s.scaled.data() + size_t(t) * Dp : nullptr;
         const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
         const __m256 vs = _mm256_set1_ps(p.proj_scale);
         __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
         for (; d + 8 <= dim; d += 8) {
           const __m256 v = _mm256_loadu_ps(row + d);
+          // NaN chunks take the scalar conversions below (raw_convert's rule:
+          // the core's routines define the NaN bits).
           if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
           const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
           const __m256 cv = _mm256_sub_ps(r, _mm256_loadu_ps(mean + d));
           _mm256_storeu_ps(c + d, cv);
-          vm = _mm256_max_ps(vm, _mm256_and_ps(cv, abs_mask));
-          acc = _mm256_fmadd_ps(cv, cv, acc);
-          const __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(cv, vs));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + d),
-                           _mm_packs_epi32(_mm256_castsi256_si128(xi), _mm256_extracti128_si256(xi, 1)));
+          if (fuse) scale_chunk(cv, vs, abs_mask, vm, acc, o + d);
         }
-        if (d == dim) {
+        if (fuse && d == dim) {
           alignas(32) float lane[8];
           _mm256_store_ps(lane, acc);
           s.fits[size_t(t)] = uint8_t(finish_scaled_row(p, hmax(vm), lane, o));
@@ -1381,24 +1386,6 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
         }
         // A NaN chunk or D % 8 != 0: the plain conversions below, then
         // scale_rows on the finished row.
-      }
-#endif
-#if defined(__F16C__) && defined(__AVX2__)
-      if (raw == DType::kF16 && d == 0) {
-        // The caller's next block of this head usually follows n rows on:
-        // start its lines' fetch now (a prefetch never faults; the address
-        // is formed as an integer, since it may lie past the caller's array).
-        const uintptr_t next = reinterpret_cast<uintptr_t>(row) + uintptr_t(n * row_stride) * sizeof(float);
-        for (int e = 0; e < dim; e += 16)
-          _mm_prefetch(reinterpret_cast<const char*>(next + uintptr_t(e) * sizeof(float)), _MM_HINT_T0);
-        for (; d + 8 <= dim; d += 8) {
-          const __m256 v = _mm256_loadu_ps(row + d);
-          // NaN chunks take the scalar conversions below (raw_convert's rule:
-          // the core's routines define the NaN bits).
-          if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
-          const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-          _mm256_storeu_ps(c + d, _mm256_sub_ps(r, _mm256_loadu_ps(mean + d)));
-        }
       }
 #endif
       if (d < dim) {
