@@ -12,6 +12,9 @@
 #include <memory>
 #include <vector>
 
+namespace kvcodec {
+struct KvtcCalibration;
+}
 namespace kvcodec::kvtc {
 struct HeadParams;
 }
@@ -28,11 +31,31 @@ int device_count() noexcept;  // 0 when not compiled or no usable device
 // flattened, each with its own fitted parameters; D in {64, 128}) as one
 // independent rANS stream per (head, block of 64 tokens), stream index
 // h * ceil(S / 64) + b.
+//
+// Calibrated format (the second constructor; docs/gpu.md): a "head" is one
+// (layer, key or value, batch row), in that order, whose rows are the
+// layer's KV token-major, [S, n_kv_heads, head_dim] (the heads of a token
+// concatenated, D = n_kv_heads * head_dim), coded with the layer's
+// calibrated basis; keys get RoPE (position = token index) removed before
+// the projection and re-applied in the decode kernel; the first `sinks` and
+// the last `window` tokens of each head are kept raw (after the streams in
+// the payload), the rest coded in streams of 64 tokens.
+struct CalibratedLayout {
+  std::vector<int> layers;  // calibration layers, in head order
+  int batch = 1;
+  int64_t max_tokens = 0;   // longest sequence S (RoPE table and scratch)
+  int sinks = 4;
+  int window = 128;
+};
+
 class KvtcGpuCodec {
  public:
   // Uploads the heads' frozen parameters (rANS coder) and sizes the scratch
   // for up to max_tokens tokens per head.
   KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, int64_t max_tokens);
+  // The calibrated format; throws Error(kUnsupported) unless n_kv_heads *
+  // head_dim is 64 or 128 (the kernels' D) and head_dim a multiple of 16.
+  KvtcGpuCodec(const KvtcCalibration& cal, const CalibratedLayout& layout);
   ~KvtcGpuCodec();
   KvtcGpuCodec(const KvtcGpuCodec&) = delete;
   KvtcGpuCodec& operator=(const KvtcGpuCodec&) = delete;
@@ -40,6 +63,9 @@ class KvtcGpuCodec {
   static constexpr int kBlockTokens = 64;
   int n_heads() const;
   int head_dim() const;
+  int sinks() const;   // raw tokens at each head's start (0 for the plain format)
+  int window() const;  // raw tokens at each head's end
+  // Streams of a sequence of `tokens` tokens (its coded part).
   int64_t n_streams(int64_t tokens) const;
   uint64_t max_encoded_bytes(int64_t tokens) const;
 
@@ -47,7 +73,8 @@ class KvtcGpuCodec {
   // bytes) and offsets ([n_streams + 1], u64) may be device or pinned-host
   // memory. Returns the payload size. Waits on the stream once (to learn the
   // total before packing the streams); throws Error(kInvalidArgument) when
-  // capacity is too small.
+  // capacity is too small. The payload is the streams, then (calibrated
+  // format, 16-byte aligned) the raw sinks and window [NH][raw][D] bf16.
   uint64_t encode(const uint16_t* x, int64_t tokens, uint8_t* out, uint64_t capacity, uint64_t* offsets,
                   void* stream = nullptr);
 
@@ -78,8 +105,16 @@ class KvtcGpuCodec {
   // and fp32 accumulation; codes and streams are unchanged, each output is
   // within 2^-9 * sum_k |v_k * basis[k][d]| of the exact fp32 value before
   // the bf16 rounding (v_k the dequantized coefficients; tested).
+  // With kTf32TensorCores the decode is ONE kernel: each warp rANS-decodes a
+  // stream into shared memory and the CTA's warps reconstruct it there, so
+  // the codes never reach global memory; set_fused_decode(false) runs the
+  // two-kernel path instead (same outputs; for measurements). In the
+  // calibrated format the bound holds before the weights and RoPE, which
+  // carry it through: x 1/scale[d], then |cos| e_a + |sin| e_b for each
+  // rotated pair (src/gpu/kvtc_variant.hpp, tf32_bound_violations).
   enum class Reconstruction { kExactFp32 = 0, kTf32TensorCores = 1 };
   void set_reconstruction(Reconstruction r);
+  void set_fused_decode(bool on);
 
   struct Impl;
 

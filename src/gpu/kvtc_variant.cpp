@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kvcodec/error.hpp"
+#include "cache/kvtc_calibrated.hpp"
 #include "kvtc/codec.hpp"
 
 namespace kvcodec::gpu {
@@ -73,6 +74,10 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
   t.scale_bits.assign(NH * KP, 0);
   t.sym_base.assign(NH * KP, 0);
   t.slot_base.assign(NH * KP, 0);
+  t.scale.assign(NH * D, 1.0f);
+  t.inv_scale.assign(NH * D, 1.0f);
+  t.rope.assign(NH, 0);
+  t.rope_dim = t.dim;
   for (size_t h = 0; h < NH; ++h) {
     const kvtc::HeadParams& p = *heads[h];
     const int K = p.n_kept();
@@ -111,13 +116,95 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
   return t;
 }
 
-void quantize_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, uint16_t* codes) {
+FlatKvtcTables flatten_calibration(const KvtcCalibration& cal, const std::vector<int>& layers, int batch,
+                                   int64_t max_positions, int sinks, int window) {
+  if (layers.empty() || batch <= 0)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu calibrated: needs at least one layer and one batch row");
+  if (cal.head_dim % 16 != 0)
+    throw Error(ErrorCode::kUnsupported, "kvtc-gpu calibrated: head_dim " + std::to_string(cal.head_dim) +
+                                             " is not a multiple of 16");
+  if (max_positions <= 0 || max_positions > (int64_t(1) << 24) || sinks < 0 || window < 0)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu calibrated: max_positions " + std::to_string(max_positions) +
+                                                 ", sinks " + std::to_string(sinks) + ", window " +
+                                                 std::to_string(window));
+  std::vector<const kvtc::HeadParams*> heads;
+  for (const int l : layers) {
+    if (l < 0 || l >= cal.n_layers)
+      throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu calibrated: layer " + std::to_string(l) +
+                                                   " outside the calibration's " + std::to_string(cal.n_layers));
+    for (const bool is_key : {true, false})
+      for (int b = 0; b < batch; ++b) heads.push_back(&(is_key ? cal.keys : cal.values)[size_t(l)]);
+  }
+  FlatKvtcTables t = flatten_heads(heads);
+  const size_t D = size_t(t.dim);
+  for (size_t i = 0; i < layers.size(); ++i)
+    for (const bool is_key : {true, false})
+      for (int b = 0; b < batch; ++b) {
+        const size_t h = (i * 2 + (is_key ? 0 : 1)) * size_t(batch) + size_t(b);
+        t.rope[h] = is_key ? 1 : 0;
+        if (!cal.weighted()) continue;
+        const std::vector<float>& w = (is_key ? cal.key_scale : cal.value_scale)[size_t(layers[i])];
+        for (size_t d = 0; d < D; ++d) {
+          t.scale[h * D + d] = w[d];
+          t.inv_scale[h * D + d] = 1.0f / w[d];  // as the CPU cache's inverse_scale
+        }
+      }
+  t.rope_dim = cal.head_dim;
+  t.rope_positions = max_positions;
+  const std::vector<double> inv_freq = rope_inv_freq(cal.head_dim, cal.rope_theta);
+  const size_t half = size_t(cal.head_dim / 2);
+  t.rope_cos.resize(size_t(max_positions) * half);
+  t.rope_sin.resize(size_t(max_positions) * half);
+  for (int64_t p = 0; p < max_positions; ++p)
+    for (size_t i = 0; i < half; ++i) {
+      // f32-rounded as the model and RopeTable round them.
+      const double a = double(p) * inv_freq[i];
+      t.rope_cos[size_t(p) * half + i] = float(std::cos(a));
+      t.rope_sin[size_t(p) * half + i] = float(std::sin(a));
+    }
+  t.sinks = sinks;
+  t.window = window;
+  return t;
+}
+
+namespace {
+
+// RoPE on the pairs of one token vector (kvtc_variant.hpp: the op order).
+void rope_token(const FlatKvtcTables& t, float* v, int64_t position, bool remove) {
+  const int half = t.rope_dim / 2;
+  if (position < 0 || position >= t.rope_positions)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: position " + std::to_string(position) +
+                                                 " outside the RoPE table's " + std::to_string(t.rope_positions));
+  const float* cs = t.rope_cos.data() + size_t(position) * size_t(half);
+  const float* sn = t.rope_sin.data() + size_t(position) * size_t(half);
+  for (int j = 0; j < t.dim / t.rope_dim; ++j)
+    for (int i = 0; i < half; ++i) {
+      float& a = v[j * t.rope_dim + i];
+      float& b = v[j * t.rope_dim + i + half];
+      const float c = cs[i], s = sn[i], a0 = a, b0 = b;
+      if (remove) {
+        a = std::fma(a0, c, b0 * s);
+        b = std::fma(b0, c, -(a0 * s));
+      } else {
+        a = std::fma(a0, c, -(b0 * s));
+        b = std::fma(b0, c, a0 * s);
+      }
+    }
+}
+
+}  // namespace
+
+void quantize_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, uint16_t* codes,
+                        int64_t position0) {
   check_head(t, h);
   const int D = t.dim, K = t.kept[size_t(h)];
   const float* mean = t.mean.data() + size_t(h) * size_t(D);
+  const float* scale = t.scale.data() + size_t(h) * size_t(D);
   std::vector<float> xc(static_cast<size_t>(D));
   for (int64_t i = 0; i < n; ++i) {
-    for (int d = 0; d < D; ++d) xc[size_t(d)] = bf16_bits_to_f32(x[i * D + d]) - mean[d];
+    for (int d = 0; d < D; ++d) xc[size_t(d)] = bf16_bits_to_f32(x[i * D + d]);
+    if (t.rope[size_t(h)]) rope_token(t, xc.data(), position0 + i, /*remove=*/true);
+    for (int d = 0; d < D; ++d) xc[size_t(d)] = xc[size_t(d)] * scale[d] - mean[d];
     for (int k = 0; k < K; ++k) {
       const float* b = t.basis.data() + (size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D);
       float acc = 0.0f;
@@ -130,23 +217,34 @@ void quantize_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64
   }
 }
 
-void dequantize_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y) {
+void reconstruct_f32_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, float* y,
+                               int64_t position0) {
   check_head(t, h);
   const int D = t.dim, K = t.kept[size_t(h)];
   const float* mean = t.mean.data() + size_t(h) * size_t(D);
+  const float* inv_scale = t.inv_scale.data() + size_t(h) * size_t(D);
   std::vector<float> v(size_t(std::max(K, 1)));
   for (int64_t i = 0; i < n; ++i) {
     for (int k = 0; k < K; ++k) {
       const size_t q = t.idx(h, k);
       v[size_t(k)] = (float(codes[i * K + k]) - t.recon_offset[q]) * t.step[q];
     }
+    float* yi = y + i * D;
     for (int d = 0; d < D; ++d) {
       float acc = 0.0f;
       for (int k = 0; k < K; ++k)
         acc = std::fma(v[size_t(k)], t.basis[(size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D) + size_t(d)], acc);
-      y[i * D + d] = f32_to_bf16_rne(acc + mean[d]);
+      yi[d] = (acc + mean[d]) * inv_scale[d];
     }
+    if (t.rope[size_t(h)]) rope_token(t, yi, position0 + i, /*remove=*/false);
   }
+}
+
+void dequantize_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y,
+                          int64_t position0) {
+  std::vector<float> f(size_t(std::max<int64_t>(n, 0)) * size_t(t.dim));
+  reconstruct_f32_reference(t, h, codes, n, f.data(), position0);
+  for (size_t i = 0; i < f.size(); ++i) y[i] = f32_to_bf16_rne(f[i]);
 }
 
 std::vector<uint8_t> rans_warp_encode(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n) {
@@ -236,25 +334,63 @@ int64_t n_blocks(int64_t tokens, int block_tokens) {
   return (tokens + block_tokens - 1) / block_tokens;
 }
 
+int64_t coded_tokens(const FlatKvtcTables& t, int64_t seq) {
+  return std::max<int64_t>(0, seq - t.sinks - t.window);
+}
+
+uint64_t raw_bytes(const FlatKvtcTables& t, int64_t tokens) {
+  const int64_t raw = tokens - coded_tokens(t, tokens);
+  return uint64_t(t.n_heads) * uint64_t(raw) * uint64_t(t.dim) * 2;
+}
+
+namespace {
+
+// The raw tokens of head h (the first min(S, sinks), then the last ones up
+// to S - window... S): their [from, to) ranges in the head's sequence.
+struct RawRanges {
+  int64_t sink_end, tail_begin, n;
+};
+RawRanges raw_ranges(const FlatKvtcTables& t, int64_t S) {
+  const int64_t coded = coded_tokens(t, S);
+  const int64_t sink_end = std::min<int64_t>(S, t.sinks);
+  return {sink_end, sink_end + coded, S - coded};
+}
+
+}  // namespace
+
 EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, int64_t tokens, int block_tokens) {
-  const int64_t nb = n_blocks(tokens, block_tokens);
+  const int64_t coded = coded_tokens(t, tokens), nb = n_blocks(coded, block_tokens);
+  const RawRanges rr = raw_ranges(t, tokens);
   EncodedBatch out;
   out.offsets.push_back(0);
   std::vector<uint16_t> codes(size_t(block_tokens) * size_t(t.k_pad));
+  const size_t D = size_t(t.dim);
   for (int h = 0; h < t.n_heads; ++h)
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t t0 = b * block_tokens, n = std::min<int64_t>(block_tokens, tokens - t0);
-      quantize_reference(t, h, x + (size_t(h) * size_t(tokens) + size_t(t0)) * size_t(t.dim), n, codes.data());
+      const int64_t t0 = rr.sink_end + b * block_tokens, n = std::min<int64_t>(block_tokens, rr.tail_begin - t0);
+      quantize_reference(t, h, x + (size_t(h) * size_t(tokens) + size_t(t0)) * D, n, codes.data(), t0);
       const std::vector<uint8_t> s = rans_warp_encode(t, h, codes.data(), n);
       out.payload.insert(out.payload.end(), s.begin(), s.end());
       out.offsets.push_back(out.payload.size());
     }
+  if (rr.n > 0) {
+    out.payload.resize(raw_offset(out.payload.size()));
+    for (int h = 0; h < t.n_heads; ++h) {
+      const uint16_t* xh = x + size_t(h) * size_t(tokens) * D;
+      for (const auto& [a, e] : {std::pair{int64_t(0), rr.sink_end}, std::pair{rr.tail_begin, tokens}}) {
+        const auto* p = reinterpret_cast<const uint8_t*>(xh + size_t(a) * D);
+        out.payload.insert(out.payload.end(), p, p + size_t(e - a) * D * 2);
+      }
+    }
+  }
   return out;
 }
 
 void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, size_t payload_size,
                             const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y) {
-  const int64_t nb = n_blocks(tokens, block_tokens);
+  const int64_t coded = coded_tokens(t, tokens), nb = n_blocks(coded, block_tokens);
+  const RawRanges rr = raw_ranges(t, tokens);
+  const size_t D = size_t(t.dim);
   std::vector<uint16_t> codes(size_t(block_tokens) * size_t(t.k_pad));
   if (offsets[0] != 0) throw Error(ErrorCode::kFormat, "kvtc-gpu batch: offsets[0] is not 0");
   for (int h = 0; h < t.n_heads; ++h)
@@ -262,38 +398,67 @@ void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, siz
       const size_t i = size_t(h) * size_t(nb) + size_t(b);
       if (offsets[i + 1] < offsets[i] || offsets[i + 1] > payload_size)
         throw Error(ErrorCode::kFormat, "kvtc-gpu batch: stream " + std::to_string(i) + " has bad offsets");
-      const int64_t t0 = b * block_tokens, n = std::min<int64_t>(block_tokens, tokens - t0);
+      const int64_t t0 = rr.sink_end + b * block_tokens, n = std::min<int64_t>(block_tokens, rr.tail_begin - t0);
       rans_warp_decode(t, h, payload + offsets[i], size_t(offsets[i + 1] - offsets[i]), n, codes.data());
-      dequantize_reference(t, h, codes.data(), n, y + (size_t(h) * size_t(tokens) + size_t(t0)) * size_t(t.dim));
+      dequantize_reference(t, h, codes.data(), n, y + (size_t(h) * size_t(tokens) + size_t(t0)) * D, t0);
     }
+  if (rr.n == 0) return;
+  const uint64_t raw0 = raw_offset(offsets[size_t(t.n_heads) * size_t(nb)]);
+  if (raw0 > payload_size || payload_size - raw0 < raw_bytes(t, tokens))
+    throw Error(ErrorCode::kFormat, "kvtc-gpu batch: " + std::to_string(payload_size) + " bytes, the raw tokens need " +
+                                        std::to_string(raw0 + raw_bytes(t, tokens)));
+  const uint8_t* p = payload + raw0;
+  for (int h = 0; h < t.n_heads; ++h) {
+    uint16_t* yh = y + size_t(h) * size_t(tokens) * D;
+    for (const auto& [a, e] : {std::pair{int64_t(0), rr.sink_end}, std::pair{rr.tail_begin, tokens}}) {
+      std::memcpy(yh + size_t(a) * D, p, size_t(e - a) * D * 2);
+      p += size_t(e - a) * D * 2;
+    }
+  }
 }
 
 size_t tf32_bound_violations(const FlatKvtcTables& t, int heads, const uint16_t* x, int64_t tokens,
                              const uint16_t* y_tc, const uint16_t* y_exact, size_t* n_diff) {
-  const int D = t.dim;
+  const int D = t.dim, half = t.rope_dim / 2;
+  const RawRanges rr = raw_ranges(t, tokens);
   size_t bad = 0;
   *n_diff = 0;
   for (int h = 0; h < heads; ++h) {
     const int K = t.kept[size_t(h)];
     const size_t base = size_t(h) * size_t(tokens) * size_t(D);
-    std::vector<uint16_t> codes(size_t(tokens) * size_t(std::max(K, 1)));
-    quantize_reference(t, h, x + base, tokens, codes.data());
+    const int64_t n = rr.tail_begin - rr.sink_end;
+    std::vector<uint16_t> codes(size_t(std::max<int64_t>(n, 1)) * size_t(std::max(K, 1)));
+    quantize_reference(t, h, x + base + size_t(rr.sink_end) * size_t(D), n, codes.data(), rr.sink_end);
     std::vector<double> v(size_t(std::max(K, 1)));
+    std::vector<double> bound(static_cast<size_t>(D));
     for (int64_t i = 0; i < tokens; ++i) {
-      for (int k = 0; k < K; ++k) {
+      const bool coded = i >= rr.sink_end && i < rr.tail_begin;
+      // Before RoPE: 2^-9 * sum_k |v_k b_kd|, scaled by the weight undone.
+      for (int k = 0; coded && k < K; ++k) {
         const size_t q = t.idx(h, k);
-        v[size_t(k)] = double((float(codes[size_t(i) * size_t(K) + size_t(k)]) - t.recon_offset[q]) * t.step[q]);
+        v[size_t(k)] = double((float(codes[size_t(i - rr.sink_end) * size_t(K) + size_t(k)]) - t.recon_offset[q]) *
+                              t.step[q]);
       }
       for (int d = 0; d < D; ++d) {
         double sum = 0;
-        for (int k = 0; k < K; ++k)
+        for (int k = 0; coded && k < K; ++k)
           sum += std::abs(v[size_t(k)] * double(t.basis[(size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D) + size_t(d)]));
+        bound[size_t(d)] = std::ldexp(sum, -9) * double(t.inv_scale[size_t(h) * size_t(D) + size_t(d)]);
+      }
+      for (int d = 0; d < D; ++d) {
+        double b = bound[size_t(d)];
+        if (coded && t.rope[size_t(h)]) {
+          // A rotated output mixes its pair's two errors: |c| e_a + |s| e_b.
+          const int i2 = d % t.rope_dim, pd = i2 < half ? d + half : d - half, f = i2 % half;
+          const size_t r = size_t(i) * size_t(half) + size_t(f);
+          b = std::abs(double(t.rope_cos[r])) * bound[size_t(d)] + std::abs(double(t.rope_sin[r])) * bound[size_t(pd)];
+        }
         const size_t e = base + size_t(i) * size_t(D) + size_t(d);
         const double a = bf16_bits_to_f32(y_tc[e]), r = bf16_bits_to_f32(y_exact[e]);
         const double mag = std::max({std::abs(a), std::abs(r), 1e-30});
-        const double bound = std::ldexp(sum, -9) + std::ldexp(1.0, std::ilogb(mag) - 7);
+        const double limit = coded ? b + std::ldexp(1.0, std::ilogb(mag) - 7) : 0.0;  // raw tokens: equal
         *n_diff += y_tc[e] != y_exact[e];
-        if (!(std::abs(a - r) <= bound)) ++bad;
+        if (!(std::abs(a - r) <= limit)) ++bad;
       }
     }
   }

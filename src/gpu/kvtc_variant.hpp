@@ -12,11 +12,26 @@
 // covers tokens [b*T, min(S, (b+1)*T)) of head h.
 //
 // Arithmetic (identical on both sides, no contraction):
-//   xc[d]   = bf16_to_f32(x[t][d]) - mean[d]
+//   xr      = x[t] as f32 (bf16_to_f32), RoPE removed when rope[h] (below)
+//   xc[d]   = xr[d] * scale[d] - mean[d]          (scale = 1: kvtc-gpu/2 as before)
 //   c[t][k] = acc over d = 0..D-1 of acc = fmaf(xc[d], basis[k][d], acc), acc0 = 0
 //   code    = clamp(floorf(fmaf(c, inv_step[k], code_offset[k])), 0, levels-1)
 //   v[k]    = (float(code) - recon_offset[k]) * step[k]
-//   y[t][d] = bf16_rne(acc + mean[d]), acc over k = 0..K-1 of fmaf(v[k], basis[k][d], acc)
+//   yw[d]   = (acc + mean[d]) * inv_scale[d], acc over k = 0..K-1 of fmaf(v[k], basis[k][d], acc)
+//   y[t][d] = bf16_rne(yw[d]), RoPE re-applied first when rope[h]
+// RoPE (calibrated format, keys): the token vector is n_sub sub-heads of
+// rope_dim values; pair (i, i + rope_dim/2) of each sub-head at position p
+// (c = rope_cos[p][i], s = rope_sin[p][i], f32 as the model rounds them):
+//   removal  a' = fmaf(a, c, b*s),    b' = fmaf(b, c, -(a*s))
+//   apply    a' = fmaf(a, c, -(b*s)), b' = fmaf(b, c, a*s)
+//
+// The calibrated format (flatten_calibration): one "head" per (layer,
+// tensor, batch row) with dim = n_kv_heads * head_dim (heads concatenated,
+// [S, H, D] token-major, as a paged cache holds them), the layer's
+// calibrated basis, weights as scale / inv_scale, RoPE on keys. Per head,
+// tokens [sinks, S - window) are coded (position = token index) and the
+// sinks and the window are kept raw: the batch payload is the streams, then
+// (16-byte aligned) the raw tokens [NH][sinks + window][dim] bf16.
 //
 // Stream bytes (empty when K == 0): 32 lane states (u32 little-endian, lane 0
 // first; the encoder's final states = the decoder's initial ones), then the
@@ -36,6 +51,9 @@
 #include <cstdint>
 #include <vector>
 
+namespace kvcodec {
+struct KvtcCalibration;
+}
 namespace kvcodec::kvtc {
 struct HeadParams;
 }
@@ -67,6 +85,14 @@ struct FlatKvtcTables {
   std::vector<uint32_t> sym_cum;
   std::vector<uint64_t> slot_base;   // [NH, k_pad] index of slot 0 in slot_symbol
   std::vector<uint16_t> slot_symbol; // per table, [1 << scale_bits]
+  // Calibrated transforms (identity for plain heads: scale 1, no RoPE).
+  std::vector<float> scale;          // [NH, D] applied before centring
+  std::vector<float> inv_scale;      // [NH, D] 1 / scale, applied after reconstruction
+  std::vector<uint8_t> rope;         // [NH] 1: RoPE removed on encode, re-applied on decode
+  int rope_dim = 0;                  // sub-head size of the RoPE pairs (a multiple of 16 dividing dim)
+  int64_t rope_positions = 0;        // rows of rope_cos / rope_sin
+  std::vector<float> rope_cos, rope_sin;  // [rope_positions, rope_dim / 2]
+  int sinks = 0, window = 0;         // raw tokens at each head's start / end (calibrated format)
 
   size_t idx(int h, int k) const { return size_t(h) * size_t(k_pad) + size_t(k); }
 };
@@ -75,13 +101,29 @@ struct FlatKvtcTables {
 // == levels). Throws Error(kUnsupported / kInvalidArgument) naming the head.
 FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads);
 
+// The calibrated format: heads [layer][key, value][batch row] in that order
+// (NH = layers.size() * 2 * batch), each the layer's calibrated parameters,
+// RoPE tables for max_positions positions. Throws Error(kUnsupported) when
+// n_kv_heads * head_dim is not 64 or 128, or head_dim is not a multiple of 16.
+FlatKvtcTables flatten_calibration(const KvtcCalibration& cal, const std::vector<int>& layers, int batch,
+                                   int64_t max_positions, int sinks, int window);
+// Coded tokens per head of a sequence of `seq` tokens (0 when the sinks and
+// the window cover it).
+int64_t coded_tokens(const FlatKvtcTables& t, int64_t seq);
+
 // Round to nearest even (NaN stays NaN), as the GPU does.
 uint16_t f32_to_bf16_rne(float v);
 float bf16_bits_to_f32(uint16_t b);
 
-// One head h: x [n, D] bf16 -> codes [n, K]; codes -> y [n, D] bf16.
-void quantize_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, uint16_t* codes);
-void dequantize_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y);
+// One head h: x [n, D] bf16 -> codes [n, K]; codes -> y [n, D] bf16; token
+// i at position position0 + i (used by RoPE heads only).
+void quantize_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, uint16_t* codes,
+                        int64_t position0 = 0);
+void dequantize_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y,
+                          int64_t position0 = 0);
+// The f32 reconstruction before the bf16 rounding (yw above, RoPE applied).
+void reconstruct_f32_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, float* y,
+                               int64_t position0);
 
 // One stream: codes [n, K] <-> bytes. Decode throws Error(kFormat) on
 // truncated, trailing or inconsistent bytes.
@@ -96,9 +138,15 @@ struct EncodedBatch {
   std::vector<uint8_t> payload;
 };
 int64_t n_blocks(int64_t tokens, int block_tokens);
+// tokens = the sequence length S of every head; with t.sinks / t.window the
+// coded streams cover tokens [sinks, S - window) and the raw ones follow.
 EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, int64_t tokens, int block_tokens);
 void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, size_t payload_size,
                             const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y);
+// Where the raw tokens start in a batch payload whose streams end at
+// streams_end, and how many bytes they take.
+inline uint64_t raw_offset(uint64_t streams_end) { return (streams_end + 15) / 16 * 16; }
+uint64_t raw_bytes(const FlatKvtcTables& t, int64_t tokens);
 
 // The accuracy contract of the TF32 tensor-core reconstruction
 // (include/kvcodec/gpu.hpp), checked output by output: with v_k the

@@ -45,6 +45,7 @@
 #include <cub/device/device_scan.cuh>
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "gpu/kvtc_variant.hpp"
 #include "kvcodec/error.hpp"
@@ -91,6 +92,16 @@ struct DeviceTables {
   // - gbits), the first candidate for any slot of that bucket.
   const void* guide;
   const uint32_t* guide_base;  // [NH + 1] start of each head's guide (multiples of 16 entries)
+  // Calibrated transforms (kvtc_variant.hpp; identity for plain heads).
+  const float* scale;          // [NH, D]
+  const float* inv_scale;      // [NH, D]
+  const uint8_t* rope;         // [NH]
+  const float* rope_cos;       // [positions, rope_dim / 2]
+  const float* rope_sin;
+  int rope_dim;
+  // Per call: each head's rows are seq tokens apart; the coded ones start at
+  // row tok0 (= their position), the sinks before them stay raw.
+  int64_t seq, tok0;
 };
 
 __device__ __forceinline__ float bf16_to_f32_dev(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
@@ -100,6 +111,75 @@ __device__ __forceinline__ uint16_t f32_to_bf16_dev(float v) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return uint16_t(u >> 16);
+}
+
+__device__ __forceinline__ void load_bf16x8(const uint16_t* p, float (&v)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    v[2 * e] = bf16_to_f32_dev(uint16_t(w[e] & 0xffffu));
+    v[2 * e + 1] = bf16_to_f32_dev(uint16_t(w[e] >> 16));
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) w[e] = uint32_t(f32_to_bf16_dev(v[2 * e])) | uint32_t(f32_to_bf16_dev(v[2 * e + 1])) << 16;
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// A token's dims come in pair groups q < D/16: 8 dims [lo, lo+8) of the
+// first half of a RoPE sub-head and their partners [lo+half, lo+half+8).
+__device__ __forceinline__ int pair_group_lo(const DeviceTables& tb, int q) {
+  const int per = tb.rope_dim / 16;
+  return (q / per) * tb.rope_dim + (q % per) * 8;
+}
+
+// RoPE on 8 pairs at `position` (kvtc_variant.hpp: the op order).
+__device__ __forceinline__ void rope_pairs(const DeviceTables& tb, int64_t position, int i0, bool remove,
+                                           float (&a)[8], float (&b)[8]) {
+  const int half = tb.rope_dim / 2;
+  const float* c = tb.rope_cos + size_t(position) * half + i0;
+  const float* sn = tb.rope_sin + size_t(position) * half + i0;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float ce = __ldg(c + e), se = __ldg(sn + e), a0 = a[e], b0 = b[e];
+    if (remove) {
+      a[e] = __fmaf_rn(a0, ce, __fmul_rn(b0, se));
+      b[e] = __fmaf_rn(b0, ce, -__fmul_rn(a0, se));
+    } else {
+      a[e] = __fmaf_rn(a0, ce, -__fmul_rn(b0, se));
+      b[e] = __fmaf_rn(b0, ce, __fmul_rn(a0, se));
+    }
+  }
+}
+
+// Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
+// before the mean) as bf16: + mean, * inv_scale, RoPE re-applied on keys of
+// the calibrated format at position tok0 + t_first + t, 16-byte stores.
+// Tokens with skip(t) are left untouched.
+template <int D, typename Skip>
+__device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, const float* os, int pad, int n,
+                                             int64_t t_first, uint16_t* __restrict__ yh, Skip skip) {
+  const float* mean = tb.mean + size_t(h) * D;
+  const float* isc = tb.inv_scale + size_t(h) * D;
+  const bool rope = tb.rope[h] != 0;
+  const int half = tb.rope_dim / 2;
+  for (int v = threadIdx.x; v < n * (D / 16); v += blockDim.x) {
+    const int t = v / (D / 16), lo = pair_group_lo(tb, v % (D / 16)), hi = lo + half;
+    if (skip(t)) continue;
+    float a[8], b[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      a[e] = __fmul_rn(__fadd_rn(os[t * pad + lo + e], __ldg(mean + lo + e)), __ldg(isc + lo + e));
+      b[e] = __fmul_rn(__fadd_rn(os[t * pad + hi + e], __ldg(mean + hi + e)), __ldg(isc + hi + e));
+    }
+    if (rope) rope_pairs(tb, tb.tok0 + t_first + t, lo % tb.rope_dim, /*remove=*/false, a, b);
+    __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + lo), pack_bf16x8(a));
+    __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + hi), pack_bf16x8(b));
+  }
 }
 
 // Thread g of a tiled [128 tokens, 8*C columns] product: warp g/32 covers
@@ -128,26 +208,34 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
   const int KP = tb.k_pad;
   if (K == 0) return;
   const float* mean = tb.mean + size_t(h) * D;
-  const uint16_t* xh = x + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
-  // Load: thread v takes 8 dims of one token; consecutive threads consecutive
-  // tokens, so the transposed shared stores do not conflict.
-  for (int v = threadIdx.x; v < kTile * (D / 8); v += kProjThreads) {
-    const int t = v % kTile, d0 = (v / kTile) * 8;
-    float vals[8];
+  const float* scl = tb.scale + size_t(h) * D;
+  const bool rope = tb.rope[h] != 0;
+  const int half = tb.rope_dim / 2;
+  const uint16_t* xh = x + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  // Load: thread v takes one pair group (8 dims and their RoPE partners) of
+  // one token; consecutive threads consecutive tokens, so the transposed
+  // shared stores do not conflict. xs = (x, RoPE removed) * scale - mean.
+  for (int v = threadIdx.x; v < kTile * (D / 16); v += kProjThreads) {
+    const int t = v % kTile, lo = pair_group_lo(tb, v / kTile), hi = lo + half;
+    float a[8], b[8];
     if (t < n) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(xh + size_t(t) * D + d0);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      load_bf16x8(xh + size_t(t) * D + lo, a);
+      load_bf16x8(xh + size_t(t) * D + hi, b);
+      if (rope) rope_pairs(tb, tb.tok0 + t0 + t, lo % tb.rope_dim, /*remove=*/true, a, b);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        vals[2 * e] = __fsub_rn(bf16_to_f32_dev(uint16_t(w[e] & 0xffffu)), mean[d0 + 2 * e]);
-        vals[2 * e + 1] = __fsub_rn(bf16_to_f32_dev(uint16_t(w[e] >> 16)), mean[d0 + 2 * e + 1]);
+      for (int e = 0; e < 8; ++e) {
+        a[e] = __fsub_rn(__fmul_rn(a[e], scl[lo + e]), mean[lo + e]);
+        b[e] = __fsub_rn(__fmul_rn(b[e], scl[hi + e]), mean[hi + e]);
       }
     } else {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) vals[e] = 0.0f;
+      for (int e = 0; e < 8; ++e) a[e] = b[e] = 0.0f;
     }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) xs[(d0 + e) * kTilePad + t] = vals[e];
+    for (int e = 0; e < 8; ++e) {
+      xs[(lo + e) * kTilePad + t] = a[e];
+      xs[(hi + e) * kTilePad + t] = b[e];
+    }
   }
   __syncthreads();
 
@@ -291,53 +379,20 @@ __global__ void pack_kernel(const uint8_t* __restrict__ scratch, uint64_t cap, c
 
 // ---------------------------------------------------------------- decode ---
 
-// A CTA decodes kRansWarps consecutive blocks of one head, one per warp, with
-// the head's guide and cumulative-frequency tables in shared memory (or read
-// from global memory when they do not fit). The symbol of a slot is found by
-// a direct look-up: the guide gives the symbol of the slot's bucket start (the
-// top gbits bits of the slot), then a linear scan over cum moves up past the
-// bucket's symbol boundaries (usually none: >= 4 buckets per symbol). This
-// replaced a binary search of ceil(log2(levels)) dependent shared loads per
-// symbol; the result is the same symbol (the one s with cum[s] <= slot <
-// cum[s+1]), so bytes and codes are unchanged.
+// One warp decodes one stream (n tokens) of head h into cs ([K][kT] codes,
+// component-major; global or shared memory) with the head's cum tables and
+// guide at cum / guide. Returns whether the stream is malformed (the same
+// on every lane).
 template <typename CodeT>
-__global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
-                                                                      uint64_t in_size,
-                                                                      const uint64_t* __restrict__ offsets,
-                                                                      int64_t tokens, int64_t nb, int head0,
-                                                                      int64_t groups_per_head, int tables_in_smem,
-                                                                      CodeT* __restrict__ codes,
-                                                                      uint8_t* __restrict__ bad, int* __restrict__ err) {
-  extern __shared__ __align__(16) uint32_t ssm[];
-  const int h = head0 + int(blockIdx.x / groups_per_head);
-  const int64_t blk = (blockIdx.x % groups_per_head) * kRansWarps + threadIdx.x / 32;
-  const uint32_t hb = tb.head_base[h], he = tb.head_base[h + 1];
-  const uint32_t* cum = tb.cum + hb;
-  const uint32_t gb = tb.guide_base[h];
-  const CodeT* guide = static_cast<const CodeT*>(tb.guide) + gb;
-  if (tables_in_smem) {
-    // Shared layout: the head's cum entries, then its guide (16-byte
-    // aligned in global memory, copied as words).
-    const uint32_t cw = he - hb, gw = (tb.guide_base[h + 1] - gb) * uint32_t(sizeof(CodeT)) / 4;
-    const uint32_t* gsrc = reinterpret_cast<const uint32_t*>(guide);
-    for (uint32_t i = threadIdx.x; i < cw; i += blockDim.x) ssm[i] = cum[i];
-    for (uint32_t i = threadIdx.x; i < gw; i += blockDim.x) ssm[cw + i] = gsrc[i];
-    __syncthreads();
-    cum = ssm;
-    guide = reinterpret_cast<const CodeT*>(ssm + cw);
-  }
-  if (blk >= nb) return;
-  const int64_t stream = int64_t(h) * nb + blk;
+__device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h, const uint32_t* cum,
+                                                   const CodeT* guide, const uint8_t* __restrict__ in,
+                                                   uint64_t in_size, uint64_t start, uint64_t end, int n,
+                                                   CodeT* cs) {
   const int lane = threadIdx.x % 32;
-  const int64_t t0 = blk * kT;
-  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
   const int K = tb.kept[h];
-  const int KP = tb.k_pad;
-  const uint64_t start = offsets[stream], end = offsets[stream + 1];
-  const bool range_ok = start <= end && end <= in_size;
   const unsigned lt_mask = (1u << lane) - 1u;
   int fail = 0;
-  if (!range_ok) {
+  if (!(start <= end && end <= in_size)) {
     fail = 1;
   } else if (K == 0) {
     fail = end != start;
@@ -346,7 +401,6 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
   } else {
     const uint8_t* data = in + start;
     const uint64_t size = end - start;
-    CodeT* cs = codes + size_t(stream) * kT * KP;
     uint32_t st = uint32_t(data[4 * lane]) | uint32_t(data[4 * lane + 1]) << 8 | uint32_t(data[4 * lane + 2]) << 16 |
                   uint32_t(data[4 * lane + 3]) << 24;
     const int passes = (n + 31) / 32;
@@ -355,7 +409,7 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
     fail = __any_sync(0xffffffffu, st < kVariantRansLow) || size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K);
     const uint32_t size32 = uint32_t(size);
     uint32_t pos = kStateBytes;
-    const uint4* comp = tb.comp + size_t(h) * KP;
+    const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
     int k = 0, pass = 0;
     for (int s = 0; s < K * passes && !fail; ++s) {
       const int t = pass * 32 + lane;
@@ -385,14 +439,67 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
     }
     if (!fail && (pos != size32 || st != kVariantRansLow)) fail = 1;
   }
-  const bool any = __any_sync(0xffffffffu, fail);
-  if (lane == 0) {
-    bad[stream] = any ? 1 : 0;
-    if (any) {
-      atomicExch(err, 1);
-      atomicMin(err + 1, stream < 0x7fffffff ? int(stream) : 0x7fffffff);
-    }
+  return __any_sync(0xffffffffu, fail);
+}
+
+// The head's cum tables and guide into shared memory (ssm; 16-byte aligned
+// in global memory, copied as words), or left in global memory.
+template <typename CodeT>
+__device__ __forceinline__ void head_tables(const DeviceTables& tb, int h, int tables_in_smem, uint32_t* ssm,
+                                            const uint32_t*& cum, const CodeT*& guide) {
+  const uint32_t hb = tb.head_base[h], he = tb.head_base[h + 1];
+  cum = tb.cum + hb;
+  const uint32_t gb = tb.guide_base[h];
+  guide = static_cast<const CodeT*>(tb.guide) + gb;
+  if (tables_in_smem) {
+    const uint32_t cw = he - hb, gw = (tb.guide_base[h + 1] - gb) * uint32_t(sizeof(CodeT)) / 4;
+    const uint32_t* gsrc = reinterpret_cast<const uint32_t*>(guide);
+    for (uint32_t i = threadIdx.x; i < cw; i += blockDim.x) ssm[i] = cum[i];
+    for (uint32_t i = threadIdx.x; i < gw; i += blockDim.x) ssm[cw + i] = gsrc[i];
+    __syncthreads();
+    cum = ssm;
+    guide = reinterpret_cast<const CodeT*>(ssm + cw);
   }
+}
+
+__device__ __forceinline__ void flag_stream(int64_t stream, bool any, uint8_t* bad, int* err) {
+  bad[stream] = any ? 1 : 0;
+  if (any) {
+    atomicExch(err, 1);
+    atomicMin(err + 1, stream < 0x7fffffff ? int(stream) : 0x7fffffff);
+  }
+}
+
+// A CTA decodes kRansWarps consecutive blocks of one head, one per warp, with
+// the head's guide and cumulative-frequency tables in shared memory (or read
+// from global memory when they do not fit). The symbol of a slot is found by
+// a direct look-up: the guide gives the symbol of the slot's bucket start (the
+// top gbits bits of the slot), then a linear scan over cum moves up past the
+// bucket's symbol boundaries (usually none: >= 4 buckets per symbol). This
+// replaced a binary search of ceil(log2(levels)) dependent shared loads per
+// symbol; the result is the same symbol (the one s with cum[s] <= slot <
+// cum[s+1]), so bytes and codes are unchanged.
+template <typename CodeT>
+__global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
+                                                                      uint64_t in_size,
+                                                                      const uint64_t* __restrict__ offsets,
+                                                                      int64_t tokens, int64_t nb, int head0,
+                                                                      int64_t groups_per_head, int tables_in_smem,
+                                                                      CodeT* __restrict__ codes,
+                                                                      uint8_t* __restrict__ bad, int* __restrict__ err) {
+  extern __shared__ __align__(16) uint32_t ssm[];
+  const int h = head0 + int(blockIdx.x / groups_per_head);
+  const int64_t blk = (blockIdx.x % groups_per_head) * kRansWarps + threadIdx.x / 32;
+  const uint32_t* cum;
+  const CodeT* guide;
+  head_tables(tb, h, tables_in_smem, ssm, cum, guide);
+  if (blk >= nb) return;
+  const int64_t stream = int64_t(h) * nb + blk;
+  const int64_t t0 = blk * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const bool any = rans_decode_stream(tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n,
+                                      codes + size_t(stream) * kT * tb.k_pad);
+  if (threadIdx.x % 32 == 0) flag_stream(stream, any, bad, err);
 }
 
 template <int D, typename CodeT>
@@ -423,21 +530,21 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
     vs[k * kTilePad + t] = __fmul_rn(__fsub_rn(code, tb.recon_offset[q]), tb.step[q]);
   }
   __syncthreads();
-  const float* mean = tb.mean + size_t(h) * D;
   const float* bs = tb.basis + size_t(h) * KP * D;
-  uint16_t* yh = y + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
-  for (int g = threadIdx.x; g < (kTile / 8) * (D / 8); g += kProjThreads) {
-    // 8 token groups x 4 dim groups per warp: 256 + 128 distinct bytes per
-    // k instead of 64 + 512 (measured 2% faster than 16 x 2 here).
-    int tg, dg;
-    warp_tile(g, tg, dg);
-    if (tg * 8 >= n) continue;
-    if ((tg * 8 < kT ? bad0 : bad1)) continue;
-    float acc[8][8];
+  // One 8x8 tile per thread ((kTile / 8) * (D / 8) <= kProjThreads tiles):
+  // 8 token groups x 4 dim groups per warp: 256 + 128 distinct bytes per k
+  // instead of 64 + 512 (measured 2% faster than 16 x 2 here).
+  static_assert((kTile / 8) * (D / 8) <= kProjThreads, "one tile per thread");
+  const int g = threadIdx.x;
+  int tg, dg;
+  warp_tile(g, tg, dg);
+  const bool active = g < (kTile / 8) * (D / 8) && tg * 8 < n;
+  float acc[8][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+  for (int i = 0; i < 8; ++i)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+    for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+  if (active) {
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
       const float4 va = *reinterpret_cast<const float4*>(vs + k * kTilePad + tg * 8);
@@ -451,20 +558,23 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = __fmaf_rn(vv[i], bv[j], acc[i][j]);
     }
-    float mu[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) mu[j] = mean[dg * 8 + j];
+  }
+  // The products go through shared memory (vs reused, [kTile][D + 4]) so the
+  // store can pair each dim with its RoPE partner.
+  constexpr int kOutPad = D + 4;
+  __syncthreads();
+  float* os = vs;
+  if (active)
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      if (tg * 8 + i >= n) break;
-      uint32_t w[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        w[e] = uint32_t(f32_to_bf16_dev(__fadd_rn(acc[i][2 * e], mu[2 * e]))) |
-               uint32_t(f32_to_bf16_dev(__fadd_rn(acc[i][2 * e + 1], mu[2 * e + 1]))) << 16;
-      *reinterpret_cast<uint4*>(yh + size_t(tg * 8 + i) * D + dg * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<float4*>(os + (tg * 8 + i) * kOutPad + dg * 8) =
+          make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      *reinterpret_cast<float4*>(os + (tg * 8 + i) * kOutPad + dg * 8 + 4) =
+          make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
     }
-  }
+  __syncthreads();
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  store_tokens<D>(tb, h, os, kOutPad, n, t0, yh, [&](int t) { return t < kT ? bad0 : bad1; });
 }
 
 // Tensor-core reconstruction (Reconstruction::kTf32TensorCores): the
@@ -479,8 +589,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
 // shared memory (per (k-step, 16 tokens) each lane's 4 A registers, one
 // conflict-free 16-byte load). The WMMA version (load_matrix_sync, scalar
 // loads) was bound by load instructions: 1.96 ms for the dump batch.
-// One stream (64 tokens) per CTA, 8 warps of (D/64)*16 tokens x 32 dims, 64
-// registers, 4 CTAs per SM (one CTA's code loads overlap another's MMAs).
+// 8 warps of (D/64)*16 tokens x 32 dims per stream, 64 registers.
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const float4& a, float b0, float b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -503,26 +612,20 @@ __device__ __forceinline__ int a_frag_index(int t, int k) {
   return (((ks * 4 + mt) * 32) + (tt & 7) * 4 + (kk & 3)) * 4 + (tt >> 3) + 2 * (kk >> 2);
 }
 
-template <int D, typename CodeT>
-__global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
-                                                                      const uint8_t* __restrict__ bad, int64_t tokens,
-                                                                      int64_t nb, int head0, uint16_t* __restrict__ y) {
+// One stream's TF32 reconstruction by the CTA's 8 warps: codes cs ([K][kT],
+// global memory or, kSharedCodes, shared) -> bf16 rows of tokens t0.. of
+// head h. smem: tc_smem_bytes(k_pad, D), reused between the phases.
+template <int D, typename CodeT, bool kSharedCodes>
+__device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, int h, const CodeT* cs, int n,
+                                                      int64_t t0, uint16_t* __restrict__ y, float* smem) {
   constexpr int NG = D / 32;       // 32-dim column groups
   constexpr int WM = 8 / NG;       // warps along tokens
   constexpr int MT = kT / 16 / WM; // 16-token tiles per warp
   constexpr int kOutPad = D + 4;   // row stride of the fp32 output staging
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* vs = reinterpret_cast<float*>(smem);  // [K8 / 8][4][32 lanes][4]: A in fragment order
-  const int h = head0 + int(blockIdx.x / nb);
-  const int64_t blk = blockIdx.x % nb;
-  const int64_t stream = int64_t(h) * nb + blk;
-  if (bad[stream]) return;  // tokens of a malformed stream are left untouched
-  const int64_t t0 = blk * kT;
-  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  float* vs = smem;  // [K8 / 8][4][32 lanes][4]: A in fragment order
   const int K = tb.kept[h];
   const int K8 = (K + 7) / 8 * 8;
   const int KP = tb.k_pad;
-  const CodeT* cs = codes + size_t(stream) * kT * KP;
   // Dequantize (the exact path's fp32 ops), round to TF32; rows K..K8-1 are
   // zero so the last k-step adds nothing. Token columns past n hold finite
   // stale codes; their rows are not stored. Thread j takes 16 tokens of one
@@ -547,7 +650,7 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
         stp[u] = tb.step[q];
         const uint4* src = reinterpret_cast<const uint4*>(cs + size_t(k) * kT + tq);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) raw[u][e] = __ldcs(src + e);  // read once: do not keep in L2
+        for (int e = 0; e < kVec; ++e) raw[u][e] = kSharedCodes ? src[e] : __ldcs(src + e);  // global: read once
       } else {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) raw[u][e] = make_uint4(0, 0, 0, 0);
@@ -601,7 +704,7 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
     }
   }
   __syncthreads();  // vs is reused as the output staging
-  float* os = reinterpret_cast<float*>(smem);  // [kT][kOutPad]
+  float* os = smem;  // [kT][kOutPad]
   {
     const int g = lane / 4, tq = lane % 4;
 #pragma unroll
@@ -614,22 +717,73 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
       }
   }
   __syncthreads();
-  const float* mean = tb.mean + size_t(h) * D;
-  uint16_t* yh = y + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
-  // Thread v: 8 consecutive dims of one token, 16-byte bf16 stores.
-  for (int v = threadIdx.x; v < n * (D / 8); v += kProjThreads) {
-    const int t = v / (D / 8), d0 = (v % (D / 8)) * 8;
-    const float4 a = *reinterpret_cast<const float4*>(os + t * kOutPad + d0);
-    const float4 b = *reinterpret_cast<const float4*>(os + t * kOutPad + d0 + 4);
-    const float4 ma = __ldg(reinterpret_cast<const float4*>(mean + d0));
-    const float4 mb = __ldg(reinterpret_cast<const float4*>(mean + d0 + 4));
-    const float r[8] = {__fadd_rn(a.x, ma.x), __fadd_rn(a.y, ma.y), __fadd_rn(a.z, ma.z), __fadd_rn(a.w, ma.w),
-                        __fadd_rn(b.x, mb.x), __fadd_rn(b.y, mb.y), __fadd_rn(b.z, mb.z), __fadd_rn(b.w, mb.w)};
-    uint32_t w[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      w[e] = uint32_t(f32_to_bf16_dev(r[2 * e])) | uint32_t(f32_to_bf16_dev(r[2 * e + 1])) << 16;
-    __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + d0), make_uint4(w[0], w[1], w[2], w[3]));
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  store_tokens<D>(tb, h, os, kOutPad, n, t0, yh, [](int) { return false; });
+}
+
+// One stream (64 tokens) per CTA, 4 CTAs per SM (one CTA's code loads
+// overlap another's MMAs).
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
+                                                                      const uint8_t* __restrict__ bad, int64_t tokens,
+                                                                      int64_t nb, int head0, uint16_t* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int h = head0 + int(blockIdx.x / nb);
+  const int64_t blk = blockIdx.x % nb;
+  const int64_t stream = int64_t(h) * nb + blk;
+  if (bad[stream]) return;  // tokens of a malformed stream are left untouched
+  const int64_t t0 = blk * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  tc_reconstruct_stream<D, CodeT, false>(tb, h, codes + size_t(stream) * kT * tb.k_pad, n, t0, y,
+                                         reinterpret_cast<float*>(smem));
+}
+
+// The fused TF32 decode (the default decode with kTf32TensorCores): a CTA
+// of 8 warps takes kFusedStreams consecutive streams of one head; each warp
+// rANS-decodes one into shared memory, then the 8 warps reconstruct them one
+// after the other, so codes never go through global memory. Shared: the
+// head's tables (cum_smem bytes, when they fit), the codes, the TF32
+// staging.
+constexpr int kFusedStreams = kProjThreads / 32;
+
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 2) decode_fused_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
+                                                                    uint64_t in_size,
+                                                                    const uint64_t* __restrict__ offsets,
+                                                                    int64_t tokens, int64_t nb, int head0,
+                                                                    int64_t groups_per_head, int tables_in_smem,
+                                                                    size_t table_bytes, uint8_t* __restrict__ bad,
+                                                                    int* __restrict__ err, uint16_t* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ uint8_t sbad[kFusedStreams];
+  const int KP = tb.k_pad;
+  CodeT* codes = reinterpret_cast<CodeT*>(smem + table_bytes);                        // [streams][kT * KP]
+  float* stage = reinterpret_cast<float*>(smem + table_bytes + kFusedStreams * size_t(kT) * KP * sizeof(CodeT));
+  const int h = head0 + int(blockIdx.x / groups_per_head);
+  const int64_t blk0 = (blockIdx.x % groups_per_head) * kFusedStreams;
+  const uint32_t* cum;
+  const CodeT* guide;
+  head_tables(tb, h, tables_in_smem, reinterpret_cast<uint32_t*>(smem), cum, guide);
+  const int w = threadIdx.x / 32;
+  const int64_t blk = blk0 + w;
+  if (blk < nb) {
+    const int64_t stream = int64_t(h) * nb + blk;
+    const int64_t t0 = blk * kT;
+    const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+    const bool any = rans_decode_stream(tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n,
+                                        codes + size_t(w) * kT * KP);
+    if (threadIdx.x % 32 == 0) {
+      flag_stream(stream, any, bad, err);
+      sbad[w] = any ? 1 : 0;
+    }
+  }
+  __syncthreads();
+  for (int j = 0; j < kFusedStreams && blk0 + j < nb; ++j) {
+    if (sbad[j]) continue;  // uniform: tokens of a malformed stream are left untouched
+    const int64_t t0 = (blk0 + j) * kT;
+    const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+    tc_reconstruct_stream<D, CodeT, true>(tb, h, codes + size_t(j) * kT * KP, n, t0, y, stage);
+    __syncthreads();  // the staging is reused by the next stream
   }
 }
 
@@ -637,6 +791,12 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
 // fragment order), then (reused) the fp32 output [kT][D + 4].
 size_t tc_smem_bytes(int k_pad, int dim) {
   return std::max(size_t(k_pad) * kT, size_t(kT) * size_t(dim + 4)) * 4;
+}
+
+// Shared memory of reconstruct_kernel: the coefficients [k_pad][kTilePad],
+// then (reused) the fp32 products [kTile][dim + 4].
+size_t rec_smem_bytes(int k_pad, int dim) {
+  return std::max(size_t(k_pad) * kTilePad, size_t(kTile) * size_t(dim + 4)) * 4;
 }
 
 template <typename T>
@@ -782,12 +942,33 @@ struct KvtcGpuCodec::Impl {
       check_cuda(cudaGetLastError(), "reconstruct_tc_kernel launch");
       return;
     }
-    const size_t smem = size_t(flat.k_pad) * kTilePad * 4;
+    const size_t smem = rec_smem_bytes(flat.k_pad, flat.dim);
     if (flat.dim == 64)
       reconstruct_kernel<64, CodeT><<<grid, kProjThreads, smem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
     else
       reconstruct_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
     check_cuda(cudaGetLastError(), "reconstruct_kernel launch");
+  }
+  // Shared memory of decode_fused_kernel: tables, codes, TF32 staging.
+  size_t fused_table_bytes() const { return (cum_smem + 15) / 16 * 16; }
+  size_t fused_smem(size_t code_bytes) const {
+    return fused_table_bytes() + kFusedStreams * size_t(kT) * size_t(flat.k_pad) * code_bytes +
+           tc_smem_bytes(flat.k_pad, flat.dim);
+  }
+  template <typename CodeT>
+  void launch_fused_decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, int h0,
+                           int h1, uint16_t* y, cudaStream_t s) {
+    const int64_t nb = n_blocks(tokens, kT), groups = (nb + kFusedStreams - 1) / kFusedStreams;
+    const unsigned grid = unsigned(int64_t(h1 - h0) * groups);
+    const size_t smem = fused_smem(sizeof(CodeT));
+    const int in_smem = cum_smem > 0 ? 1 : 0;
+    if (flat.dim == 64)
+      decode_fused_kernel<64, CodeT><<<grid, kProjThreads, smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0, groups,
+                                                                     in_smem, fused_table_bytes(), bad, err, y);
+    else
+      decode_fused_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
+                                                                      groups, in_smem, fused_table_bytes(), bad, err, y);
+    check_cuda(cudaGetLastError(), "decode_fused_kernel launch");
   }
 
   // Runs stage1(h0, h1, stream) for every range on `stream` and stage2 of the
@@ -825,20 +1006,50 @@ struct KvtcGpuCodec::Impl {
   template <typename CodeT>
   void decode_all(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
                   cudaStream_t stream) {
+    if (recon == Reconstruction::kTf32TensorCores && !split_tc) {
+      // Fused: one kernel per head range (phase timing: one phase).
+      pipeline(
+          stream,
+          [&](int h0, int h1, cudaStream_t s) { launch_fused_decode<CodeT>(in, in_size, offsets, tokens, h0, h1, y, s); },
+          [&](int, int, cudaStream_t) {});
+      return;
+    }
     pipeline(
         stream,
         [&](int h0, int h1, cudaStream_t s) { launch_rans_decode<CodeT>(in, in_size, offsets, tokens, h0, h1, s); },
         [&](int h0, int h1, cudaStream_t s) { launch_reconstruct<CodeT>(tokens, h0, h1, y, s); });
   }
+  bool split_tc = false;  // set_fused_decode(false): the two-kernel TF32 path (benchmarks, tests)
+
+  void init(FlatKvtcTables tables, int64_t max_tokens);
 };
 
 KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, int64_t max_tokens)
     : impl_(std::make_unique<Impl>()) {
   if (device_count() == 0) throw Error(ErrorCode::kUnsupported, "kvtc-gpu: no CUDA device");
   if (max_tokens <= 0) throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: max_tokens must be positive");
-  Impl& m = *impl_;
-  m.flat = flatten_heads(heads);
+  impl_->init(flatten_heads(heads), max_tokens);
+}
+
+KvtcGpuCodec::KvtcGpuCodec(const KvtcCalibration& cal, const CalibratedLayout& layout)
+    : impl_(std::make_unique<Impl>()) {
+  if (device_count() == 0) throw Error(ErrorCode::kUnsupported, "kvtc-gpu: no CUDA device");
+  if (layout.max_tokens <= 0) throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: max_tokens must be positive");
+  impl_->init(flatten_calibration(cal, layout.layers, layout.batch, layout.max_tokens, layout.sinks, layout.window),
+              layout.max_tokens);
+}
+
+void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
+  Impl& m = *this;
+  m.flat = std::move(tables);
   const FlatKvtcTables& f = m.flat;
+  m.dev.scale = upload(f.scale, m.owned);
+  m.dev.inv_scale = upload(f.inv_scale, m.owned);
+  m.dev.rope = upload(f.rope, m.owned);
+  m.dev.rope_cos = upload(f.rope_cos, m.owned);
+  m.dev.rope_sin = upload(f.rope_sin, m.owned);
+  m.dev.rope_dim = f.rope_dim;
+  const int64_t max_tokens = max_tokens_;
   m.dev.n_heads = f.n_heads;
   m.dev.dim = f.dim;
   m.dev.k_pad = f.k_pad;
@@ -960,8 +1171,9 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
   check_cuda(cudaMallocHost(&p, 8), "cudaMallocHost");
   m.total_host = static_cast<uint64_t*>(p);
   const int proj_smem = int(size_t(f.dim) * kTilePad * 4 + 2 * size_t(kT) * f.k_pad * code_bytes);
-  const int rec_smem = int(size_t(f.k_pad) * kTilePad * 4);
+  const int rec_smem = int(rec_smem_bytes(f.k_pad, f.dim));
   const int tc_smem = int(tc_smem_bytes(f.k_pad, f.dim));
+  const int fused8 = int(m.fused_smem(1)), fused16 = int(m.fused_smem(2));
   auto attr = [](const void* fn, int bytes) {
     check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
   };
@@ -972,6 +1184,8 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
     attr(reinterpret_cast<const void*>(reconstruct_kernel<64, uint16_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint8_t>), tc_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint16_t>), tc_smem);
+    attr(reinterpret_cast<const void*>(decode_fused_kernel<64, uint8_t>), fused8);
+    attr(reinterpret_cast<const void*>(decode_fused_kernel<64, uint16_t>), fused16);
   } else {
     attr(reinterpret_cast<const void*>(project_kernel<128, uint8_t>), proj_smem);
     attr(reinterpret_cast<const void*>(project_kernel<128, uint16_t>), proj_smem);
@@ -979,6 +1193,8 @@ KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, in
     attr(reinterpret_cast<const void*>(reconstruct_kernel<128, uint16_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint8_t>), tc_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint16_t>), tc_smem);
+    attr(reinterpret_cast<const void*>(decode_fused_kernel<128, uint8_t>), fused8);
+    attr(reinterpret_cast<const void*>(decode_fused_kernel<128, uint16_t>), fused16);
   }
 }
 
@@ -986,8 +1202,16 @@ KvtcGpuCodec::~KvtcGpuCodec() = default;
 
 int KvtcGpuCodec::n_heads() const { return impl_->flat.n_heads; }
 int KvtcGpuCodec::head_dim() const { return impl_->flat.dim; }
-int64_t KvtcGpuCodec::n_streams(int64_t tokens) const { return int64_t(impl_->flat.n_heads) * n_blocks(tokens, kT); }
-uint64_t KvtcGpuCodec::max_encoded_bytes(int64_t tokens) const { return uint64_t(n_streams(tokens)) * impl_->cap; }
+int64_t KvtcGpuCodec::n_streams(int64_t tokens) const {
+  return int64_t(impl_->flat.n_heads) * n_blocks(coded_tokens(impl_->flat, tokens), kT);
+}
+uint64_t KvtcGpuCodec::max_encoded_bytes(int64_t tokens) const {
+  return raw_offset(uint64_t(n_streams(tokens)) * impl_->cap) + raw_bytes(impl_->flat, tokens);
+}
+int KvtcGpuCodec::sinks() const { return impl_->flat.sinks; }
+int KvtcGpuCodec::window() const { return impl_->flat.window; }
+
+void KvtcGpuCodec::set_fused_decode(bool on) { impl_->split_tc = !on; }
 
 void KvtcGpuCodec::set_phase_timing(bool on) {
   Impl& m = *impl_;
@@ -1035,31 +1259,73 @@ void check_aligned(const void* p, const char* what) {
 }  // namespace
 
 
+namespace {
+
+// The raw tokens of every head ([NH, seq, D] rows [0, sink_end) and
+// [tail_begin, seq)) to or from the packed raw region [NH][raw][D]
+// (kvtc_variant.hpp), two strided copies; to_packed says the direction.
+void copy_raw(const FlatKvtcTables& f, int64_t seq, uint16_t* kv, uint8_t* packed, bool to_packed,
+              cudaStream_t stream) {
+  const int64_t coded = coded_tokens(f, seq), sink_end = std::min<int64_t>(seq, f.sinks);
+  const int64_t tail_begin = sink_end + coded, raw = seq - coded;
+  const size_t row = size_t(f.dim) * 2, pitch_kv = size_t(seq) * row, pitch_raw = size_t(raw) * row;
+  for (const auto& [a, e, off] : {std::tuple{int64_t(0), sink_end, size_t(0)},
+                                 std::tuple{tail_begin, seq, size_t(sink_end) * row}}) {
+    if (e == a) continue;
+    uint8_t* kv_p = reinterpret_cast<uint8_t*>(kv) + size_t(a) * row;
+    uint8_t* raw_p = packed + off;
+    const size_t width = size_t(e - a) * row;
+    check_cuda(to_packed ? cudaMemcpy2DAsync(raw_p, pitch_raw, kv_p, pitch_kv, width, size_t(f.n_heads),
+                                             cudaMemcpyDefault, stream)
+                         : cudaMemcpy2DAsync(kv_p, pitch_kv, raw_p, pitch_raw, width, size_t(f.n_heads),
+                                             cudaMemcpyDefault, stream),
+               "raw tokens copy");
+  }
+}
+
+}  // namespace
+
 uint64_t KvtcGpuCodec::encode(const uint16_t* x, int64_t tokens, uint8_t* out, uint64_t capacity, uint64_t* offsets,
                               void* stream_ptr) {
   Impl& m = *impl_;
   check_tokens(tokens, m.max_tokens);
   check_aligned(x, "input x");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const int64_t coded = coded_tokens(m.flat, tokens);
   const int64_t ns = n_streams(tokens);
-  if (m.wide_codes)
-    m.encode_front<uint16_t>(x, tokens, stream);
-  else
-    m.encode_front<uint8_t>(x, tokens, stream);
-  check_cuda(cudaMemsetAsync(m.scan_out, 0, 8, stream), "memset");
-  size_t tb = m.cub_temp_bytes;
-  check_cuda(cub::DeviceScan::InclusiveSum(m.cub_temp, tb, m.sizes, m.scan_out + 1, int(ns), stream), "scan");
-  check_cuda(cudaMemcpyAsync(m.total_host, m.scan_out + ns, 8, cudaMemcpyDeviceToHost, stream), "total");
-  check_cuda(cudaStreamSynchronize(stream), "encode (sizes)");
-  const uint64_t total = *m.total_host;
-  if (total > capacity)
-    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu encode: output needs " + std::to_string(total) +
+  m.dev.seq = tokens;
+  m.dev.tok0 = std::min<int64_t>(tokens, m.flat.sinks);
+  uint64_t total = 0;
+  if (ns > 0) {
+    if (m.wide_codes)
+      m.encode_front<uint16_t>(x, coded, stream);
+    else
+      m.encode_front<uint8_t>(x, coded, stream);
+    check_cuda(cudaMemsetAsync(m.scan_out, 0, 8, stream), "memset");
+    size_t tb = m.cub_temp_bytes;
+    check_cuda(cub::DeviceScan::InclusiveSum(m.cub_temp, tb, m.sizes, m.scan_out + 1, int(ns), stream), "scan");
+    check_cuda(cudaMemcpyAsync(m.total_host, m.scan_out + ns, 8, cudaMemcpyDeviceToHost, stream), "total");
+    check_cuda(cudaStreamSynchronize(stream), "encode (sizes)");
+    total = *m.total_host;
+  } else {
+    check_cuda(cudaMemsetAsync(m.scan_out, 0, 8, stream), "memset");
+  }
+  const uint64_t raw = raw_bytes(m.flat, tokens);
+  const uint64_t end = raw > 0 ? raw_offset(total) + raw : total;
+  if (end > capacity)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu encode: output needs " + std::to_string(end) +
                                                  " bytes, capacity is " + std::to_string(capacity));
-  pack_kernel<<<unsigned((ns + 7) / 8), 256, 0, stream>>>(m.scratch, m.cap, m.sizes, m.scan_out, out, ns);
-  check_cuda(cudaGetLastError(), "pack_kernel launch");
+  if (ns > 0) {
+    pack_kernel<<<unsigned((ns + 7) / 8), 256, 0, stream>>>(m.scratch, m.cap, m.sizes, m.scan_out, out, ns);
+    check_cuda(cudaGetLastError(), "pack_kernel launch");
+  }
+  if (raw > 0) {
+    if (raw_offset(total) > total) check_cuda(cudaMemsetAsync(out + total, 0, raw_offset(total) - total, stream), "pad");
+    copy_raw(m.flat, tokens, const_cast<uint16_t*>(x), out + raw_offset(total), /*to_packed=*/true, stream);
+  }
   check_cuda(cudaMemcpyAsync(offsets, m.scan_out, size_t(ns + 1) * 8, cudaMemcpyDefault, stream), "offsets");
   m.mark(3, stream);
-  return total;
+  return end;
 }
 
 void KvtcGpuCodec::decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
@@ -1068,12 +1334,23 @@ void KvtcGpuCodec::decode(const uint8_t* in, uint64_t in_size, const uint64_t* o
   check_tokens(tokens, m.max_tokens);
   check_aligned(y, "output y");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const uint64_t raw = raw_bytes(m.flat, tokens);
+  if (in_size < raw || (raw > 0 && (in_size - raw) % 16 != 0))
+    throw Error(ErrorCode::kFormat, "kvtc-gpu decode: " + std::to_string(in_size) + " bytes cannot hold the " +
+                                        std::to_string(raw) + " bytes of raw sinks and window (16-byte aligned)");
+  const uint64_t streams_size = in_size - raw;  // the streams end at or before the raw tokens
   const int init[2] = {0, 0x7fffffff};
   check_cuda(cudaMemcpyAsync(m.err, init, 8, cudaMemcpyHostToDevice, stream), "reset errors");
-  if (m.wide_codes)
-    m.decode_all<uint16_t>(in, in_size, offsets, tokens, y, stream);
-  else
-    m.decode_all<uint8_t>(in, in_size, offsets, tokens, y, stream);
+  m.dev.seq = tokens;
+  m.dev.tok0 = std::min<int64_t>(tokens, m.flat.sinks);
+  const int64_t coded = coded_tokens(m.flat, tokens);
+  if (coded > 0) {
+    if (m.wide_codes)
+      m.decode_all<uint16_t>(in, streams_size, offsets, coded, y, stream);
+    else
+      m.decode_all<uint8_t>(in, streams_size, offsets, coded, y, stream);
+  }
+  if (raw > 0) copy_raw(m.flat, tokens, y, const_cast<uint8_t*>(in) + streams_size, /*to_packed=*/false, stream);
 }
 
 void KvtcGpuCodec::check_errors(void* stream_ptr) {

@@ -16,8 +16,12 @@ namespace {
 }  // namespace
 
 KvtcGpuCodec::KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>&, int64_t) { absent(); }
+KvtcGpuCodec::KvtcGpuCodec(const KvtcCalibration&, const CalibratedLayout&) { absent(); }
 KvtcGpuCodec::~KvtcGpuCodec() = default;
 int KvtcGpuCodec::n_heads() const { absent(); }
+int KvtcGpuCodec::sinks() const { absent(); }
+int KvtcGpuCodec::window() const { absent(); }
+void KvtcGpuCodec::set_fused_decode(bool) { absent(); }
 int KvtcGpuCodec::head_dim() const { absent(); }
 int64_t KvtcGpuCodec::n_streams(int64_t) const { absent(); }
 uint64_t KvtcGpuCodec::max_encoded_bytes(int64_t) const { absent(); }

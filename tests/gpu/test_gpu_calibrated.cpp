@@ -1,0 +1,319 @@
+// The calibrated format on the GPU (kvtc_variant.hpp: flatten_calibration):
+// its CPU reference against the CPU calibrated codec (CI), and the CUDA
+// kernels against the reference (skipped without a GPU).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+#include "cache/kvtc_calibrated.hpp"
+#include "gpu/gpu_test_support.hpp"
+#include "gpu/kvtc_variant.hpp"
+#include "kvcodec/error.hpp"
+#include "kvcodec/gpu.hpp"
+#include "kvcodec/safetensors.hpp"
+#include "kvtc/codec.hpp"
+
+namespace kvcodec::gpu {
+namespace {
+
+constexpr int kHeads = 2, kHeadDim = 64, kDim = kHeads * kHeadDim;
+
+// A calibration of `layers` layers fitted on synthetic RoPE-free vectors
+// (weighted by random per-dimension scales), and KV rows for it: per layer
+// keys (RoPE applied at the token's position) and values, [S, H * D] bf16.
+struct Synthetic {
+  KvtcCalibration cal;
+  std::vector<std::vector<uint16_t>> keys, values;  // [layers][S * kDim]
+};
+
+Synthetic synthetic(int layers, int64_t S, uint32_t seed) {
+  Synthetic out;
+  KvtcCalibration& c = out.cal;
+  c.n_layers = layers;
+  c.n_kv_heads = kHeads;
+  c.head_dim = kHeadDim;
+  c.rope_theta = 10000.0;
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(0.5f, 2.0f);
+  const std::vector<double> inv_freq = rope_inv_freq(kHeadDim, c.rope_theta);
+  for (int l = 0; l < layers; ++l)
+    for (const bool is_key : {true, false}) {
+      const std::vector<uint16_t> z = synth_bf16(S, kDim, seed + uint32_t(2 * l + (is_key ? 0 : 1)));
+      std::vector<float> w(kDim);
+      for (float& v : w) v = u(rng);
+      std::vector<uint16_t> zw(z.size());
+      for (size_t i = 0; i < z.size(); ++i) zw[i] = f32_to_bf16_rne(bf16_bits_to_f32(z[i]) * w[i % kDim]);
+      (is_key ? c.keys : c.values).push_back(fit(zw.data(), S, kDim, l % 2 ? 2 * kDim : 0));
+      (is_key ? c.key_scale : c.value_scale).push_back(w);
+      std::vector<float> x = to_f32(z.data(), z.size());
+      if (is_key) rope_rotate_tokens(x.data(), S, kHeads, kHeadDim, 0, inv_freq, /*inverse=*/false);
+      std::vector<uint16_t> xb(x.size());
+      for (size_t i = 0; i < x.size(); ++i) xb[i] = f32_to_bf16_rne(x[i]);
+      (is_key ? out.keys : out.values).push_back(std::move(xb));
+    }
+  return out;
+}
+
+// The batch [layer][key, value][batch row = 1] as the GPU codec takes it.
+std::vector<uint16_t> batch_of(const Synthetic& s) {
+  std::vector<uint16_t> x;
+  for (int l = 0; l < s.cal.n_layers; ++l)
+    for (const auto* t : {&s.keys[size_t(l)], &s.values[size_t(l)]}) x.insert(x.end(), t->begin(), t->end());
+  return x;
+}
+
+std::vector<int> all_layers(int n) {
+  std::vector<int> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[size_t(i)] = i;
+  return v;
+}
+
+TEST(KvtcCalibratedVariant, HeadsCarryTheLayersTransforms) {
+  const Synthetic s = synthetic(2, 256, 5);
+  const FlatKvtcTables t = flatten_calibration(s.cal, {1, 0}, 3, 512, 4, 32);
+  ASSERT_EQ(t.n_heads, 2 * 2 * 3);
+  ASSERT_EQ(t.dim, kDim);
+  EXPECT_EQ(t.rope_dim, kHeadDim);
+  for (int h = 0; h < t.n_heads; ++h) {
+    const int layer = h / 6 == 0 ? 1 : 0;
+    const bool key = (h / 3) % 2 == 0;
+    EXPECT_EQ(t.rope[size_t(h)], key ? 1 : 0) << h;
+    EXPECT_EQ(t.kept[size_t(h)], (key ? s.cal.keys : s.cal.values)[size_t(layer)].n_kept()) << h;
+    const auto& w = (key ? s.cal.key_scale : s.cal.value_scale)[size_t(layer)];
+    for (int d = 0; d < kDim; ++d) EXPECT_EQ(t.scale[size_t(h) * kDim + size_t(d)], w[size_t(d)]);
+  }
+  // The RoPE table is the model's f32 cos/sin.
+  const std::vector<double> f = rope_inv_freq(kHeadDim, 10000.0);
+  EXPECT_EQ(t.rope_cos[size_t(300) * 32 + 5], float(std::cos(300.0 * f[5])));
+  EXPECT_EQ(t.rope_sin[size_t(300) * 32 + 5], float(std::sin(300.0 * f[5])));
+}
+
+TEST(KvtcCalibratedVariant, SinksAndWindowStayRawAndTheRestRoundTrips) {
+  const int64_t S = 4 + 64 * 2 + 9 + 16;
+  const Synthetic s = synthetic(2, S, 9);
+  const FlatKvtcTables t = flatten_calibration(s.cal, all_layers(2), 1, S, 4, 16);
+  const std::vector<uint16_t> x = batch_of(s);
+  const EncodedBatch e = encode_batch_reference(t, x.data(), S, 64);
+  ASSERT_EQ(e.offsets.size(), size_t(t.n_heads) * 3 + 1);
+  EXPECT_EQ(e.payload.size(), raw_offset(e.offsets.back()) + raw_bytes(t, S));
+  EXPECT_EQ(raw_bytes(t, S), uint64_t(t.n_heads) * 20 * kDim * 2);
+  std::vector<uint16_t> y(x.size(), 0xffff);
+  decode_batch_reference(t, e.payload.data(), e.payload.size(), e.offsets.data(), S, 64, y.data());
+  std::vector<uint16_t> codes(size_t(S) * size_t(t.k_pad)), yc(size_t(S) * kDim);
+  for (int h = 0; h < t.n_heads; ++h) {
+    const uint16_t* xh = x.data() + size_t(h) * size_t(S) * kDim;
+    const uint16_t* yh = y.data() + size_t(h) * size_t(S) * kDim;
+    // Sinks and window: the input bits.
+    EXPECT_TRUE(std::equal(xh, xh + 4 * kDim, yh)) << h;
+    EXPECT_TRUE(std::equal(xh + (S - 16) * kDim, xh + S * kDim, yh + (S - 16) * kDim)) << h;
+    // Coded tokens: the reference codec at their positions (4..S-17).
+    quantize_reference(t, h, xh + 4 * kDim, S - 20, codes.data(), 4);
+    dequantize_reference(t, h, codes.data(), S - 20, yc.data(), 4);
+    EXPECT_TRUE(std::equal(yc.begin(), yc.begin() + (S - 20) * kDim, yh + 4 * kDim)) << h;
+  }
+  // The raw region is part of the format: a payload without it is refused.
+  EXPECT_THROW(decode_batch_reference(t, e.payload.data(), e.payload.size() - 2, e.offsets.data(), S, 64, y.data()),
+               Error);
+}
+
+// The reference against the CPU calibrated cache's own steps (RoPE removed in
+// double, weights, kvtc::quantize_block; and back): codes within one step on
+// a small share of the coefficients (different projection arithmetic: cell
+// boundary ties), and the same codes reconstruct to within 2^-14 of the
+// tensor's largest value (f32 rounding of both).
+TEST(KvtcCalibratedVariant, AgreesWithTheCpuCalibratedCodec) {
+  const int64_t S = 640;
+  const Synthetic s = synthetic(1, S, 21);
+  const FlatKvtcTables t = flatten_calibration(s.cal, {0}, 1, S, 0, 0);
+  const std::vector<double> inv_freq = rope_inv_freq(kHeadDim, 10000.0);
+  for (const bool is_key : {true, false}) {
+    const int h = is_key ? 0 : 1;
+    const kvtc::HeadParams& p = is_key ? s.cal.keys[0] : s.cal.values[0];
+    const std::vector<float>& w = is_key ? s.cal.key_scale[0] : s.cal.value_scale[0];
+    const std::vector<uint16_t>& xb = is_key ? s.keys[0] : s.values[0];
+    const int K = p.n_kept();
+    ASSERT_GT(K, 0);
+    std::vector<float> x = to_f32(xb.data(), xb.size());
+    if (is_key) rope_rotate_tokens(x.data(), S, kHeads, kHeadDim, 0, inv_freq, /*inverse=*/true);
+    for (size_t i = 0; i < x.size(); ++i) x[i] *= w[i % kDim];
+    std::vector<uint16_t> cpu(size_t(S) * size_t(K)), cpu_float(cpu.size()), ref(cpu.size());
+    kvtc::quantize_block(p, x.data(), S, cpu.data());  // what the cache runs: the int16 projection
+    kvtc::quantize_block_path(p, x.data(), S, cpu_float.data(), kvtc::QuantPath::kFloat);
+    quantize_reference(t, h, xb.data(), S, ref.data(), 0);
+    for (const auto* other : {&cpu_float, &cpu}) {
+      size_t differ = 0;
+      int worst = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        differ += (*other)[i] != ref[i];
+        worst = std::max(worst, std::abs(int((*other)[i]) - int(ref[i])));
+      }
+      // fp32 against fp32: boundary ties only (< 0.2%); against the CPU's
+      // int16 projection (rounding of x and the basis to int16) measured
+      // 2.3-2.6% here, bounded at twice that.
+      const bool float_path = other == &cpu_float;
+      EXPECT_LE(worst, 1) << (is_key ? "keys" : "values");
+      EXPECT_LE(double(differ), (float_path ? 0.002 : 0.05) * double(ref.size())) << differ << " of " << ref.size();
+      std::printf("%s: %zu of %zu codes differ from the CPU codec's %s projection (by one step)\n",
+                  is_key ? "keys" : "values", differ, ref.size(), float_path ? "float" : "default (int16)");
+    }
+    // Same codes (the CPU's) through both reconstructions.
+    std::vector<float> y_cpu(size_t(S) * kDim), y_ref(y_cpu.size());
+    kvtc::dequantize_block(p, cpu.data(), S, y_cpu.data());
+    for (size_t i = 0; i < y_cpu.size(); ++i) y_cpu[i] *= 1.0f / w[i % kDim];
+    if (is_key) rope_rotate_tokens(y_cpu.data(), S, kHeads, kHeadDim, 0, inv_freq, /*inverse=*/false);
+    reconstruct_f32_reference(t, h, cpu.data(), S, y_ref.data(), 0);
+    double peak = 0, diff = 0;
+    for (size_t i = 0; i < y_cpu.size(); ++i) {
+      peak = std::max(peak, std::abs(double(y_cpu[i])));
+      diff = std::max(diff, std::abs(double(y_cpu[i]) - double(y_ref[i])));
+    }
+    EXPECT_LE(diff, std::ldexp(peak, -14)) << "peak " << peak;
+  }
+}
+
+TEST(KvtcCalibratedVariant, RejectsLayoutsItCannotCode) {
+  const Synthetic s = synthetic(1, 128, 3);
+  EXPECT_THROW(flatten_calibration(s.cal, {1}, 1, 128, 4, 0), Error);   // no layer 1
+  EXPECT_THROW(flatten_calibration(s.cal, {0}, 0, 128, 4, 0), Error);   // no batch row
+  EXPECT_THROW(flatten_calibration(s.cal, {0}, 1, 0, 4, 0), Error);     // no positions
+  EXPECT_THROW(flatten_calibration(s.cal, {0}, 1, 128, -1, 0), Error);  // negative sinks
+  KvtcCalibration wide = s.cal;
+  wide.n_kv_heads = 4;  // 4 x 64 = 256 values per token: not a kernel width
+  for (auto* v : {&wide.keys, &wide.values}) (*v)[0].dim = 256;
+  try {
+    flatten_calibration(wide, {0}, 1, 128, 4, 0);
+    ADD_FAILURE() << "dim 256 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+  }
+  // Positions past the RoPE table are refused, not read out of bounds.
+  const FlatKvtcTables t = flatten_calibration(s.cal, {0}, 1, 128, 0, 0);
+  std::vector<uint16_t> codes(size_t(t.k_pad) * 4);
+  EXPECT_THROW(quantize_reference(t, 0, s.keys[0].data(), 4, codes.data(), 126), Error);
+}
+
+// --- GPU against the CPU reference -------------------------------------------------
+
+#ifdef KVCODEC_HAVE_CUDA
+// Encode on the GPU == reference bytes; GPU exact decode of the reference's
+// bytes == reference, bit for bit; fused and two-kernel TF32 decodes equal
+// each other and lie within the stated bound; a truncated stream is flagged.
+void calibrated_gpu_matches_cpu(const KvtcCalibration& cal, const std::vector<uint16_t>& x, int64_t S, int batch,
+                                int sinks, int window) {
+  const std::vector<int> layers = all_layers(cal.n_layers);
+  const FlatKvtcTables t = flatten_calibration(cal, layers, batch, S, sinks, window);
+  const EncodedBatch ref = encode_batch_reference(t, x.data(), S, 64);
+  std::vector<uint16_t> y_ref(x.size());
+  decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), S, 64, y_ref.data());
+
+  KvtcGpuCodec codec(cal, CalibratedLayout{layers, batch, S, sinks, window});
+  const int64_t ns = codec.n_streams(S);
+  ASSERT_EQ(size_t(ns + 1), ref.offsets.size());
+  const uint64_t cap = codec.max_encoded_bytes(S);
+  DevBuf<uint16_t> dx(x.size()), dy(x.size());
+  DevBuf<uint8_t> dout(cap);
+  DevBuf<uint64_t> doff(size_t(ns + 1));
+  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  const uint64_t total = codec.encode(dx.p, S, dout.p, cap, doff.p);
+  ASSERT_EQ(total, ref.payload.size());
+  std::vector<uint8_t> payload(total);
+  std::vector<uint64_t> offsets(size_t(ns + 1));
+  ASSERT_EQ(cudaMemcpy(payload.data(), dout.p, total, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(offsets.data(), doff.p, offsets.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(offsets, ref.offsets);
+  EXPECT_TRUE(payload == ref.payload) << "GPU bytes differ from the CPU reference";
+
+  ASSERT_EQ(cudaMemcpy(dout.p, ref.payload.data(), total, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(doff.p, ref.offsets.data(), ref.offsets.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<uint16_t> y(x.size()), y_tc(x.size()), y_split(x.size());
+  auto decode_into = [&](std::vector<uint16_t>& out) {
+    ASSERT_EQ(cudaMemset(dy.p, 0xff, out.size() * 2), cudaSuccess);  // NaN: an unwritten value fails
+    codec.decode(dout.p, total, doff.p, S, dy.p);
+    codec.check_errors();
+    ASSERT_EQ(cudaMemcpy(out.data(), dy.p, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  };
+  decode_into(y);
+  size_t bad = 0;
+  for (size_t i = 0; i < y.size(); ++i) bad += y[i] != y_ref[i];
+  EXPECT_EQ(bad, 0u) << "of " << y.size() << " exact-path outputs";
+
+  codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kTf32TensorCores);
+  decode_into(y_tc);
+  codec.set_fused_decode(false);
+  decode_into(y_split);
+  codec.set_fused_decode(true);
+  EXPECT_TRUE(y_tc == y_split) << "fused and two-kernel TF32 decodes differ";
+  size_t n_diff = 0;
+  EXPECT_EQ(tf32_bound_violations(t, t.n_heads, x.data(), S, y_tc.data(), y_ref.data(), &n_diff), 0u)
+      << "of " << y_tc.size() << " tensor-core outputs";
+  std::printf("calibrated TF32 decode: %zu of %zu bf16 outputs differ from the exact path\n", n_diff, y_tc.size());
+
+  if (ns > 1 && ref.offsets[2] > ref.offsets[1] + 1) {
+    std::vector<uint64_t> cut = ref.offsets;
+    cut[1] -= 1;
+    ASSERT_EQ(cudaMemcpy(doff.p, cut.data(), cut.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+    codec.decode(dout.p, total, doff.p, S, dy.p);
+    EXPECT_THROW(codec.check_errors(), Error);
+  }
+}
+#endif
+
+TEST(KvtcCalibratedGpu, MatchesCpuReference) {
+  if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+#ifdef KVCODEC_HAVE_CUDA
+  const uint32_t seed = test_seed(4321);
+  std::printf("seed %u\n", seed);
+  const int64_t S = 4 + 64 * 9 + 23 + 32;  // ragged last stream, 10 streams per head
+  const Synthetic s = synthetic(2, S, seed);
+  calibrated_gpu_matches_cpu(s.cal, batch_of(s), S, 1, 4, 32);
+  calibrated_gpu_matches_cpu(s.cal, batch_of(s), S, 1, 0, 0);  // everything coded
+#endif
+}
+
+// The real calibration (kvcodec calibrate; path in KVCODEC_GPU_CALIBRATION)
+// on the real KV dump, both batch rows of a dump layer picked by the seed.
+TEST(KvtcCalibratedGpu, MatchesCpuReferenceOnTheKvDumpWithARealCalibration) {
+  if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const char* cal_path = std::getenv("KVCODEC_GPU_CALIBRATION");
+  std::string dump = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
+  if (const char* p = std::getenv("KVCODEC_KV_DUMP")) dump = p;
+  if (!cal_path || !std::filesystem::exists(cal_path) || !std::filesystem::exists(dump))
+    GTEST_SKIP() << "needs KVCODEC_GPU_CALIBRATION and the KV dump";
+#ifdef KVCODEC_HAVE_CUDA
+  KvtcCalibration cal = KvtcCalibration::read_file(cal_path);
+  const int layer = int(test_seed(0) % uint32_t(cal.n_layers));
+  const SafetensorsFile f = SafetensorsFile::open(dump);
+  std::vector<uint16_t> x;
+  int64_t S = 0;
+  for (const char* kind : {"key", "value"}) {
+    const Tensor tt = f.tensor("layers." + std::to_string(layer) + "." + kind, DType::kBF16);
+    const Shape4 sh = tt.shape();  // [1, H, S, D] -> [S, H * D]
+    ASSERT_EQ(sh[1] * sh[3], cal.vector_dim());
+    S = sh[2];
+    const uint16_t* p = tt.data_as<uint16_t>();
+    for (int64_t i = 0; i < S; ++i)
+      for (int64_t hh = 0; hh < sh[1]; ++hh) x.insert(x.end(), p + (hh * S + i) * sh[3], p + (hh * S + i + 1) * sh[3]);
+  }
+  // One layer: keep only it in the calibration (the codec's heads are layers).
+  KvtcCalibration one = cal;
+  one.n_layers = 1;
+  one.keys = {cal.keys[size_t(layer)]};
+  one.values = {cal.values[size_t(layer)]};
+  if (cal.weighted()) {
+    one.key_scale = {cal.key_scale[size_t(layer)]};
+    one.value_scale = {cal.value_scale[size_t(layer)]};
+  }
+  std::printf("layer %d, %lld tokens, K = %d / %d\n", layer, (long long)S, one.keys[0].n_kept(), one.values[0].n_kept());
+  calibrated_gpu_matches_cpu(one, x, S, 1, 4, 128);
+#endif
+}
+
+}  // namespace
+}  // namespace kvcodec::gpu
