@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_bench_util.hpp"
 #include "gpu/kvtc_variant.hpp"
 #include "gpu/palu_reference.hpp"
 #include "kvcodec/gpu.hpp"
@@ -23,15 +24,6 @@
 #include "palu/projection.hpp"
 
 using namespace kvcodec;
-
-#define CK(x)                                                            \
-  do {                                                                   \
-    cudaError_t e_ = (x);                                                \
-    if (e_ != cudaSuccess) {                                             \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));     \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
 
 int main(int argc, char** argv) {
   const int layers = argc > 1 ? std::atoi(argv[1]) : 32;
@@ -49,10 +41,15 @@ int main(int argc, char** argv) {
   std::normal_distribution<float> g;
   if (dump) {
     const SafetensorsFile f = SafetensorsFile::open(dump);
+    const int n_layers = bench::dump_layers(f);  // any depth (was: 6, tinycode's)
+    if (n_layers == 0) {
+      std::fprintf(stderr, "%s holds no tensor 'layers.0.key'\n", dump);
+      return 1;
+    }
     for (int b = 0; b < n_base; ++b) {
-      const Tensor t = f.tensor("layers." + std::to_string(b % 6) + (b % 2 ? ".value" : ".key"), DType::kF32);
+      const Tensor t = f.tensor("layers." + std::to_string(b % n_layers) + (b % 2 ? ".value" : ".key"), DType::kF32);
       const Shape4 s = t.shape();
-      const float* p = t.data_as<float>() + (b / 6 % s[1]) * s[2] * s[3];
+      const float* p = t.data_as<float>() + (b / n_layers % s[1]) * s[2] * s[3];
       for (int64_t i = 0; i < base_tokens; ++i)
         for (int d = 0; d < D; ++d)
           base[size_t(b)].push_back(gpu::f32_to_bf16_rne(p[(i % s[2]) * s[3] + d % s[3]] * (d < s[3] ? 1.0f : -0.5f) +
@@ -103,26 +100,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&dout, cap));
   CK(cudaMalloc(&doff, size_t(ns + 1) * 8));
   CK(cudaMemcpy(dx, x.data(), bytes, cudaMemcpyHostToDevice));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  // Median of `reps` timed calls (each between two events), after a warm-up.
-  auto time_ms = [&](auto&& fn, int reps) {
-    fn();
-    CK(cudaDeviceSynchronize());
-    std::vector<double> t;
-    for (int r = 0; r < reps; ++r) {
-      CK(cudaEventRecord(e0));
-      fn();
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      t.push_back(double(ms));
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  };
+  auto time_ms = [](auto&& fn, int reps) { return bench::median_ms(fn, reps); };
   const double copy_ms = time_ms([&] { CK(cudaMemcpyAsync(dcopy, dx, bytes, cudaMemcpyDeviceToDevice)); }, 10);
   uint64_t total = 0;
   const double enc_ms = time_ms([&] { total = codec.encode(dx, S, dout, cap, doff); }, 7);
@@ -139,6 +117,10 @@ int main(int argc, char** argv) {
   codec.set_reconstruction(Recon::kTf32TensorCores);
   const double dec_tc_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
   codec.check_errors();
+  codec.set_fused_decode(true);  // one kernel (codes in shared memory only)
+  const double dec_tc_fused_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+  codec.check_errors();
+  codec.set_fused_decode(false);
   codec.set_pipeline_chunks(8);
   const double dec_tc_pipe_ms = time_ms([&] { codec.decode(dout, total, doff, S, dy); }, 5);
   codec.check_errors();
@@ -190,7 +172,7 @@ int main(int argc, char** argv) {
       "\"decode_gb_s\": %.1f, \"decode_frac_copy\": %.3f, \"encode_pipelined_ms\": %.3f, \"decode_pipelined_ms\": %.3f, "
       "\"encode_phases_ms\": [%.3f, %.3f, %.3f], "
       "\"decode_phases_ms\": [%.3f, %.3f], \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s, "
-      "\"decode_tc_ms\": %.3f, \"decode_tc_gb_s\": %.1f, \"decode_tc_frac_copy\": %.3f, "
+      "\"decode_tc_ms\": %.3f, \"decode_tc_gb_s\": %.1f, \"decode_tc_frac_copy\": %.3f, \"decode_tc_fused_ms\": %.3f, "
       "\"decode_tc_pipelined_ms\": %.3f, \"decode_tc_phases_ms\": [%.3f, %.3f], "
       "\"tc_checked_outputs\": %zu, \"tc_outputs_differ\": %zu, \"tc_bound_violations\": %zu}\n",
       layers, kv_heads, (long long)S, D, bytes, (unsigned long long)total, double(bytes) / double(total), err / nrm,
@@ -198,7 +180,7 @@ int main(int argc, char** argv) {
       copy_ms / dec_ms, enc_seq_ms, dec_seq_ms, enc_ph.size() > 2 ? enc_ph[0] : -1.0, enc_ph.size() > 2 ? enc_ph[1] : -1.0,
       enc_ph.size() > 2 ? enc_ph[2] : -1.0, dec_ph.size() > 1 ? dec_ph[0] : -1.0, dec_ph.size() > 1 ? dec_ph[1] : -1.0,
       bytes_equal ? "true" : "false", recon_equal ? "true" : "false", dec_tc_ms, bytes * gbs / dec_tc_ms,
-      copy_ms / dec_tc_ms, dec_tc_pipe_ms, dec_tc_ph.size() > 1 ? dec_tc_ph[0] : -1.0,
+      copy_ms / dec_tc_ms, dec_tc_fused_ms, dec_tc_pipe_ms, dec_tc_ph.size() > 1 ? dec_tc_ph[0] : -1.0,
       dec_tc_ph.size() > 1 ? dec_tc_ph[1] : -1.0, y_tc.size(), tc_diff, tc_viol);
   std::fflush(stdout);
 

@@ -54,7 +54,7 @@ class KvtcGpuCodec {
   // for up to max_tokens tokens per head.
   KvtcGpuCodec(const std::vector<const kvtc::HeadParams*>& heads, int64_t max_tokens);
   // The calibrated format; throws Error(kUnsupported) unless n_kv_heads *
-  // head_dim is 64 or 128 (the kernels' D) and head_dim a multiple of 16.
+  // head_dim is 64 or 128 (the kernels' D) and head_dim a multiple of 32.
   KvtcGpuCodec(const KvtcCalibration& cal, const CalibratedLayout& layout);
   ~KvtcGpuCodec();
   KvtcGpuCodec(const KvtcGpuCodec&) = delete;
@@ -105,10 +105,11 @@ class KvtcGpuCodec {
   // and fp32 accumulation; codes and streams are unchanged, each output is
   // within 2^-9 * sum_k |v_k * basis[k][d]| of the exact fp32 value before
   // the bf16 rounding (v_k the dequantized coefficients; tested).
-  // With kTf32TensorCores the decode is ONE kernel: each warp rANS-decodes a
-  // stream into shared memory and the CTA's warps reconstruct it there, so
-  // the codes never reach global memory; set_fused_decode(false) runs the
-  // two-kernel path instead (same outputs; for measurements). In the
+  // set_fused_decode(true) makes the kTf32TensorCores decode ONE kernel:
+  // each warp rANS-decodes a stream into shared memory and reconstructs it
+  // from there, so the codes never reach global memory. Same outputs as the
+  // default two-kernel path, bit for bit (tested); measured slower on the
+  // H200 (docs/gpu.md), hence off by default. In the
   // calibrated format the bound holds before the weights and RoPE, which
   // carry it through: x 1/scale[d], then |cos| e_a + |sin| e_b for each
   // rotated pair (src/gpu/kvtc_variant.hpp, tf32_bound_violations).

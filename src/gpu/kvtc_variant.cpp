@@ -120,9 +120,9 @@ FlatKvtcTables flatten_calibration(const KvtcCalibration& cal, const std::vector
                                    int64_t max_positions, int sinks, int window) {
   if (layers.empty() || batch <= 0)
     throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu calibrated: needs at least one layer and one batch row");
-  if (cal.head_dim % 16 != 0)
+  if (cal.head_dim % 32 != 0)
     throw Error(ErrorCode::kUnsupported, "kvtc-gpu calibrated: head_dim " + std::to_string(cal.head_dim) +
-                                             " is not a multiple of 16");
+                                             " is not a multiple of 32");
   if (max_positions <= 0 || max_positions > (int64_t(1) << 24) || sinks < 0 || window < 0)
     throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu calibrated: max_positions " + std::to_string(max_positions) +
                                                  ", sinks " + std::to_string(sinks) + ", window " +

@@ -89,7 +89,7 @@ struct FlatKvtcTables {
   std::vector<float> scale;          // [NH, D] applied before centring
   std::vector<float> inv_scale;      // [NH, D] 1 / scale, applied after reconstruction
   std::vector<uint8_t> rope;         // [NH] 1: RoPE removed on encode, re-applied on decode
-  int rope_dim = 0;                  // sub-head size of the RoPE pairs (a multiple of 16 dividing dim)
+  int rope_dim = 0;                  // sub-head size of the RoPE pairs (a multiple of 32 dividing dim)
   int64_t rope_positions = 0;        // rows of rope_cos / rope_sin
   std::vector<float> rope_cos, rope_sin;  // [rope_positions, rope_dim / 2]
   int sinks = 0, window = 0;         // raw tokens at each head's start / end (calibrated format)
@@ -104,7 +104,7 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads);
 // The calibrated format: heads [layer][key, value][batch row] in that order
 // (NH = layers.size() * 2 * batch), each the layer's calibrated parameters,
 // RoPE tables for max_positions positions. Throws Error(kUnsupported) when
-// n_kv_heads * head_dim is not 64 or 128, or head_dim is not a multiple of 16.
+// n_kv_heads * head_dim is not 64 or 128, or head_dim is not a multiple of 32.
 FlatKvtcTables flatten_calibration(const KvtcCalibration& cal, const std::vector<int>& layers, int batch,
                                    int64_t max_positions, int sinks, int window);
 // Coded tokens per head of a sequence of `seq` tokens (0 when the sinks and

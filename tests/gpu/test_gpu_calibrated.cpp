@@ -243,10 +243,10 @@ void calibrated_gpu_matches_cpu(const KvtcCalibration& cal, const std::vector<ui
   EXPECT_EQ(bad, 0u) << "of " << y.size() << " exact-path outputs";
 
   codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kTf32TensorCores);
+  codec.set_fused_decode(true);
   decode_into(y_tc);
   codec.set_fused_decode(false);
   decode_into(y_split);
-  codec.set_fused_decode(true);
   EXPECT_TRUE(y_tc == y_split) << "fused and two-kernel TF32 decodes differ";
   size_t n_diff = 0;
   EXPECT_EQ(tf32_bound_violations(t, t.n_heads, x.data(), S, y_tc.data(), y_ref.data(), &n_diff), 0u)

@@ -137,23 +137,26 @@ __device__ __forceinline__ int pair_group_lo(const DeviceTables& tb, int q) {
   return (q / per) * tb.rope_dim + (q % per) * 8;
 }
 
-// RoPE on 8 pairs at `position` (kvtc_variant.hpp: the op order).
+// RoPE on one pair (kvtc_variant.hpp: the op order).
+__device__ __forceinline__ void rope_one(float& a, float& b, float c, float s, bool remove) {
+  const float a0 = a, b0 = b;
+  if (remove) {
+    a = __fmaf_rn(a0, c, __fmul_rn(b0, s));
+    b = __fmaf_rn(b0, c, -__fmul_rn(a0, s));
+  } else {
+    a = __fmaf_rn(a0, c, -__fmul_rn(b0, s));
+    b = __fmaf_rn(b0, c, __fmul_rn(a0, s));
+  }
+}
+
+// RoPE on 8 pairs at `position`, frequencies i0..i0+7.
 __device__ __forceinline__ void rope_pairs(const DeviceTables& tb, int64_t position, int i0, bool remove,
                                            float (&a)[8], float (&b)[8]) {
   const int half = tb.rope_dim / 2;
   const float* c = tb.rope_cos + size_t(position) * half + i0;
   const float* sn = tb.rope_sin + size_t(position) * half + i0;
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const float ce = __ldg(c + e), se = __ldg(sn + e), a0 = a[e], b0 = b[e];
-    if (remove) {
-      a[e] = __fmaf_rn(a0, ce, __fmul_rn(b0, se));
-      b[e] = __fmaf_rn(b0, ce, -__fmul_rn(a0, se));
-    } else {
-      a[e] = __fmaf_rn(a0, ce, -__fmul_rn(b0, se));
-      b[e] = __fmaf_rn(b0, ce, __fmul_rn(a0, se));
-    }
-  }
+  for (int e = 0; e < 8; ++e) rope_one(a[e], b[e], __ldg(c + e), __ldg(sn + e), remove);
 }
 
 // Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
@@ -559,8 +562,25 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
         for (int j = 0; j < 8; ++j) acc[i][j] = __fmaf_rn(vv[i], bv[j], acc[i][j]);
     }
   }
-  // The products go through shared memory (vs reused, [kTile][D + 4]) so the
-  // store can pair each dim with its RoPE partner.
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  if (!tb.rope[h]) {
+    // No RoPE: straight from the registers (the staging below cost 0.8 ms
+    // of 3.5 on the kvtc-gpu/2 dump batch); the same ops as store_tokens.
+    if (!active || (tg * 8 < kT ? bad0 : bad1)) return;
+    const float* mean = tb.mean + size_t(h) * D;
+    const float* isc = tb.inv_scale + size_t(h) * D;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (tg * 8 + i >= n) break;
+      float r[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(__fadd_rn(acc[i][j], mean[dg * 8 + j]), isc[dg * 8 + j]);
+      *reinterpret_cast<uint4*>(yh + size_t(tg * 8 + i) * D + dg * 8) = pack_bf16x8(r);
+    }
+    return;
+  }
+  // RoPE: the products go through shared memory (vs reused, [kTile][D + 4])
+  // so the store can pair each dim with its RoPE partner.
   constexpr int kOutPad = D + 4;
   __syncthreads();
   float* os = vs;
@@ -573,7 +593,6 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
           make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
     }
   __syncthreads();
-  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
   store_tokens<D>(tb, h, os, kOutPad, n, t0, yh, [&](int t) { return t < kT ? bad0 : bad1; });
 }
 
@@ -613,9 +632,9 @@ __device__ __forceinline__ int a_frag_index(int t, int k) {
 }
 
 // One stream's TF32 reconstruction by the CTA's 8 warps: codes cs ([K][kT],
-// global memory or, kSharedCodes, shared) -> bf16 rows of tokens t0.. of
-// head h. smem: tc_smem_bytes(k_pad, D), reused between the phases.
-template <int D, typename CodeT, bool kSharedCodes>
+// global memory) -> bf16 rows of tokens t0.. of head h. smem:
+// tc_smem_bytes(k_pad, D), reused between the phases.
+template <int D, typename CodeT>
 __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, int h, const CodeT* cs, int n,
                                                       int64_t t0, uint16_t* __restrict__ y, float* smem) {
   constexpr int NG = D / 32;       // 32-dim column groups
@@ -650,7 +669,7 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
         stp[u] = tb.step[q];
         const uint4* src = reinterpret_cast<const uint4*>(cs + size_t(k) * kT + tq);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) raw[u][e] = kSharedCodes ? src[e] : __ldcs(src + e);  // global: read once
+        for (int e = 0; e < kVec; ++e) raw[u][e] = __ldcs(src + e);  // read once: do not keep in L2
       } else {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) raw[u][e] = make_uint4(0, 0, 0, 0);
@@ -734,20 +753,110 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
   if (bad[stream]) return;  // tokens of a malformed stream are left untouched
   const int64_t t0 = blk * kT;
   const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
-  tc_reconstruct_stream<D, CodeT, false>(tb, h, codes + size_t(stream) * kT * tb.k_pad, n, t0, y,
+  tc_reconstruct_stream<D, CodeT>(tb, h, codes + size_t(stream) * kT * tb.k_pad, n, t0, y,
                                          reinterpret_cast<float*>(smem));
 }
 
-// The fused TF32 decode (the default decode with kTf32TensorCores): a CTA
-// of 8 warps takes kFusedStreams consecutive streams of one head; each warp
-// rANS-decodes one into shared memory, then the 8 warps reconstruct them one
-// after the other, so codes never go through global memory. Shared: the
-// head's tables (cum_smem bytes, when they fit), the codes, the TF32
-// staging.
+// The fused TF32 decode (set_fused_decode(true) with kTf32TensorCores): every
+// warp of a CTA takes one stream of the CTA's head (kFusedStreams per CTA),
+// rANS-decodes it into its own slot of shared memory and reconstructs it
+// from there on tensor cores, on its own (no CTA barrier after the tables):
+// the codes never reach global memory, and at any moment some warps of an
+// SM run the latency-bound rANS steps while others run MMAs. Per 32-dim
+// pass and 16-token tile a warp holds 16 dims of a RoPE sub-head's first
+// half and their 16 partners, so RoPE is applied in registers. The products
+// are the two-kernel path's (same operands, k-steps in the same order), so
+// both give the same bits (tested).
 constexpr int kFusedStreams = kProjThreads / 32;
 
 template <int D, typename CodeT>
-__global__ void __launch_bounds__(kProjThreads, 2) decode_fused_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
+__device__ __forceinline__ void warp_tc_reconstruct(const DeviceTables& tb, int h, const CodeT* cs, int n,
+                                                    int64_t t0, uint16_t* __restrict__ y) {
+  constexpr int NG = D / 32;
+  const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int K = tb.kept[h], K8 = (K + 7) / 8 * 8, KP = tb.k_pad;
+  const int RD = tb.rope_dim, half = RD / 2;
+  const bool rope = tb.rope[h] != 0;
+  const float* mean = tb.mean + size_t(h) * D;
+  const float* isc = tb.inv_scale + size_t(h) * D;
+  const float* off = tb.recon_offset + size_t(h) * KP;
+  const float* stp = tb.step + size_t(h) * KP;
+  const float4* frag = reinterpret_cast<const float4*>(tb.basis_frag) + size_t(h) * (KP / 8) * NG * 64 + lane * 2;
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  for (int p = 0; p < D / 32; ++p) {
+    const int lo = (p / (RD / 32)) * RD + (p % (RD / 32)) * 16, hi = lo + half;
+    // This lane's B registers of tiles [lo, lo+16) and [hi, hi+16): one
+    // float4 of its 8 registers in the 32-dim group of each.
+    const float4* blo = frag + (lo / 32) * 64 + (lo % 32) / 16;
+    const float4* bhi = frag + (hi / 32) * 64 + (hi % 32) / 16;
+    // One 16-token tile at a time: 16 accumulators, so 3 CTAs of 8 warps
+    // fit an SM (the rANS steps are latency-bound and want warps).
+    for (int m = 0; m < 4; ++m) {
+      const int r0 = m * 16 + g, r1 = r0 + 8;
+      float acc[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+#pragma unroll 2
+      for (int ks = 0; ks < K8 / 8; ++ks) {
+        const float4 bl = __ldg(blo + size_t(ks) * NG * 64), bh = __ldg(bhi + size_t(ks) * NG * 64);
+        const int k0 = ks * 8 + tq, k1 = k0 + 4;
+        // The two-kernel path's dequantization (0 past K; the code slots
+        // exist up to k_pad >= K8).
+        const CodeT* c0 = cs + k0 * kT;
+        const CodeT* c1 = cs + k1 * kT;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (k0 < K) {
+          const float o0 = __ldg(off + k0), s0 = __ldg(stp + k0);
+          a.x = to_tf32(__fmul_rn(__fsub_rn(float(c0[r0]), o0), s0));
+          a.y = to_tf32(__fmul_rn(__fsub_rn(float(c0[r1]), o0), s0));
+        }
+        if (k1 < K) {
+          const float o1 = __ldg(off + k1), s1 = __ldg(stp + k1);
+          a.z = to_tf32(__fmul_rn(__fsub_rn(float(c1[r0]), o1), s1));
+          a.w = to_tf32(__fmul_rn(__fsub_rn(float(c1[r1]), o1), s1));
+        }
+        mma_tf32(acc[0], a, bl.x, bl.y);
+        mma_tf32(acc[1], a, bl.z, bl.w);
+        mma_tf32(acc[2], a, bh.x, bh.y);
+        mma_tf32(acc[3], a, bh.z, bh.w);
+      }
+      // C of tile i: (row g, cols 2tq, 2tq+1) in regs 0, 1 and row g + 8 in
+      // regs 2, 3. Tile i (lo side) pairs with tile i + 2 (hi side).
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = hr ? r1 : r0;
+        if (row >= n) continue;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int dl = lo + j * 8 + 2 * tq, dh = dl + half;
+          float va[2], vb[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            va[e] = __fmul_rn(__fadd_rn(acc[j][2 * hr + e], __ldg(mean + dl + e)), __ldg(isc + dl + e));
+            vb[e] = __fmul_rn(__fadd_rn(acc[j + 2][2 * hr + e], __ldg(mean + dh + e)), __ldg(isc + dh + e));
+          }
+          if (rope) {
+            const int64_t pos = tb.tok0 + t0 + row;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const size_t r = size_t(pos) * half + size_t((dl + e) % RD);
+              rope_one(va[e], vb[e], __ldg(tb.rope_cos + r), __ldg(tb.rope_sin + r), /*remove=*/false);
+            }
+          }
+          const uint32_t wl = uint32_t(f32_to_bf16_dev(va[0])) | uint32_t(f32_to_bf16_dev(va[1])) << 16;
+          const uint32_t wh = uint32_t(f32_to_bf16_dev(vb[0])) | uint32_t(f32_to_bf16_dev(vb[1])) << 16;
+          __stcs(reinterpret_cast<unsigned int*>(yh + size_t(row) * D + dl), wl);
+          __stcs(reinterpret_cast<unsigned int*>(yh + size_t(row) * D + dh), wh);
+        }
+      }
+    }
+  }
+}
+
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 3) decode_fused_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
                                                                     uint64_t in_size,
                                                                     const uint64_t* __restrict__ offsets,
                                                                     int64_t tokens, int64_t nb, int head0,
@@ -755,36 +864,22 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_fused_kernel(DeviceTab
                                                                     size_t table_bytes, uint8_t* __restrict__ bad,
                                                                     int* __restrict__ err, uint16_t* __restrict__ y) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ uint8_t sbad[kFusedStreams];
-  const int KP = tb.k_pad;
-  CodeT* codes = reinterpret_cast<CodeT*>(smem + table_bytes);                        // [streams][kT * KP]
-  float* stage = reinterpret_cast<float*>(smem + table_bytes + kFusedStreams * size_t(kT) * KP * sizeof(CodeT));
   const int h = head0 + int(blockIdx.x / groups_per_head);
-  const int64_t blk0 = (blockIdx.x % groups_per_head) * kFusedStreams;
+  const int w = threadIdx.x / 32;
+  const int64_t blk = (blockIdx.x % groups_per_head) * kFusedStreams + w;
   const uint32_t* cum;
   const CodeT* guide;
   head_tables(tb, h, tables_in_smem, reinterpret_cast<uint32_t*>(smem), cum, guide);
-  const int w = threadIdx.x / 32;
-  const int64_t blk = blk0 + w;
-  if (blk < nb) {
-    const int64_t stream = int64_t(h) * nb + blk;
-    const int64_t t0 = blk * kT;
-    const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
-    const bool any = rans_decode_stream(tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n,
-                                        codes + size_t(w) * kT * KP);
-    if (threadIdx.x % 32 == 0) {
-      flag_stream(stream, any, bad, err);
-      sbad[w] = any ? 1 : 0;
-    }
-  }
-  __syncthreads();
-  for (int j = 0; j < kFusedStreams && blk0 + j < nb; ++j) {
-    if (sbad[j]) continue;  // uniform: tokens of a malformed stream are left untouched
-    const int64_t t0 = (blk0 + j) * kT;
-    const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
-    tc_reconstruct_stream<D, CodeT, true>(tb, h, codes + size_t(j) * kT * KP, n, t0, y, stage);
-    __syncthreads();  // the staging is reused by the next stream
-  }
+  if (blk >= nb) return;
+  CodeT* cs = reinterpret_cast<CodeT*>(smem + table_bytes) + size_t(w) * kT * tb.k_pad;  // this warp's slot
+  const int64_t stream = int64_t(h) * nb + blk;
+  const int64_t t0 = blk * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const bool any = rans_decode_stream(tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n, cs);
+  if (threadIdx.x % 32 == 0) flag_stream(stream, any, bad, err);
+  if (any) return;  // warp-uniform: tokens of a malformed stream are left untouched
+  __syncwarp();
+  warp_tc_reconstruct<D, CodeT>(tb, h, cs, n, t0, y);
 }
 
 // Shared memory of reconstruct_tc_kernel: the coefficients (k_pad x kT, in
@@ -949,11 +1044,10 @@ struct KvtcGpuCodec::Impl {
       reconstruct_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
     check_cuda(cudaGetLastError(), "reconstruct_kernel launch");
   }
-  // Shared memory of decode_fused_kernel: tables, codes, TF32 staging.
+  // Shared memory of decode_fused_kernel: the head's tables, each warp's codes.
   size_t fused_table_bytes() const { return (cum_smem + 15) / 16 * 16; }
   size_t fused_smem(size_t code_bytes) const {
-    return fused_table_bytes() + kFusedStreams * size_t(kT) * size_t(flat.k_pad) * code_bytes +
-           tc_smem_bytes(flat.k_pad, flat.dim);
+    return fused_table_bytes() + kFusedStreams * size_t(kT) * size_t(flat.k_pad) * code_bytes;
   }
   template <typename CodeT>
   void launch_fused_decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, int h0,
@@ -1006,7 +1100,7 @@ struct KvtcGpuCodec::Impl {
   template <typename CodeT>
   void decode_all(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
                   cudaStream_t stream) {
-    if (recon == Reconstruction::kTf32TensorCores && !split_tc) {
+    if (recon == Reconstruction::kTf32TensorCores && fused) {
       // Fused: one kernel per head range (phase timing: one phase).
       pipeline(
           stream,
@@ -1019,7 +1113,7 @@ struct KvtcGpuCodec::Impl {
         [&](int h0, int h1, cudaStream_t s) { launch_rans_decode<CodeT>(in, in_size, offsets, tokens, h0, h1, s); },
         [&](int h0, int h1, cudaStream_t s) { launch_reconstruct<CodeT>(tokens, h0, h1, y, s); });
   }
-  bool split_tc = false;  // set_fused_decode(false): the two-kernel TF32 path (benchmarks, tests)
+  bool fused = false;  // set_fused_decode: the one-kernel TF32 decode (measured slower; docs/gpu.md)
 
   void init(FlatKvtcTables tables, int64_t max_tokens);
 };
@@ -1211,7 +1305,7 @@ uint64_t KvtcGpuCodec::max_encoded_bytes(int64_t tokens) const {
 int KvtcGpuCodec::sinks() const { return impl_->flat.sinks; }
 int KvtcGpuCodec::window() const { return impl_->flat.window; }
 
-void KvtcGpuCodec::set_fused_decode(bool on) { impl_->split_tc = !on; }
+void KvtcGpuCodec::set_fused_decode(bool on) { impl_->fused = on; }
 
 void KvtcGpuCodec::set_phase_timing(bool on) {
   Impl& m = *impl_;

@@ -1,0 +1,162 @@
+// The calibrated format on the GPU at a calibration's settings: every layer
+// of the calibration x {K, V} x BATCH rows x S tokens of real KV (the dump's
+// tokens, RoPE removed at their own positions, tiled along the sequence with
+// a per-row offset and rotated again at their new positions), bf16
+// [S, H * D] per head. Times encode, exact decode, fused TF32 decode and
+// the two-kernel TF32 decode against a device-to-device copy in the same
+// run; checks two heads (layer 0's key and value of row 0) against the CPU
+// reference: bytes, exact reconstruction, TF32 bound. Prints one JSON line.
+// Usage: gpu_bench_calibrated CAL.kvcal KV_DUMP [BATCH=21] [S=16384] [SINKS=4] [WINDOW=128]
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cache/kvtc_calibrated.hpp"
+#include "gpu/kvtc_variant.hpp"
+#include "gpu_bench_util.hpp"
+#include "kvcodec/gpu.hpp"
+#include "kvcodec/safetensors.hpp"
+#include "kvcodec/tensor.hpp"
+
+using namespace kvcodec;
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s CAL.kvcal KV_DUMP [BATCH] [S] [SINKS] [WINDOW]\n", argv[0]);
+    return 1;
+  }
+  const KvtcCalibration cal = KvtcCalibration::read_file(argv[1]);
+  const SafetensorsFile f = SafetensorsFile::open(argv[2]);
+  const int B = argc > 3 ? std::atoi(argv[3]) : 21;
+  const int64_t S = argc > 4 ? std::atoll(argv[4]) : 16384;
+  const int sinks = argc > 5 ? std::atoi(argv[5]) : 4, window = argc > 6 ? std::atoi(argv[6]) : 128;
+  const int L = cal.n_layers, H = cal.n_kv_heads, Dh = cal.head_dim, D = cal.vector_dim();
+  if (bench::dump_layers(f) < L) {
+    std::fprintf(stderr, "the dump has %d layers, the calibration %d\n", bench::dump_layers(f), L);
+    return 1;
+  }
+  const auto rope = RopeTable::get(Dh, cal.rope_theta, S + 4096);
+  const int NH = L * 2 * B;
+  const size_t elems = size_t(NH) * size_t(S) * size_t(D), bytes = elems * 2;
+  std::vector<uint16_t> x(elems);
+  for (int l = 0; l < L; ++l)
+    for (const bool is_key : {true, false}) {
+      const Tensor t = f.tensor("layers." + std::to_string(l) + (is_key ? ".key" : ".value"), DType::kF32);
+      const Shape4 s = t.shape();  // [1, H, T, Dh]
+      const int64_t T = s[2];
+      std::vector<float> base(size_t(T) * size_t(D));  // [T, H * Dh], RoPE removed
+      for (int64_t i = 0; i < T; ++i)
+        for (int h = 0; h < H; ++h)
+          for (int d = 0; d < Dh; ++d)
+            base[size_t(i) * size_t(D) + size_t(h * Dh + d)] = t.data_as<float>()[(h * T + i) * Dh + d];
+      if (is_key) rope->rotate(base.data(), T, D, H, 0, /*inverse=*/true);
+      std::vector<float> row(static_cast<size_t>(D));
+      for (int b = 0; b < B; ++b) {
+        uint16_t* xh = x.data() + size_t((l * 2 + (is_key ? 0 : 1)) * B + b) * size_t(S) * size_t(D);
+        for (int64_t p = 0; p < S; ++p) {
+          const float* src = base.data() + size_t((p + 131 * b) % T) * size_t(D);
+          std::copy(src, src + D, row.begin());
+          if (is_key) rope->rotate(row.data(), 1, D, H, p, /*inverse=*/false);
+          for (int d = 0; d < D; ++d) xh[size_t(p) * size_t(D) + size_t(d)] = gpu::f32_to_bf16_rne(row[size_t(d)]);
+        }
+      }
+    }
+  std::vector<int> layers;
+  for (int l = 0; l < L; ++l) layers.push_back(l);
+  gpu::KvtcGpuCodec codec(cal, gpu::CalibratedLayout{layers, B, S, sinks, window});
+  const uint64_t cap = codec.max_encoded_bytes(S);
+  const int64_t ns = codec.n_streams(S);
+  uint16_t *dx, *dy, *dcopy;
+  uint8_t* dout;
+  uint64_t* doff;
+  CK(cudaMalloc(&dx, bytes));
+  CK(cudaMalloc(&dy, bytes));
+  CK(cudaMalloc(&dcopy, bytes));
+  CK(cudaMalloc(&dout, cap));
+  CK(cudaMalloc(&doff, size_t(ns + 1) * 8));
+  CK(cudaMemcpy(dx, x.data(), bytes, cudaMemcpyHostToDevice));
+  using Recon = gpu::KvtcGpuCodec::Reconstruction;
+  uint64_t total = 0;
+  const double copy_ms = bench::median_ms([&] { CK(cudaMemcpyAsync(dcopy, dx, bytes, cudaMemcpyDeviceToDevice)); }, 10);
+  const double enc_ms = bench::median_ms([&] { total = codec.encode(dx, S, dout, cap, doff); }, 7);
+  const double dec_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+  codec.check_errors();
+  std::vector<uint16_t> y(elems);
+  CK(cudaMemcpy(y.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  codec.set_reconstruction(Recon::kTf32TensorCores);
+  codec.set_fused_decode(true);
+  const double dec_tc_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+  codec.check_errors();
+  std::vector<uint16_t> y_tc(elems);
+  CK(cudaMemcpy(y_tc.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  codec.set_fused_decode(false);
+  const double dec_split_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+  codec.check_errors();
+  std::vector<uint16_t> y_split(elems);
+  CK(cudaMemcpy(y_split.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  codec.set_phase_timing(true);
+  codec.decode(dout, total, doff, S, dy);
+  const std::vector<double> split_ph = codec.last_phase_ms();
+  codec.set_reconstruction(Recon::kExactFp32);
+  codec.encode(dx, S, dout, cap, doff);
+  const std::vector<double> enc_ph = codec.last_phase_ms();
+  codec.set_phase_timing(false);
+  codec.check_errors();
+
+  // Check layer 0's key and value heads of row 0 (heads 0 and B).
+  const gpu::FlatKvtcTables t = gpu::flatten_calibration(cal, {0}, 1, S, sinks, window);
+  std::vector<uint16_t> x2(size_t(2) * size_t(S) * size_t(D));
+  const size_t head = size_t(S) * size_t(D);
+  std::copy_n(x.data(), head, x2.data());
+  std::copy_n(x.data() + size_t(B) * head, head, x2.data() + head);
+  const gpu::EncodedBatch ref = gpu::encode_batch_reference(t, x2.data(), S, 64);
+  std::vector<uint64_t> off(size_t(ns + 1));
+  CK(cudaMemcpy(off.data(), doff, off.size() * 8, cudaMemcpyDeviceToHost));
+  const int64_t nb = ns / NH;
+  bool bytes_equal = true;
+  for (const int64_t g : {int64_t(0), int64_t(B)}) {  // GPU head -> reference head 0 / 1
+    const int64_t r = g == 0 ? 0 : 1;
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint64_t a = off[size_t(g * nb + i)], e = off[size_t(g * nb + i + 1)];
+      const uint64_t ra = ref.offsets[size_t(r * nb + i)], re = ref.offsets[size_t(r * nb + i + 1)];
+      std::vector<uint8_t> got(e - a);
+      CK(cudaMemcpy(got.data(), dout + a, got.size(), cudaMemcpyDeviceToHost));
+      bytes_equal = bytes_equal && e - a == re - ra && std::equal(got.begin(), got.end(), ref.payload.begin() + long(ra));
+    }
+  }
+  std::vector<uint16_t> y_ref(x2.size()), y2(x2.size()), y2_tc(x2.size());
+  gpu::decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), S, 64, y_ref.data());
+  std::copy_n(y.data(), head, y2.data());
+  std::copy_n(y.data() + size_t(B) * head, head, y2.data() + head);
+  std::copy_n(y_tc.data(), head, y2_tc.data());
+  std::copy_n(y_tc.data() + size_t(B) * head, head, y2_tc.data() + head);
+  const bool recon_equal = y2 == y_ref;
+  size_t tc_diff = 0;
+  const size_t tc_viol = gpu::tf32_bound_violations(t, 2, x2.data(), S, y2_tc.data(), y_ref.data(), &tc_diff);
+  const bool fused_equals_split = y_tc == y_split;
+  double err = 0, nrm = 0;
+  for (size_t i = 0; i < elems; ++i) {
+    const double a = gpu::bf16_bits_to_f32(x[i]), b = gpu::bf16_bits_to_f32(y[i]);
+    err += (a - b) * (a - b), nrm += a * a;
+  }
+  const double gbs = 1e-6;  // bytes per ms -> GB/s
+  std::printf(
+      "{\"calibration\": \"%s\", \"layers\": %d, \"batch\": %d, \"tokens\": %lld, \"dim\": %d, \"sinks\": %d, "
+      "\"window\": %d, \"bf16_bytes\": %zu, \"compressed_bytes\": %llu, \"ratio\": %.3f, \"rel_mse\": %.3g, "
+      "\"copy_ms\": %.3f, \"copy_gb_s\": %.1f, \"encode_ms\": %.3f, \"encode_gb_s\": %.1f, \"encode_frac_copy\": %.3f, "
+      "\"decode_exact_ms\": %.3f, \"decode_exact_gb_s\": %.1f, \"decode_exact_frac_copy\": %.3f, "
+      "\"decode_tc_fused_ms\": %.3f, \"decode_tc_fused_gb_s\": %.1f, \"decode_tc_fused_frac_copy\": %.3f, "
+      "\"decode_tc_split_ms\": %.3f, \"decode_tc_split_phases_ms\": [%.3f, %.3f], "
+      "\"encode_phases_ms\": [%.3f, %.3f, %.3f], \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s, "
+      "\"fused_equals_split\": %s, \"tc_checked_outputs\": %zu, \"tc_outputs_differ\": %zu, "
+      "\"tc_bound_violations\": %zu}\n",
+      argv[1], L, B, (long long)S, D, sinks, window, bytes, (unsigned long long)total, double(bytes) / double(total),
+      err / nrm, copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms,
+      bytes * gbs / dec_ms, copy_ms / dec_ms, dec_tc_ms, bytes * gbs / dec_tc_ms, copy_ms / dec_tc_ms, dec_split_ms,
+      split_ph.size() > 1 ? split_ph[0] : -1.0, split_ph.size() > 1 ? split_ph[1] : -1.0,
+      enc_ph.size() > 2 ? enc_ph[0] : -1.0, enc_ph.size() > 2 ? enc_ph[1] : -1.0, enc_ph.size() > 2 ? enc_ph[2] : -1.0,
+      bytes_equal ? "true" : "false", recon_equal ? "true" : "false", fused_equals_split ? "true" : "false",
+      y2_tc.size(), tc_diff, tc_viol);
+  return bytes_equal && recon_equal && fused_equals_split && tc_viol == 0 ? 0 : 2;
+}
