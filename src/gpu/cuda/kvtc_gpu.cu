@@ -159,6 +159,16 @@ __device__ __forceinline__ void rope_pairs(const DeviceTables& tb, int64_t posit
   for (int e = 0; e < 8; ++e) rope_one(a[e], b[e], __ldg(c + e), __ldg(sn + e), remove);
 }
 
+// 8 floats from 16-byte aligned shared (load) or read-only global (ldg) memory.
+__device__ __forceinline__ void load_f32x8(const float* p, float (&v)[8]) {
+  const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+}
+__device__ __forceinline__ void ldg_f32x8(const float* p, float (&v)[8]) {
+  const float4 x = __ldg(reinterpret_cast<const float4*>(p)), y = __ldg(reinterpret_cast<const float4*>(p + 4));
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+}
+
 // Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
 // before the mean) as bf16: + mean, * inv_scale, RoPE re-applied on keys of
 // the calibrated format at position tok0 + t_first + t, 16-byte stores.
@@ -174,10 +184,17 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
     const int t = v / (D / 16), lo = pair_group_lo(tb, v % (D / 16)), hi = lo + half;
     if (skip(t)) continue;
     float a[8], b[8];
+    load_f32x8(os + t * pad + lo, a);
+    load_f32x8(os + t * pad + hi, b);
+    float ml[8], mh[8], sl[8], sh[8];
+    ldg_f32x8(mean + lo, ml);
+    ldg_f32x8(mean + hi, mh);
+    ldg_f32x8(isc + lo, sl);
+    ldg_f32x8(isc + hi, sh);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      a[e] = __fmul_rn(__fadd_rn(os[t * pad + lo + e], __ldg(mean + lo + e)), __ldg(isc + lo + e));
-      b[e] = __fmul_rn(__fadd_rn(os[t * pad + hi + e], __ldg(mean + hi + e)), __ldg(isc + hi + e));
+      a[e] = __fmul_rn(__fadd_rn(a[e], ml[e]), sl[e]);
+      b[e] = __fmul_rn(__fadd_rn(b[e], mh[e]), sh[e]);
     }
     if (rope) rope_pairs(tb, tb.tok0 + t_first + t, lo % tb.rope_dim, /*remove=*/false, a, b);
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + lo), pack_bf16x8(a));
