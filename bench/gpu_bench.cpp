@@ -159,11 +159,6 @@ int main(int argc, char** argv) {
   // Tensor-core outputs against the bound of include/kvcodec/gpu.hpp.
   size_t tc_diff = 0;
   const size_t tc_viol = gpu::tf32_bound_violations(t, check_heads_tc, x.data(), S, y_tc.data(), yref.data(), &tc_diff);
-  double err = 0, nrm = 0;
-  for (size_t i = 0; i < y.size(); ++i) {
-    const double a = gpu::bf16_bits_to_f32(x[i]), b = gpu::bf16_bits_to_f32(y[i]);
-    err += (a - b) * (a - b), nrm += a * a;
-  }
   const double gbs = 1e-6;  // bytes per ms -> GB/s
   std::printf(
       "{\"layers\": %d, \"kv_heads\": %d, \"tokens\": %lld, \"head_dim\": %d, \"bf16_bytes\": %zu, "
@@ -175,7 +170,8 @@ int main(int argc, char** argv) {
       "\"decode_tc_ms\": %.3f, \"decode_tc_gb_s\": %.1f, \"decode_tc_frac_copy\": %.3f, \"decode_tc_fused_ms\": %.3f, "
       "\"decode_tc_pipelined_ms\": %.3f, \"decode_tc_phases_ms\": [%.3f, %.3f], "
       "\"tc_checked_outputs\": %zu, \"tc_outputs_differ\": %zu, \"tc_bound_violations\": %zu}\n",
-      layers, kv_heads, (long long)S, D, bytes, (unsigned long long)total, double(bytes) / double(total), err / nrm,
+      layers, kv_heads, (long long)S, D, bytes, (unsigned long long)total, double(bytes) / double(total),
+      bench::rel_mse(x.data(), y.data(), y.size()),
       copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms, bytes * gbs / dec_ms,
       copy_ms / dec_ms, enc_seq_ms, dec_seq_ms, enc_ph.size() > 2 ? enc_ph[0] : -1.0, enc_ph.size() > 2 ? enc_ph[1] : -1.0,
       enc_ph.size() > 2 ? enc_ph[2] : -1.0, dec_ph.size() > 1 ? dec_ph[0] : -1.0, dec_ph.size() > 1 ? dec_ph[1] : -1.0,

@@ -135,11 +135,6 @@ int main(int argc, char** argv) {
   size_t tc_diff = 0;
   const size_t tc_viol = gpu::tf32_bound_violations(t, 2, x2.data(), S, y2_tc.data(), y_ref.data(), &tc_diff);
   const bool fused_equals_split = y_tc == y_split;
-  double err = 0, nrm = 0;
-  for (size_t i = 0; i < elems; ++i) {
-    const double a = gpu::bf16_bits_to_f32(x[i]), b = gpu::bf16_bits_to_f32(y[i]);
-    err += (a - b) * (a - b), nrm += a * a;
-  }
   const double gbs = 1e-6;  // bytes per ms -> GB/s
   std::printf(
       "{\"calibration\": \"%s\", \"layers\": %d, \"batch\": %d, \"tokens\": %lld, \"dim\": %d, \"sinks\": %d, "
@@ -152,7 +147,7 @@ int main(int argc, char** argv) {
       "\"fused_equals_split\": %s, \"tc_checked_outputs\": %zu, \"tc_outputs_differ\": %zu, "
       "\"tc_bound_violations\": %zu}\n",
       argv[1], L, B, (long long)S, D, sinks, window, bytes, (unsigned long long)total, double(bytes) / double(total),
-      err / nrm, copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms,
+      bench::rel_mse(x.data(), y.data(), elems), copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms,
       bytes * gbs / dec_ms, copy_ms / dec_ms, dec_tc_ms, bytes * gbs / dec_tc_ms, copy_ms / dec_tc_ms, dec_split_ms,
       split_ph.size() > 1 ? split_ph[0] : -1.0, split_ph.size() > 1 ? split_ph[1] : -1.0,
       enc_ph.size() > 2 ? enc_ph[0] : -1.0, enc_ph.size() > 2 ? enc_ph[1] : -1.0, enc_ph.size() > 2 ? enc_ph[2] : -1.0,

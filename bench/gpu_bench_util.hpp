@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/kvtc_variant.hpp"
 #include "kvcodec/safetensors.hpp"
 
 #define CK(x)                                                            \
@@ -46,6 +47,16 @@ double median_ms(F&& fn, int reps) {
   CK(cudaEventDestroy(e1));
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// Squared error of y against x over their squared norm (n bf16 values each).
+inline double rel_mse(const uint16_t* x, const uint16_t* y, size_t n) {
+  double err = 0, nrm = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double a = gpu::bf16_bits_to_f32(x[i]), b = gpu::bf16_bits_to_f32(y[i]);
+    err += (a - b) * (a - b), nrm += a * a;
+  }
+  return err / nrm;
 }
 
 // Layers of a KV dump: the N with a tensor "layers.<N>.key", counted up

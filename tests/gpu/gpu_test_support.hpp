@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gpu/kvtc_variant.hpp"
+#include "kvcodec/error.hpp"
 #include "kvcodec/gpu.hpp"
 #include "kvtc/codec.hpp"
 #include "linalg/pca.hpp"
@@ -71,6 +72,19 @@ struct DevBuf {
   explicit DevBuf(size_t n) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess); }
   ~DevBuf() { cudaFree(p); }
 };
+
+// Stream 0 loses its last byte (stream 1 gains a leading one): decoding the
+// device payload `in` (size bytes, offsets as `offsets` with that change,
+// copied to doff) must be reported by check_errors().
+inline void expect_truncation_flagged(KvtcGpuCodec& codec, const std::vector<uint64_t>& offsets, uint64_t* doff,
+                                      const uint8_t* in, uint64_t size, int64_t tokens, uint16_t* y) {
+  if (offsets.size() < 3 || offsets[2] <= offsets[1] + 1) return;
+  std::vector<uint64_t> cut = offsets;
+  cut[1] -= 1;
+  ASSERT_EQ(cudaMemcpy(doff, cut.data(), cut.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  codec.decode(in, size, doff, tokens, y);
+  EXPECT_THROW(codec.check_errors(), Error);
+}
 
 #endif
 

@@ -1,0 +1,526 @@
+// Decode kernels of kvtc-gpu (design: the header of kvtc_gpu.cu).
+#pragma once
+
+#include <algorithm>
+
+#include "gpu/cuda/kvtc_device.cuh"
+
+namespace kvcodec::gpu {
+namespace {
+
+// ---------------------------------------------------------------- decode ---
+
+// One warp decodes one stream (n tokens) of head h into cs ([K][kT] codes,
+// component-major; global or shared memory) with the head's cum tables and
+// guide at cum / guide. Returns whether the stream is malformed (the same
+// on every lane).
+template <typename CodeT>
+__device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h, const uint32_t* cum,
+                                                   const CodeT* guide, const uint8_t* __restrict__ in,
+                                                   uint64_t in_size, uint64_t start, uint64_t end, int n,
+                                                   CodeT* cs) {
+  const int lane = threadIdx.x % 32;
+  const int K = tb.kept[h];
+  const unsigned lt_mask = (1u << lane) - 1u;
+  int fail = 0;
+  if (!(start <= end && end <= in_size)) {
+    fail = 1;
+  } else if (K == 0) {
+    fail = end != start;
+  } else if (end - start < kStateBytes) {
+    fail = 1;
+  } else {
+    const uint8_t* data = in + start;
+    const uint64_t size = end - start;
+    uint32_t st = uint32_t(data[4 * lane]) | uint32_t(data[4 * lane + 1]) << 8 | uint32_t(data[4 * lane + 2]) << 16 |
+                  uint32_t(data[4 * lane + 3]) << 24;
+    const int passes = (n + 31) / 32;
+    // A valid stream has at most 2 bytes per symbol after the states, so the
+    // size fits 32 bits from here on; every failure below is warp-uniform.
+    fail = __any_sync(0xffffffffu, st < kVariantRansLow) || size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K);
+    const uint32_t size32 = uint32_t(size);
+    uint32_t pos = kStateBytes;
+    const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
+    int k = 0, pass = 0;
+    for (int s = 0; s < K * passes && !fail; ++s) {
+      const int t = pass * 32 + lane;
+      const uint4 c = __ldg(comp + k);  // the same for every lane
+      int ne = 0;
+      if (t < n) {
+        const uint32_t scale = c.w & 0xffu;
+        const uint32_t slot = st & ((1u << scale) - 1u);
+        const uint32_t* ck = cum + c.x;
+        uint32_t base = guide[c.y + (slot >> (c.w >> 8))];
+        uint32_t lo = ck[base], hi = ck[base + 1];
+        while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
+        st = (hi - lo) * (st >> scale) + slot - lo;
+        ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
+        cs[k * kT + t] = CodeT(base);
+      }
+      const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
+      const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
+      pos += __popc(b1) + __popc(b2);
+      if (pos > size32) {
+        fail = 1;  // truncated (every lane sees it)
+      } else if (ne >= 1) {
+        st = st << 8 | data[pre];
+        if (ne == 2) st = st << 8 | data[pre + 1];
+      }
+      if (++pass == passes) pass = 0, ++k;
+    }
+    if (!fail && (pos != size32 || st != kVariantRansLow)) fail = 1;
+  }
+  return __any_sync(0xffffffffu, fail);
+}
+
+// The head's cum tables and guide into shared memory (ssm; 16-byte aligned
+// in global memory, copied as words), or left in global memory.
+template <typename CodeT>
+__device__ __forceinline__ void head_tables(const DeviceTables& tb, int h, int tables_in_smem, uint32_t* ssm,
+                                            const uint32_t*& cum, const CodeT*& guide) {
+  const uint32_t hb = tb.head_base[h], he = tb.head_base[h + 1];
+  cum = tb.cum + hb;
+  const uint32_t gb = tb.guide_base[h];
+  guide = static_cast<const CodeT*>(tb.guide) + gb;
+  if (tables_in_smem) {
+    const uint32_t cw = he - hb, gw = (tb.guide_base[h + 1] - gb) * uint32_t(sizeof(CodeT)) / 4;
+    const uint32_t* gsrc = reinterpret_cast<const uint32_t*>(guide);
+    for (uint32_t i = threadIdx.x; i < cw; i += blockDim.x) ssm[i] = cum[i];
+    for (uint32_t i = threadIdx.x; i < gw; i += blockDim.x) ssm[cw + i] = gsrc[i];
+    __syncthreads();
+    cum = ssm;
+    guide = reinterpret_cast<const CodeT*>(ssm + cw);
+  }
+}
+
+__device__ __forceinline__ void flag_stream(int64_t stream, bool any, uint8_t* bad, int* err) {
+  bad[stream] = any ? 1 : 0;
+  if (any) {
+    atomicExch(err, 1);
+    atomicMin(err + 1, stream < 0x7fffffff ? int(stream) : 0x7fffffff);
+  }
+}
+
+// A CTA decodes kRansWarps consecutive blocks of one head, one per warp, with
+// the head's guide and cumulative-frequency tables in shared memory (or read
+// from global memory when they do not fit). The symbol of a slot is found by
+// a direct look-up: the guide gives the symbol of the slot's bucket start (the
+// top gbits bits of the slot), then a linear scan over cum moves up past the
+// bucket's symbol boundaries (usually none: >= 4 buckets per symbol). This
+// replaced a binary search of ceil(log2(levels)) dependent shared loads per
+// symbol; the result is the same symbol (the one s with cum[s] <= slot <
+// cum[s+1]), so bytes and codes are unchanged.
+template <typename CodeT>
+__global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
+                                                                      uint64_t in_size,
+                                                                      const uint64_t* __restrict__ offsets,
+                                                                      int64_t tokens, int64_t nb, int head0,
+                                                                      int64_t groups_per_head, int tables_in_smem,
+                                                                      CodeT* __restrict__ codes,
+                                                                      uint8_t* __restrict__ bad, int* __restrict__ err) {
+  extern __shared__ __align__(16) uint32_t ssm[];
+  const int h = head0 + int(blockIdx.x / groups_per_head);
+  const int64_t blk = (blockIdx.x % groups_per_head) * kRansWarps + threadIdx.x / 32;
+  const uint32_t* cum;
+  const CodeT* guide;
+  head_tables(tb, h, tables_in_smem, ssm, cum, guide);
+  if (blk >= nb) return;
+  const int64_t stream = int64_t(h) * nb + blk;
+  const int64_t t0 = blk * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const bool any = rans_decode_stream(tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n,
+                                      codes + size_t(stream) * kT * tb.k_pad);
+  if (threadIdx.x % 32 == 0) flag_stream(stream, any, bad, err);
+}
+
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
+                                                                   const uint8_t* __restrict__ bad, int64_t tokens,
+                                                                   int64_t nb, int64_t tiles_per_head, int head0,
+                                                                   uint16_t* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* vs = reinterpret_cast<float*>(smem);  // [KP][kTilePad], vs[k][t] dequantized coefficients
+  const int h = head0 + int(blockIdx.x / tiles_per_head);
+  const int64_t tile = blockIdx.x % tiles_per_head;
+  const int64_t t0 = tile * kTile;
+  const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
+  const int K = tb.kept[h];
+  const int KP = tb.k_pad;
+  const int64_t stream0 = int64_t(h) * nb + tile * 2;
+  const bool bad0 = bad[stream0] != 0, bad1 = n > kT && bad[stream0 + 1] != 0;
+  if (bad0 && (n <= kT || bad1)) return;
+  const CodeT* cs = codes + size_t(stream0) * kT * KP;
+  // Both streams' codes: slot s holds [K][kT] (component-major), tokens
+  // s*kT + j; entries past the stream's n tokens are not read back.
+  const int slots = n > kT ? 2 : 1;
+  for (int v = threadIdx.x; v < slots * K * kT; v += kProjThreads) {
+    const int sidx = v / (K * kT), r = v - sidx * K * kT;
+    const int k = r / kT, t = sidx * kT + r % kT;
+    const size_t q = size_t(h) * KP + k;
+    const float code = float(cs[size_t(sidx) * kT * KP + r]);
+    vs[k * kTilePad + t] = __fmul_rn(__fsub_rn(code, tb.recon_offset[q]), tb.step[q]);
+  }
+  __syncthreads();
+  const float* bs = tb.basis + size_t(h) * KP * D;
+  // One 8x8 tile per thread ((kTile / 8) * (D / 8) <= kProjThreads tiles):
+  // 8 token groups x 4 dim groups per warp: 256 + 128 distinct bytes per k
+  // instead of 64 + 512 (measured 2% faster than 16 x 2 here).
+  static_assert((kTile / 8) * (D / 8) <= kProjThreads, "one tile per thread");
+  const int g = threadIdx.x;
+  int tg, dg;
+  warp_tile(g, tg, dg);
+  const bool active = g < (kTile / 8) * (D / 8) && tg * 8 < n;
+  float acc[8][8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+  if (active) {
+#pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+      const float4 va = *reinterpret_cast<const float4*>(vs + k * kTilePad + tg * 8);
+      const float4 vb = *reinterpret_cast<const float4*>(vs + k * kTilePad + tg * 8 + 4);
+      const float4 ba = __ldg(reinterpret_cast<const float4*>(bs + size_t(k) * D + dg * 8));
+      const float4 bb = __ldg(reinterpret_cast<const float4*>(bs + size_t(k) * D + dg * 8 + 4));
+      const float vv[8] = {va.x, va.y, va.z, va.w, vb.x, vb.y, vb.z, vb.w};
+      const float bv[8] = {ba.x, ba.y, ba.z, ba.w, bb.x, bb.y, bb.z, bb.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = __fmaf_rn(vv[i], bv[j], acc[i][j]);
+    }
+  }
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  if (!tb.rope[h]) {
+    // No RoPE: straight from the registers (the staging below cost 0.8 ms
+    // of 3.5 on the kvtc-gpu/2 dump batch); the same ops as store_tokens.
+    if (!active || (tg * 8 < kT ? bad0 : bad1)) return;
+    const float* mean = tb.mean + size_t(h) * D;
+    const float* isc = tb.inv_scale + size_t(h) * D;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (tg * 8 + i >= n) break;
+      float r[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(__fadd_rn(acc[i][j], mean[dg * 8 + j]), isc[dg * 8 + j]);
+      *reinterpret_cast<uint4*>(yh + size_t(tg * 8 + i) * D + dg * 8) = pack_bf16x8(r);
+    }
+    return;
+  }
+  // RoPE: the products go through shared memory (vs reused, [kTile][D + 4])
+  // so the store can pair each dim with its RoPE partner.
+  constexpr int kOutPad = D + 4;
+  __syncthreads();
+  float* os = vs;
+  if (active)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      *reinterpret_cast<float4*>(os + (tg * 8 + i) * kOutPad + dg * 8) =
+          make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      *reinterpret_cast<float4*>(os + (tg * 8 + i) * kOutPad + dg * 8 + 4) =
+          make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
+    }
+  __syncthreads();
+  store_tokens<D>(tb, h, os, kOutPad, n, t0, yh, [&](int t) { return t < kT ? bad0 : bad1; });
+}
+
+// Tensor-core reconstruction (Reconstruction::kTf32TensorCores): the
+// product [64 tokens, K] x [K, D] of one stream on tensor cores
+// (mma.sync m16n8k8, TF32 operands, fp32 accumulation). Operands are rounded
+// to TF32 (10-bit mantissa; the coefficients when staged, the basis once on
+// the host), so y differs from the exact path by at most ~2^-10 * sum_k
+// |v_k b_kd| before the bf16 rounding (bound tested in tests/gpu).
+// Both operands sit in fragment order: the basis in global memory (host
+// side, basis_frag: per (head, k-step of 8, 32 dims) each lane's 8 B
+// registers contiguous, one 32-byte load per lane), the coefficients in
+// shared memory (per (k-step, 16 tokens) each lane's 4 A registers, one
+// conflict-free 16-byte load). The WMMA version (load_matrix_sync, scalar
+// loads) was bound by load instructions: 1.96 ms for the dump batch.
+// 8 warps of (D/64)*16 tokens x 32 dims per stream, 64 registers.
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const float4& a, float b0, float b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(__float_as_uint(a.x)), "r"(__float_as_uint(a.y)), "r"(__float_as_uint(a.z)), "r"(__float_as_uint(a.w)),
+        "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+__device__ __forceinline__ float to_tf32(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return __uint_as_float(r);
+}
+
+// Position of coefficient (token t < 64, component k) in the staged A
+// operand: per (k-step ks, 16-token tile mt) 32 lanes x 4 registers, lane
+// (t%8)*4 + k%4, register (t%16)/8 + 2*((k%8)/4) (the m16n8k8 A layout).
+__device__ __forceinline__ int a_frag_index(int t, int k) {
+  const int ks = k >> 3, kk = k & 7, mt = t >> 4, tt = t & 15;
+  return (((ks * 4 + mt) * 32) + (tt & 7) * 4 + (kk & 3)) * 4 + (tt >> 3) + 2 * (kk >> 2);
+}
+
+// One stream's TF32 reconstruction by the CTA's 8 warps: codes cs ([K][kT],
+// global memory) -> bf16 rows of tokens t0.. of head h. smem:
+// tc_smem_bytes(k_pad, D), reused between the phases.
+template <int D, typename CodeT>
+__device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, int h, const CodeT* cs, int n,
+                                                      int64_t t0, uint16_t* __restrict__ y, float* smem) {
+  constexpr int NG = D / 32;       // 32-dim column groups
+  constexpr int WM = 8 / NG;       // warps along tokens
+  constexpr int MT = kT / 16 / WM; // 16-token tiles per warp
+  constexpr int kOutPad = D + 4;   // row stride of the fp32 output staging
+  float* vs = smem;  // [K8 / 8][4][32 lanes][4]: A in fragment order
+  const int K = tb.kept[h];
+  const int K8 = (K + 7) / 8 * 8;
+  const int KP = tb.k_pad;
+  // Dequantize (the exact path's fp32 ops), round to TF32; rows K..K8-1 are
+  // zero so the last k-step adds nothing. Token columns past n hold finite
+  // stale codes; their rows are not stored. Thread j takes 16 tokens of one
+  // k: its codes in 16-byte loads, all of a thread's loads issued before any
+  // is used (one memory latency per CTA instead of one per element: an
+  // element-wise loop took 4.19 ms here, 2.14 ms so).
+  constexpr int kVec = 16 * int(sizeof(CodeT)) / 16;  // uint4 per 16 codes
+  constexpr int kPer = 2;                               // groups of 16 per thread per round
+  const int n_groups = K8 * (kT / 16);
+  for (int j0 = 0; j0 < n_groups; j0 += kPer * kProjThreads) {
+    uint4 raw[kPer][kVec];
+    float off[kPer], stp[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int j = j0 + u * kProjThreads + int(threadIdx.x);
+      const int k = j / (kT / 16), tq = (j % (kT / 16)) * 16;
+      off[u] = 0.0f;
+      stp[u] = 0.0f;
+      if (j < n_groups && k < K) {
+        const size_t q = size_t(h) * KP + k;
+        off[u] = tb.recon_offset[q];
+        stp[u] = tb.step[q];
+        const uint4* src = reinterpret_cast<const uint4*>(cs + size_t(k) * kT + tq);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) raw[u][e] = __ldcs(src + e);  // read once: do not keep in L2
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) raw[u][e] = make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int j = j0 + u * kProjThreads + int(threadIdx.x);
+      if (j >= n_groups) continue;
+      const int k = j / (kT / 16), tq = (j % (kT / 16)) * 16;
+      uint32_t w[4 * kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        w[4 * e] = raw[u][e].x;
+        w[4 * e + 1] = raw[u][e].y;
+        w[4 * e + 2] = raw[u][e].z;
+        w[4 * e + 3] = raw[u][e].w;
+      }
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        // Code e of the 16 (little-endian within the words).
+        constexpr int per_word = 4 / int(sizeof(CodeT));
+        const uint32_t code = (w[e / per_word] >> (8 * int(sizeof(CodeT)) * (e % per_word))) &
+                              (sizeof(CodeT) == 1 ? 0xffu : 0xffffu);
+        vs[a_frag_index(tq + e, k)] = k < K ? to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
+      }
+    }
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp % WM, ng = warp / WM;
+  float acc[MT][4][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.0f;
+  const float4* bsrc = reinterpret_cast<const float4*>(tb.basis_frag) + (size_t(h) * (KP / 8) * NG + ng) * 64 + lane * 2;
+  const float4* asrc = reinterpret_cast<const float4*>(vs) + wm * MT * 32 + lane;
+#pragma unroll 2
+  for (int ks = 0; ks < K8 / 8; ++ks) {
+    const float4 b01 = __ldg(bsrc + size_t(ks) * NG * 64), b23 = __ldg(bsrc + size_t(ks) * NG * 64 + 1);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const float4 a = asrc[(ks * 4 + m) * 32];
+      mma_tf32(acc[m][0], a, b01.x, b01.y);
+      mma_tf32(acc[m][1], a, b01.z, b01.w);
+      mma_tf32(acc[m][2], a, b23.x, b23.y);
+      mma_tf32(acc[m][3], a, b23.z, b23.w);
+    }
+  }
+  __syncthreads();  // vs is reused as the output staging
+  float* os = smem;  // [kT][kOutPad]
+  {
+    const int g = lane / 4, tq = lane % 4;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = (wm * MT + m) * 16 + g, col = ng * 32 + i * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(os + row * kOutPad + col) = make_float2(acc[m][i][0], acc[m][i][1]);
+        *reinterpret_cast<float2*>(os + (row + 8) * kOutPad + col) = make_float2(acc[m][i][2], acc[m][i][3]);
+      }
+  }
+  __syncthreads();
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  store_tokens<D>(tb, h, os, kOutPad, n, t0, yh, [](int) { return false; });
+}
+
+// One stream (64 tokens) per CTA, 4 CTAs per SM (one CTA's code loads
+// overlap another's MMAs).
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceTables tb, const CodeT* __restrict__ codes,
+                                                                      const uint8_t* __restrict__ bad, int64_t tokens,
+                                                                      int64_t nb, int head0, uint16_t* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int h = head0 + int(blockIdx.x / nb);
+  const int64_t blk = blockIdx.x % nb;
+  const int64_t stream = int64_t(h) * nb + blk;
+  if (bad[stream]) return;  // tokens of a malformed stream are left untouched
+  const int64_t t0 = blk * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  tc_reconstruct_stream<D, CodeT>(tb, h, codes + size_t(stream) * kT * tb.k_pad, n, t0, y,
+                                         reinterpret_cast<float*>(smem));
+}
+
+// The fused TF32 decode (set_fused_decode(true) with kTf32TensorCores): every
+// warp of a CTA takes one stream of the CTA's head (kFusedStreams per CTA),
+// rANS-decodes it into its own slot of shared memory and reconstructs it
+// from there on tensor cores, on its own (no CTA barrier after the tables):
+// the codes never reach global memory, and at any moment some warps of an
+// SM run the latency-bound rANS steps while others run MMAs. Per 32-dim
+// pass and 16-token tile a warp holds 16 dims of a RoPE sub-head's first
+// half and their 16 partners, so RoPE is applied in registers. The products
+// are the two-kernel path's (same operands, k-steps in the same order), so
+// both give the same bits (tested).
+constexpr int kFusedStreams = kProjThreads / 32;
+
+template <int D, typename CodeT>
+__device__ __forceinline__ void warp_tc_reconstruct(const DeviceTables& tb, int h, const CodeT* cs, int n,
+                                                    int64_t t0, uint16_t* __restrict__ y) {
+  constexpr int NG = D / 32;
+  const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int K = tb.kept[h], K8 = (K + 7) / 8 * 8, KP = tb.k_pad;
+  const int RD = tb.rope_dim, half = RD / 2;
+  const bool rope = tb.rope[h] != 0;
+  const float* mean = tb.mean + size_t(h) * D;
+  const float* isc = tb.inv_scale + size_t(h) * D;
+  const float* off = tb.recon_offset + size_t(h) * KP;
+  const float* stp = tb.step + size_t(h) * KP;
+  const float4* frag = reinterpret_cast<const float4*>(tb.basis_frag) + size_t(h) * (KP / 8) * NG * 64 + lane * 2;
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  for (int p = 0; p < D / 32; ++p) {
+    const int lo = (p / (RD / 32)) * RD + (p % (RD / 32)) * 16, hi = lo + half;
+    // This lane's B registers of tiles [lo, lo+16) and [hi, hi+16): one
+    // float4 of its 8 registers in the 32-dim group of each.
+    const float4* blo = frag + (lo / 32) * 64 + (lo % 32) / 16;
+    const float4* bhi = frag + (hi / 32) * 64 + (hi % 32) / 16;
+    // One 16-token tile at a time: 16 accumulators, so 3 CTAs of 8 warps
+    // fit an SM (the rANS steps are latency-bound and want warps).
+    for (int m = 0; m < 4; ++m) {
+      const int r0 = m * 16 + g, r1 = r0 + 8;
+      float acc[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+#pragma unroll 2
+      for (int ks = 0; ks < K8 / 8; ++ks) {
+        const float4 bl = __ldg(blo + size_t(ks) * NG * 64), bh = __ldg(bhi + size_t(ks) * NG * 64);
+        const int k0 = ks * 8 + tq, k1 = k0 + 4;
+        // The two-kernel path's dequantization (0 past K; the code slots
+        // exist up to k_pad >= K8).
+        const CodeT* c0 = cs + k0 * kT;
+        const CodeT* c1 = cs + k1 * kT;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (k0 < K) {
+          const float o0 = __ldg(off + k0), s0 = __ldg(stp + k0);
+          a.x = to_tf32(__fmul_rn(__fsub_rn(float(c0[r0]), o0), s0));
+          a.y = to_tf32(__fmul_rn(__fsub_rn(float(c0[r1]), o0), s0));
+        }
+        if (k1 < K) {
+          const float o1 = __ldg(off + k1), s1 = __ldg(stp + k1);
+          a.z = to_tf32(__fmul_rn(__fsub_rn(float(c1[r0]), o1), s1));
+          a.w = to_tf32(__fmul_rn(__fsub_rn(float(c1[r1]), o1), s1));
+        }
+        mma_tf32(acc[0], a, bl.x, bl.y);
+        mma_tf32(acc[1], a, bl.z, bl.w);
+        mma_tf32(acc[2], a, bh.x, bh.y);
+        mma_tf32(acc[3], a, bh.z, bh.w);
+      }
+      // C of tile i: (row g, cols 2tq, 2tq+1) in regs 0, 1 and row g + 8 in
+      // regs 2, 3. Tile i (lo side) pairs with tile i + 2 (hi side).
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = hr ? r1 : r0;
+        if (row >= n) continue;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int dl = lo + j * 8 + 2 * tq, dh = dl + half;
+          float va[2], vb[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            va[e] = __fmul_rn(__fadd_rn(acc[j][2 * hr + e], __ldg(mean + dl + e)), __ldg(isc + dl + e));
+            vb[e] = __fmul_rn(__fadd_rn(acc[j + 2][2 * hr + e], __ldg(mean + dh + e)), __ldg(isc + dh + e));
+          }
+          if (rope) {
+            const int64_t pos = tb.tok0 + t0 + row;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const size_t r = size_t(pos) * half + size_t((dl + e) % RD);
+              rope_one(va[e], vb[e], __ldg(tb.rope_cos + r), __ldg(tb.rope_sin + r), /*remove=*/false);
+            }
+          }
+          const uint32_t wl = uint32_t(f32_to_bf16_dev(va[0])) | uint32_t(f32_to_bf16_dev(va[1])) << 16;
+          const uint32_t wh = uint32_t(f32_to_bf16_dev(vb[0])) | uint32_t(f32_to_bf16_dev(vb[1])) << 16;
+          __stcs(reinterpret_cast<unsigned int*>(yh + size_t(row) * D + dl), wl);
+          __stcs(reinterpret_cast<unsigned int*>(yh + size_t(row) * D + dh), wh);
+        }
+      }
+    }
+  }
+}
+
+template <int D, typename CodeT>
+__global__ void __launch_bounds__(kProjThreads, 3) decode_fused_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
+                                                                    uint64_t in_size,
+                                                                    const uint64_t* __restrict__ offsets,
+                                                                    int64_t tokens, int64_t nb, int head0,
+                                                                    int64_t groups_per_head, int tables_in_smem,
+                                                                    size_t table_bytes, uint8_t* __restrict__ bad,
+                                                                    int* __restrict__ err, uint16_t* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int h = head0 + int(blockIdx.x / groups_per_head);
+  const int w = threadIdx.x / 32;
+  const int64_t blk = (blockIdx.x % groups_per_head) * kFusedStreams + w;
+  const uint32_t* cum;
+  const CodeT* guide;
+  head_tables(tb, h, tables_in_smem, reinterpret_cast<uint32_t*>(smem), cum, guide);
+  if (blk >= nb) return;
+  CodeT* cs = reinterpret_cast<CodeT*>(smem + table_bytes) + size_t(w) * kT * tb.k_pad;  // this warp's slot
+  const int64_t stream = int64_t(h) * nb + blk;
+  const int64_t t0 = blk * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const bool any = rans_decode_stream(tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n, cs);
+  if (threadIdx.x % 32 == 0) flag_stream(stream, any, bad, err);
+  if (any) return;  // warp-uniform: tokens of a malformed stream are left untouched
+  __syncwarp();
+  warp_tc_reconstruct<D, CodeT>(tb, h, cs, n, t0, y);
+}
+
+// Shared memory of reconstruct_tc_kernel: the coefficients (k_pad x kT, in
+// fragment order), then (reused) the fp32 output [kT][D + 4].
+size_t tc_smem_bytes(int k_pad, int dim) {
+  return std::max(size_t(k_pad) * kT, size_t(kT) * size_t(dim + 4)) * 4;
+}
+
+// Shared memory of reconstruct_kernel: the coefficients [k_pad][kTilePad],
+// then (reused) the fp32 products [kTile][dim + 4].
+size_t rec_smem_bytes(int k_pad, int dim) {
+  return std::max(size_t(k_pad) * kTilePad, size_t(kTile) * size_t(dim + 4)) * 4;
+}
+
+}  // namespace
+}  // namespace kvcodec::gpu

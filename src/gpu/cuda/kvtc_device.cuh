@@ -1,0 +1,174 @@
+// Shared by the kvtc-gpu kernels (kvtc_gpu.cu): launch shapes, the device
+// copy of the tables, bf16 / RoPE helpers and the token store.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "gpu/kvtc_variant.hpp"
+#include "kvcodec/error.hpp"
+#include "kvcodec/gpu.hpp"
+
+namespace kvcodec::gpu {
+namespace {
+
+constexpr int kT = KvtcGpuCodec::kBlockTokens;  // tokens per stream
+constexpr int kTile = 2 * kT;                    // tokens per projection CTA
+constexpr int kProjThreads = 256;
+constexpr int kRansWarps = 4;
+// Decoder guide buckets per component: 2^min(scale, ceil(log2(levels)) + 2,
+// kGuideMaxBits), i.e. >= 4 buckets per symbol where the scale allows, so
+// the scan after the look-up is usually empty.
+constexpr uint32_t kGuideMaxBits = 10;
+constexpr int kTilePad = kTile + 4;  // row stride of transposed tiles (16-byte aligned rows)
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw Error(ErrorCode::kInternal, std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
+}
+
+struct DeviceTables {
+  int n_heads, dim, k_pad;
+  const int32_t* kept;
+  const float* mean;
+  const float* basis;
+  const float* basis_t;
+  const float* basis_frag;   // basis rounded to TF32, in mma B-fragment order (tensor-core reconstruction)
+  const float* inv_step;
+  const float* code_offset;
+  const float* max_code;
+  const float* step;
+  const float* recon_offset;
+  // [NH, k_pad] {cum offset in the head's table, guide offset in the head's
+  // guide, sym_base, scale_bits | guide shift << 8}
+  const uint4* comp;
+  const uint4* sym_enc;       // per symbol {rcp, bias, freq, shift | cmpl_freq << 8} (encoder)
+  const uint32_t* cum;        // per head, per component: cum[0..levels] (levels + 1 entries; decoder)
+  const uint32_t* head_base;  // [NH + 1] start of each head's entries in cum
+  // Decoder guide, per head per component 2^gbits entries (CodeT: u8, or u16
+  // with wide codes): guide[j] = the symbol of slot j << shift (shift = scale
+  // - gbits), the first candidate for any slot of that bucket.
+  const void* guide;
+  const uint32_t* guide_base;  // [NH + 1] start of each head's guide (multiples of 16 entries)
+  // Calibrated transforms (kvtc_variant.hpp; identity for plain heads).
+  const float* scale;          // [NH, D]
+  const float* inv_scale;      // [NH, D]
+  const uint8_t* rope;         // [NH]
+  const float* rope_cos;       // [positions, rope_dim / 2]
+  const float* rope_sin;
+  int rope_dim;
+  // Per call: each head's rows are seq tokens apart; the coded ones start at
+  // row tok0 (= their position), the sinks before them stay raw.
+  int64_t seq, tok0;
+};
+
+__device__ __forceinline__ float bf16_to_f32_dev(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+
+__device__ __forceinline__ uint16_t f32_to_bf16_dev(float v) {
+  uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+__device__ __forceinline__ void load_bf16x8(const uint16_t* p, float (&v)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    v[2 * e] = bf16_to_f32_dev(uint16_t(w[e] & 0xffffu));
+    v[2 * e + 1] = bf16_to_f32_dev(uint16_t(w[e] >> 16));
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) w[e] = uint32_t(f32_to_bf16_dev(v[2 * e])) | uint32_t(f32_to_bf16_dev(v[2 * e + 1])) << 16;
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// A token's dims come in pair groups q < D/16: 8 dims [lo, lo+8) of the
+// first half of a RoPE sub-head and their partners [lo+half, lo+half+8).
+__device__ __forceinline__ int pair_group_lo(const DeviceTables& tb, int q) {
+  const int per = tb.rope_dim / 16;
+  return (q / per) * tb.rope_dim + (q % per) * 8;
+}
+
+// RoPE on one pair (kvtc_variant.hpp: the op order).
+__device__ __forceinline__ void rope_one(float& a, float& b, float c, float s, bool remove) {
+  const float a0 = a, b0 = b;
+  if (remove) {
+    a = __fmaf_rn(a0, c, __fmul_rn(b0, s));
+    b = __fmaf_rn(b0, c, -__fmul_rn(a0, s));
+  } else {
+    a = __fmaf_rn(a0, c, -__fmul_rn(b0, s));
+    b = __fmaf_rn(b0, c, __fmul_rn(a0, s));
+  }
+}
+
+// RoPE on 8 pairs at `position`, frequencies i0..i0+7.
+__device__ __forceinline__ void rope_pairs(const DeviceTables& tb, int64_t position, int i0, bool remove,
+                                           float (&a)[8], float (&b)[8]) {
+  const int half = tb.rope_dim / 2;
+  const float* c = tb.rope_cos + size_t(position) * half + i0;
+  const float* sn = tb.rope_sin + size_t(position) * half + i0;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) rope_one(a[e], b[e], __ldg(c + e), __ldg(sn + e), remove);
+}
+
+// 8 floats from 16-byte aligned shared (load) or read-only global (ldg) memory.
+__device__ __forceinline__ void load_f32x8(const float* p, float (&v)[8]) {
+  const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+}
+__device__ __forceinline__ void ldg_f32x8(const float* p, float (&v)[8]) {
+  const float4 x = __ldg(reinterpret_cast<const float4*>(p)), y = __ldg(reinterpret_cast<const float4*>(p + 4));
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+}
+
+// Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
+// before the mean) as bf16: + mean, * inv_scale, RoPE re-applied on keys of
+// the calibrated format at position tok0 + t_first + t, 16-byte stores.
+// Tokens with skip(t) are left untouched.
+template <int D, typename Skip>
+__device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, const float* os, int pad, int n,
+                                             int64_t t_first, uint16_t* __restrict__ yh, Skip skip) {
+  const float* mean = tb.mean + size_t(h) * D;
+  const float* isc = tb.inv_scale + size_t(h) * D;
+  const bool rope = tb.rope[h] != 0;
+  const int half = tb.rope_dim / 2;
+  for (int v = threadIdx.x; v < n * (D / 16); v += blockDim.x) {
+    const int t = v / (D / 16), lo = pair_group_lo(tb, v % (D / 16)), hi = lo + half;
+    if (skip(t)) continue;
+    float a[8], b[8];
+    load_f32x8(os + t * pad + lo, a);
+    load_f32x8(os + t * pad + hi, b);
+    float ml[8], mh[8], sl[8], sh[8];
+    ldg_f32x8(mean + lo, ml);
+    ldg_f32x8(mean + hi, mh);
+    ldg_f32x8(isc + lo, sl);
+    ldg_f32x8(isc + hi, sh);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      a[e] = __fmul_rn(__fadd_rn(a[e], ml[e]), sl[e]);
+      b[e] = __fmul_rn(__fadd_rn(b[e], mh[e]), sh[e]);
+    }
+    if (rope) rope_pairs(tb, tb.tok0 + t_first + t, lo % tb.rope_dim, /*remove=*/false, a, b);
+    __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + lo), pack_bf16x8(a));
+    __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + hi), pack_bf16x8(b));
+  }
+}
+
+// Thread g of a tiled [128 tokens, 8*C columns] product: warp g/32 covers
+// token groups 8*(w%2)..+7 and column groups 4*(w/2)..+3, lane l takes token
+// group l%8 and column group l/8 of those.
+__device__ __forceinline__ void warp_tile(int g, int& tg, int& cg) {
+  const int w = g / 32, l = g % 32;
+  tg = (w % 2) * 8 + (l % 8);
+  cg = (w / 2) * 4 + (l / 8);
+}
+
+}  // namespace
+}  // namespace kvcodec::gpu
