@@ -177,18 +177,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
     for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
   if (active) {
 #pragma unroll 4
-    for (int k = 0; k < K; ++k) {
-      const float4 va = *reinterpret_cast<const float4*>(vs + k * kTilePad + tg * 8);
-      const float4 vb = *reinterpret_cast<const float4*>(vs + k * kTilePad + tg * 8 + 4);
-      const float4 ba = __ldg(reinterpret_cast<const float4*>(bs + size_t(k) * D + dg * 8));
-      const float4 bb = __ldg(reinterpret_cast<const float4*>(bs + size_t(k) * D + dg * 8 + 4));
-      const float vv[8] = {va.x, va.y, va.z, va.w, vb.x, vb.y, vb.z, vb.w};
-      const float bv[8] = {ba.x, ba.y, ba.z, ba.w, bb.x, bb.y, bb.z, bb.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = __fmaf_rn(vv[i], bv[j], acc[i][j]);
-    }
+    for (int k = 0; k < K; ++k) fma_tile_8x8(acc, vs + k * kTilePad + tg * 8, bs + size_t(k) * D + dg * 8);
   }
   uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
   if (!tb.rope[h]) {

@@ -128,6 +128,19 @@ __device__ __forceinline__ void ldg_f32x8(const float* p, float (&v)[8]) {
   v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
 }
 
+// acc[i][j] += a[i] * b[j] (fp32 fma, the variant's order) for the 8 values
+// a (shared memory) and b (read-only global memory): one step of the 8x8
+// register tiles of the exact projection and reconstruction.
+__device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a, const float* b) {
+  float av[8], bv[8];
+  load_f32x8(a, av);
+  ldg_f32x8(b, bv);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[i][j] = __fmaf_rn(av[i], bv[j], acc[i][j]);
+}
+
 // Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
 // before the mean) as bf16: + mean, * inv_scale, RoPE re-applied on keys of
 // the calibrated format at position tok0 + t_first + t, 16-byte stores.

@@ -67,18 +67,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
 #pragma unroll 4
-    for (int d = 0; d < D; ++d) {
-      const float4 xa = *reinterpret_cast<const float4*>(xs + d * kTilePad + tg * 8);
-      const float4 xb = *reinterpret_cast<const float4*>(xs + d * kTilePad + tg * 8 + 4);
-      const float4 ba = __ldg(reinterpret_cast<const float4*>(bt + size_t(d) * KP + kg * 8));
-      const float4 bb = __ldg(reinterpret_cast<const float4*>(bt + size_t(d) * KP + kg * 8 + 4));
-      const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-      const float bv[8] = {ba.x, ba.y, ba.z, ba.w, bb.x, bb.y, bb.z, bb.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = __fmaf_rn(xv[i], bv[j], acc[i][j]);
-    }
+    for (int d = 0; d < D; ++d) fma_tile_8x8(acc, xs + d * kTilePad + tg * 8, bt + size_t(d) * KP + kg * 8);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int k = kg * 8 + j;
