@@ -7,7 +7,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "model/config.hpp"
 #include "model/corpus.hpp"
 #include "model/eval.hpp"
 #include "model/paths.hpp"
@@ -162,6 +164,25 @@ TEST(ModelDefaults, KvtcTakesTheModelFolderSettingsUnlessTheUserChoosesAMode) {
   std::string message;
   EXPECT_EQ(code_of([&] { with_model_defaults(dir.path().string(), "kvtc", {}); }, &message), ErrorCode::kConfig);
   EXPECT_NE(message.find("window=8"), std::string::npos) << message;
+}
+
+// The shipped model folder makes kvtc calibrated with its own file, and the
+// cache accepts those settings for the model's shape; mode=local still works.
+TEST(ModelDefaults, ShippedModelMakesKvtcCalibrated) {
+  const std::string dir = testing::shipped_model_dir();
+  const Settings s = with_model_defaults(dir, "kvtc", {});
+  ASSERT_TRUE(s.count("calibration"));
+  EXPECT_TRUE(fs::is_regular_file(s.at("calibration"))) << s.at("calibration");
+  EXPECT_EQ(s.at("window"), "8");
+  EXPECT_EQ(s.at("refine"), "128");
+  const ModelConfig mc = load_model_config(dir + "/config.json");
+  CacheConfig c;
+  c.n_layers = mc.n_layers;
+  c.n_kv_heads = mc.n_kv_heads;
+  c.head_dim = mc.head_dim;
+  c.rope_theta = mc.rope_theta;
+  EXPECT_NE(make_cache("kvtc", c, s), nullptr);
+  EXPECT_NE(make_cache("kvtc", c, with_model_defaults(dir, "kvtc", {{"mode", "local"}})), nullptr);
 }
 
 }  // namespace
