@@ -5,7 +5,8 @@ packages=(
   build-essential cmake pkg-config clang libclang-rt-14-dev libomp-14-dev
   libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
   nlohmann-json3-dev libfmt-dev libxxhash-dev libzstd-dev libcpp-httplib-dev
-  gnuplot-nox python3
+  gnuplot-nox
+  python3  # its python3-minimal installs the default eval corpus (docs/eval.md)
   chromium  # headless render of the server dashboard (tests/server skip without it)
 )
 missing=()

@@ -99,6 +99,15 @@ std::vector<int32_t> load_u16_tokens(const std::string& path) {
   return tokens;
 }
 
+void require_corpus_tokens(const EvalOptions& o, int64_t n_tokens, const std::string& source) {
+  const int64_t needed = (o.first_window + o.windows) * o.window_length;
+  if (o.first_window < 0 || o.windows < 1 || o.window_length < 2 || n_tokens >= needed) return;  // validate() names these
+  throw Error(ErrorCode::kNotFound,
+              source + " has " + std::to_string(n_tokens) + " tokens; " + std::to_string(o.windows) + " window(s) of " +
+                  std::to_string(o.window_length) + " from window " + std::to_string(o.first_window) + " need " +
+                  std::to_string(needed) + " (fewer --windows, a shorter --window-length, or more text)");
+}
+
 std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int32_t>& tokens,
                                  const std::vector<MethodSpec>& methods, const MethodSpec& baseline,
                                  const EvalOptions& o, const ProgressFn& progress) {
@@ -178,6 +187,7 @@ std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int3
     }
   }
 
+  const double baseline_ppl = std::exp(acc[0].nll / double(acc[0].scored));
   std::vector<EvalResult> results;
   for (size_t m = 0; m < methods.size(); ++m) {
     const Acc& a = acc[size_t(run_of[m])];
@@ -186,6 +196,7 @@ std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int3
     r.scored = a.scored;
     r.nll = a.nll / double(a.scored);
     r.ppl = std::exp(r.nll);
+    r.ppl_change = r.ppl / baseline_ppl - 1.0;
     r.kl = a.kl / double(a.scored);
     r.top1 = double(a.top1) / double(a.scored);
     r.stats = a.stats;

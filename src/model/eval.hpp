@@ -46,6 +46,7 @@ struct EvalResult {
   int64_t scored = 0;        // predictions scored
   double nll = 0.0;          // mean, nats/token
   double ppl = 0.0;          // exp(nll)
+  double ppl_change = 0.0;   // ppl / the baseline's ppl - 1
   double kl = 0.0;           // mean KL(p_baseline || p_method), nats
   double top1 = 0.0;         // share of positions whose argmax equals the baseline's
   double compression_ratio = 0.0;
@@ -56,6 +57,10 @@ struct EvalResult {
 
 // Reads a .u16 token file (little-endian uint16). Throws Error(kIo / kFormat).
 std::vector<int32_t> load_u16_tokens(const std::string& path);
+
+// Throws Error(kNotFound) when `n_tokens` tokens read from `source` cannot
+// hold the windows `options` asks for, naming how many tokens they need.
+void require_corpus_tokens(const EvalOptions& options, int64_t n_tokens, const std::string& source);
 
 // (done, total) in forward steps, for a progress bar.
 using ProgressFn = std::function<void(int64_t done, int64_t total)>;

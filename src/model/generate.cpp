@@ -27,6 +27,29 @@ Sampler::Sampler(const SamplingOptions& options) : options_(options), state_(opt
     throw_config_error("temperature", std::to_string(options.temperature), "[0, 100] (0 = greedy)");
   if (!(options.top_p > 0.0 && options.top_p <= 1.0))
     throw_config_error("top_p", std::to_string(options.top_p), "(0, 1]");
+  if (!(options.repetition_penalty >= 1.0 && options.repetition_penalty <= 10.0))
+    throw_config_error("repetition_penalty", std::to_string(options.repetition_penalty), "[1, 10] (1 = off)");
+  if (options.repetition_window < 0 || options.repetition_window > (1 << 20))
+    throw_config_error("repetition_window", std::to_string(options.repetition_window), "[0, 1048576]");
+}
+
+void Sampler::observe(int32_t token) {
+  if (options_.repetition_window == 0) return;
+  if (int(recent_.size()) == options_.repetition_window) recent_.erase(recent_.begin());
+  recent_.push_back(token);
+}
+
+// The logits with the penalty applied to every recent token once (a token
+// seen twice is not penalised twice), or the logits themselves when off.
+const float* Sampler::penalized(const float* logits, int vocab) {
+  if (options_.repetition_penalty == 1.0 || recent_.empty()) return logits;
+  penalized_.assign(logits, logits + vocab);
+  const float p = float(options_.repetition_penalty);
+  for (int32_t t : recent_) {
+    if (t < 0 || t >= vocab || penalized_[size_t(t)] != logits[t]) continue;
+    penalized_[size_t(t)] = logits[t] > 0.0f ? logits[t] / p : logits[t] * p;
+  }
+  return penalized_.data();
 }
 
 // splitmix64: small, fast, and the same on every platform.
@@ -38,7 +61,8 @@ double Sampler::next_uniform() {
   return double(z >> 11) * (1.0 / 9007199254740992.0);
 }
 
-int32_t Sampler::sample(const float* logits, int vocab) {
+int32_t Sampler::sample(const float* raw_logits, int vocab) {
+  const float* logits = penalized(raw_logits, vocab);
   if (options_.temperature == 0.0) return argmax(logits, vocab);
   // Softmax at temperature T, highest first; ties by index keep it deterministic.
   const float mx = logits[argmax(logits, vocab)];
@@ -71,6 +95,7 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt, co
   if (options.max_tokens < 0)
     throw_config_error("max_tokens", std::to_string(options.max_tokens), ">= 0");
   Sampler sampler(options.sampling);
+  for (int32_t t : prompt) sampler.observe(t);
   const int vocab = session.model().config().vocab_size;
   GenerateResult result;
   result.prompt_tokens = int64_t(prompt.size());
@@ -85,6 +110,7 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt, co
   for (int64_t i = 0; i < options.max_tokens; ++i) {
     const int32_t next = sampler.sample(logits.data(), vocab);
     result.tokens.push_back(next);
+    sampler.observe(next);
     if (on_token) on_token(next);
     if (next == options.eos_token) {
       result.stopped_at_eos = true;

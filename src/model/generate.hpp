@@ -1,4 +1,5 @@
-// Sampling and generation (DESIGN 8): greedy, temperature, top-p, seeded.
+// Sampling and generation (DESIGN 8): greedy, temperature, top-p,
+// repetition penalty, seeded.
 #pragma once
 
 #include <cstdint>
@@ -13,21 +14,33 @@ struct SamplingOptions {
   double temperature = 0.0;  // 0: greedy (argmax)
   double top_p = 1.0;        // nucleus: keep the smallest set of tokens whose probability reaches top_p
   uint64_t seed = 0;
+  // CTRL-style penalty on the tokens among the last `repetition_window`
+  // observed ones: a positive logit is divided by it, a negative one
+  // multiplied (1 = off). Small models at low temperature otherwise repeat
+  // one line forever.
+  double repetition_penalty = 1.0;
+  int repetition_window = 64;
 };
 
 // Deterministic for a seed on every platform (own generator and arithmetic,
 // no std:: distributions, whose output is implementation-defined).
 class Sampler {
  public:
-  // Throws Error(kConfig) naming temperature / top_p when out of range.
+  // Throws Error(kConfig) naming temperature / top_p / repetition_penalty /
+  // repetition_window when out of range.
   explicit Sampler(const SamplingOptions& options);
   int32_t sample(const float* logits, int vocab);
+  // A token of the text so far (prompt and generated), for the penalty.
+  void observe(int32_t token);
 
  private:
   double next_uniform();  // [0, 1)
+  const float* penalized(const float* logits, int vocab);
   SamplingOptions options_;
   uint64_t state_;
   std::vector<std::pair<float, int32_t>> scratch_;
+  std::vector<int32_t> recent_;  // the last repetition_window observed tokens, oldest first
+  std::vector<float> penalized_;
 };
 
 // Index of the largest logit (lowest index among equals).

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "kvcodec/error.hpp"
@@ -47,6 +48,27 @@ std::string default_eval_tokens(const std::string& model_dir) {
     if (fs::is_regular_file(p, ec)) return fs::weakly_canonical(p, ec).string();
   }
   return {};
+}
+
+Settings with_model_defaults(const std::string& model_dir, const std::string& method, Settings user) {
+  const fs::path file = fs::path(model_dir) / (method + ".settings");
+  std::error_code ec;
+  if (user.count("mode") || user.count("calibration") || !fs::is_regular_file(file, ec)) return user;
+  std::ifstream in(file);
+  if (!in) throw Error(ErrorCode::kIo, "cannot read " + file.string());
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+    if (line.empty() || line[0] == '#') continue;
+    if (line.rfind(method + ".", 0) != 0)
+      throw_config_error(file.string(), line, method + ".<field>=<value> (one a line)");
+    lines.push_back(line);
+  }
+  Settings defaults = settings_for_method(lines, method);
+  if (auto it = defaults.find("calibration"); it != defaults.end() && fs::path(it->second).is_relative())
+    it->second = (fs::path(model_dir) / it->second).string();
+  for (auto& [field, value] : user) defaults[field] = value;
+  return defaults;
 }
 
 }  // namespace kvcodec::model

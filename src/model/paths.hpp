@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "kvcodec/cache.hpp"
+
 namespace kvcodec::model {
 
 // First folder holding a config.json among: $KVCODEC_MODEL, ./models/tinycode,
@@ -16,5 +18,15 @@ std::string default_model_dir();
 // ./../shared/models/tinycode, <source dir>/../shared/models/tinycode (the
 // KVCODEC_SHARED_DIR of the build). Empty string when none exists.
 std::string default_eval_tokens(const std::string& model_dir);
+
+// The model folder's default settings for `method` under the user's own:
+// when <model_dir>/<method>.settings exists (lines <method>.<field>=<value>,
+// '#' comments) and the user set neither `mode` nor `calibration`, its
+// fields are used wherever `user` does not set them; a `calibration` path in
+// it is relative to the model folder. Otherwise `user` unchanged. So kvtc on
+// the shipped model is calibrated kvtc with the shipped calibration, and
+// --set kvtc.mode=local (or any calibration=FILE) takes the user's way.
+// Throws Error(kIo / kConfig) for an unreadable or malformed file.
+Settings with_model_defaults(const std::string& model_dir, const std::string& method, Settings user);
 
 }  // namespace kvcodec::model

@@ -170,6 +170,68 @@ TEST(Sampler, GreedyTemperatureTopP) {
   EXPECT_THROW(Sampler({1.0, 1.5, 0}), Error);
 }
 
+TEST(Sampler, TopPKeepsTheSmallestSetReachingTheMassInProportion) {
+  const float logits[4] = {std::log(0.5f), std::log(0.3f), std::log(0.15f), std::log(0.05f)};
+  for (const auto& [top_p, keep] : {std::pair{0.75, 2}, std::pair{0.9, 3}, std::pair{1.0, 4}}) {
+    Sampler s({1.0, top_p, 7});
+    std::vector<int> count(4, 0);
+    const int n = 20000;
+    for (int i = 0; i < n; ++i) ++count[size_t(s.sample(logits, 4))];
+    double mass = 0.0;
+    for (int v = 0; v < keep; ++v) mass += std::exp(logits[v]);
+    for (int v = 0; v < 4; ++v) {
+      const double expected = v < keep ? std::exp(logits[v]) / mass : 0.0;
+      EXPECT_NEAR(count[size_t(v)] / double(n), expected, 0.015) << "top_p " << top_p << " token " << v;
+    }
+  }
+}
+
+TEST(Sampler, RepetitionPenaltyLowersRecentTokensOnly) {
+  SamplingOptions o{0.0, 1.0, 0, 1.1, 2};
+  const float pos[3] = {2.0f, 1.9f, -1.0f};
+  Sampler greedy(o);
+  EXPECT_EQ(greedy.sample(pos, 3), 0);
+  greedy.observe(0);
+  EXPECT_EQ(greedy.sample(pos, 3), 1);  // 2.0 / 1.1 = 1.82 < 1.9
+  greedy.observe(0);                    // seen twice: still penalised once
+  EXPECT_EQ(greedy.sample(pos, 3), 1);
+  greedy.observe(2);
+  greedy.observe(2);  // token 0 has left the window of 2
+  EXPECT_EQ(greedy.sample(pos, 3), 0);
+  const float neg[2] = {-1.0f, -1.05f};
+  Sampler n(o);
+  n.observe(0);
+  EXPECT_EQ(n.sample(neg, 2), 1);  // -1.0 * 1.1 = -1.1 < -1.05
+  Sampler off({0.0, 1.0, 0, 1.0, 64});
+  off.observe(0);
+  EXPECT_EQ(off.sample(pos, 3), 0);
+  // Sampled: the penalised token's share is the softmax of the penalised logits.
+  const float flat[2] = {1.0f, 0.0f};
+  Sampler t({1.0, 1.0, 3, 2.0, 8});
+  t.observe(0);
+  int zeros = 0;
+  const int draws = 20000;
+  for (int i = 0; i < draws; ++i) zeros += t.sample(flat, 2) == 0;
+  EXPECT_NEAR(zeros / double(draws), std::exp(0.5) / (std::exp(0.5) + 1.0), 0.015);
+  EXPECT_THROW(Sampler({1.0, 1.0, 0, 0.9, 64}), Error);
+  EXPECT_THROW(Sampler({1.0, 1.0, 0, 1.1, -1}), Error);
+}
+
+TEST(Generate, SampledTextIsDeterministicForASeed) {
+  const LlamaModel m = testing::tiny_model(testing::tiny_config());
+  const std::vector<int32_t> prompt{1, 2, 3};
+  auto run = [&](uint64_t seed, double penalty) {
+    Session s(m, raw_factory(8));
+    GenerateOptions g;
+    g.max_tokens = 24;
+    g.sampling = {1.0, 0.9, seed, penalty, 16};
+    return generate(s, prompt, g).tokens;
+  };
+  EXPECT_EQ(run(5, 1.15), run(5, 1.15));
+  EXPECT_NE(run(5, 1.15), run(6, 1.15));
+  EXPECT_NE(run(5, 1.15), run(5, 3.0));  // the penalty reaches generate's sampler
+}
+
 TEST(Generate, StopsAtEosOrMaxTokensAndStreams) {
   const LlamaModel m = testing::tiny_model(testing::tiny_config());
   const std::vector<int32_t> prompt{1, 2, 3};

@@ -1,6 +1,7 @@
 // kvcodec eval: perplexity, KL and top-1 agreement of cache methods against
 // the fp16 cache on held-out token windows (DESIGN 8 protocol), with each
-// method's compression ratio and speed.
+// method's compression ratio and speed. Tokens come from --tokens, --text or
+// the default corpus (model/corpus.hpp).
 #include <unistd.h>
 
 #include <omp.h>
@@ -13,9 +14,11 @@
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "model/corpus.hpp"
 #include "model/eval.hpp"
 #include "model/llama.hpp"
 #include "model/paths.hpp"
+#include "model/tokenizer.hpp"
 
 namespace kvcodec::cli {
 namespace {
@@ -23,6 +26,8 @@ namespace {
 struct EvalArgs {
   std::string model_dir;
   std::string tokens;
+  std::string text;
+  bool window_length_given = false;
   std::string methods = "fp16";
   std::string baseline = "fp16";
   std::vector<std::string> sets;
@@ -66,13 +71,35 @@ class ProgressBar {
   int last_ = -1;
 };
 
+struct Corpus {
+  std::vector<int32_t> tokens;
+  std::string source;  // what the header line calls it
+};
+
+// --tokens as they are; --text or the default corpus through the model's
+// tokenizer. A text corpus's windows are context + score long unless
+// --window-length says otherwise (no tokens left unread between windows).
+Corpus read_corpus(const EvalArgs& a, const std::string& dir, model::EvalOptions& o) {
+  if (!a.tokens.empty()) return {model::load_u16_tokens(a.tokens), a.tokens};
+  const model::Tokenizer tok = model::Tokenizer::load(dir + "/tokenizer.json");
+  const model::TextCorpus c = a.text.empty() ? model::read_default_corpus(tok) : model::read_text_corpus(a.text, tok);
+  if (!a.window_length_given && !o.whole_window) o.window_length = o.context + o.score;
+  const std::string what = a.text.empty() ? "the default corpus" : a.text;
+  if (a.text.empty() && c.content_hash != model::kDefaultCorpusHash)
+    std::fprintf(stderr,
+                 "warning: the default corpus here has hash %016llx, not %016llx (Debian 12's python3-minimal "
+                 "3.11.2-1+b1): figures will differ from the documented ones\n",
+                 (unsigned long long)c.content_hash, (unsigned long long)model::kDefaultCorpusHash);
+  return {c.tokens, fmt::format("{} ({} files, {} tokens, hash {:016x})", what, c.files.size(), c.tokens.size(),
+                                c.content_hash)};
+}
+
 void run(const EvalArgs& a) {
   const std::string dir = a.model_dir.empty() ? model::default_model_dir() : a.model_dir;
-  const std::string token_path = a.tokens.empty() ? model::default_eval_tokens(dir) : a.tokens;
-  if (token_path.empty())
-    throw Error(ErrorCode::kNotFound, "no --tokens given and no eval_tokens.u16 found beside the model or in ../shared");
   const model::LlamaModel m = model::LlamaModel::load(dir);
-  const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
+  model::EvalOptions options = a.options;
+  const Corpus corpus = read_corpus(a, dir, options);
+  model::require_corpus_tokens(options, int64_t(corpus.tokens.size()), corpus.source);
 
   const std::vector<std::string> names = split_list(a.methods);
   if (names.empty()) throw_config_error("--methods", a.methods, "a comma-separated list of methods, e.g. fp16,int4,kvtc");
@@ -85,6 +112,7 @@ void run(const EvalArgs& a) {
   // "method:label" is a variant of method with its own settings
   // (--set method:label.field=value, on top of method.field=value), so one
   // run can sweep several settings of a method against one baseline run.
+  std::vector<std::string> notes;  // model-folder defaults each method took
   auto spec = [&](const std::string& name) {
     const size_t colon = name.find(':');
     const std::string base = name.substr(0, colon);
@@ -93,6 +121,13 @@ void run(const EvalArgs& a) {
     Settings settings = settings_for_method(a.sets, base);
     if (colon != std::string::npos)
       for (const auto& [field, value] : settings_for_method(a.sets, name)) settings[field] = value;
+    if (Settings with = model::with_model_defaults(dir, base, settings); with != settings) {
+      std::string used;
+      for (const auto& [field, value] : with)
+        if (!settings.count(field)) used += fmt::format(" {}={}", field, value);
+      notes.push_back(fmt::format("{}: the model folder's {}.settings:{}", name, base, used));
+      settings = std::move(with);
+    }
     model::MethodSpec s{name, model::method_cache_factory(base, settings)};
     s.factory(probe);  // a bad method or setting fails now, not after the baseline has run
     return s;
@@ -102,7 +137,7 @@ void run(const EvalArgs& a) {
 
   ProgressBar bar(isatty(fileno(stderr)) != 0);
   const auto results =
-      model::evaluate(m, tokens, methods, baseline, a.options, [&](int64_t d, int64_t t) { bar.update(d, t); });
+      model::evaluate(m, corpus.tokens, methods, baseline, options, [&](int64_t d, int64_t t) { bar.update(d, t); });
   bar.update(1, 1);
 
   if (a.json) {
@@ -111,6 +146,7 @@ void run(const EvalArgs& a) {
       out.push_back({{"method", r.method},
                      {"compression_ratio", r.compression_ratio},
                      {"ppl", r.ppl},
+                     {"ppl_change_pct", 100.0 * r.ppl_change},
                      {"nll", r.nll},
                      {"kl", r.kl},
                      {"top1_agreement", r.top1},
@@ -121,16 +157,18 @@ void run(const EvalArgs& a) {
     std::printf("%s\n", out.dump(2).c_str());
     return;
   }
-  const auto& o = a.options;
-  std::printf("%s; %lld windows from %lld of %s; %s; baseline %s\n", dir.c_str(), (long long)o.windows,
-              (long long)o.first_window, token_path.c_str(),
+  const auto& o = options;
+  std::printf("%s; %lld windows of %lld from %lld of %s; %s; baseline %s\n", dir.c_str(), (long long)o.windows,
+              (long long)o.window_length, (long long)o.first_window, corpus.source.c_str(),
               o.whole_window ? fmt::format("whole window ({} predictions each)", o.window_length - 1).c_str()
                              : fmt::format("context {}, score {}", o.context, o.score).c_str(),
               a.baseline.c_str());
-  std::printf("%-12s %8s %9s %8s %10s %7s %10s\n", "method", "ratio", "ppl", "nll", "kl", "top1", "tokens/s");
+  for (const std::string& note : notes) std::printf("%s\n", note.c_str());
+  std::printf("%-12s %8s %9s %8s %8s %10s %7s %10s\n", "method", "ratio", "ppl", "ppl +%", "nll", "kl", "top1",
+              "tokens/s");
   for (const auto& r : results)
-    std::printf("%-12s %7.2fx %9.4f %8.4f %10.3e %7.4f %10.1f\n", r.method.c_str(), r.compression_ratio, r.ppl, r.nll,
-                r.kl, r.top1, r.tokens_per_s);
+    std::printf("%-12s %7.2fx %9.4f %+7.2f%% %8.4f %10.3e %7.4f %10.1f\n", r.method.c_str(), r.compression_ratio, r.ppl,
+                100.0 * r.ppl_change, r.nll, r.kl, r.top1, r.tokens_per_s);
 }
 
 }  // namespace
@@ -139,7 +177,9 @@ void register_eval(CLI::App& app) {
   auto args = std::make_shared<EvalArgs>();
   auto* cmd = app.add_subcommand("eval", "Perplexity, KL and top-1 agreement of cache methods vs the fp16 cache");
   cmd->add_option("--model", args->model_dir, "HF Llama checkpoint folder (default: the shipped models/tinycode)");
-  cmd->add_option("--tokens", args->tokens, "uint16 token windows (default: ../shared/models/tinycode/eval_tokens.u16)");
+  auto* tokens = cmd->add_option("--tokens", args->tokens, "uint16 token windows (default: the default corpus, docs/eval.md)");
+  cmd->add_option("--text", args->text, "Text FILE, or every file of a DIR in sorted order, tokenized with the model's tokenizer")
+      ->excludes(tokens);
   cmd->add_option("--methods", args->methods,
                   "Comma-separated cache methods; <method>:<label> is a variant with its own --set <method>:<label>.<field>=<value>")->capture_default_str();
   cmd->add_option("--baseline", args->baseline, "Method the KL and top-1 agreement are measured against")
@@ -149,14 +189,14 @@ void register_eval(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--windows", args->options.windows, "Windows to evaluate")->capture_default_str();
   cmd->add_option("--first-window", args->options.first_window, "First window")->capture_default_str();
-  cmd->add_option("--window-length", args->options.window_length, "Tokens per window in the file")
-      ->capture_default_str();
+  cmd->add_option("--window-length", args->options.window_length, "Tokens per window (default 2048 with --tokens, context + score with text)");
   cmd->add_flag("--whole-window", args->options.whole_window,
                 "Score every position of each window from one prefill through the cache (W-1 predictions)");
   cmd->add_option("--set", args->sets, "Method setting <method>.<field>=<value> (repeatable)");
   cmd->add_flag("--json", args->json, "One JSON array on stdout");
   cmd->add_option("--threads", args->threads, "OpenMP threads (0: the cores not busy now, from the load average)")->capture_default_str();
-  cmd->callback([args] {
+  cmd->callback([args, cmd] {
+    args->window_length_given = cmd->count("--window-length") > 0;
     if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: automatic)");
     omp_set_num_threads(args->threads > 0 ? args->threads : model::auto_thread_count());
     run(*args);
