@@ -114,6 +114,11 @@ class SymmetricStream final : public TokenStream {
     tokens_ = 0;
   }
   void append(const float* x, int64_t n) override {
+    // One call's rows in one allocation: a prefill is held at its size, not
+    // rounded up to the vector's next doubling; one-token appends still grow
+    // geometrically.
+    const size_t need = data_.size() + size_t(n * shape_.rows()) * row_bytes_;
+    if (need > data_.capacity()) data_.reserve(std::max(need, 2 * data_.capacity()));
     for (int64_t i = 0; i < n * shape_.rows(); ++i)
       baselines::sym_encode_row(x + i * shape_.dim, shape_.dim, group_, bits_, data_);
     tokens_ += n;
