@@ -8,7 +8,8 @@
 // "kvtc-calibrated" (not in the default list) runs calibrated kvtc with a
 // calibration fitted here on the prefill tokens (one layer, keys as given),
 // and also prints the symbols entropy-coded per appended token
-// (CacheStats::coded_symbols) over the last 1K appends.
+// (CacheStats::coded_symbols) over the last 1K appends; held/stored is
+// resident_bytes / compressed bytes at the end (shared bytes apart).
 //
 // Usage: bench_append [tokens=16384] [methods=fp16,int8,int4,kivi2,palu,kvtc]
 #include <chrono>
@@ -84,8 +85,8 @@ int main(int argc, char** argv) {
     cal.write_file(path);
     return path;
   };
-  std::printf("%-16s %14s %14s %8s %10s %14s\n", "method", "first1K_us/tok", "last1K_us/tok", "ratio", "comp_ratio",
-              "symbols/tok");
+  std::printf("%-16s %14s %14s %8s %10s %14s %12s\n", "method", "first1K_us/tok", "last1K_us/tok", "ratio",
+              "comp_ratio", "symbols/tok", "held/stored");
   for (const std::string& m : methods) {
     try {
       auto cache = m == "kvtc-calibrated" ? make_cache("kvtc", cfg, {{"calibration", calibration_file()}})
@@ -103,8 +104,9 @@ int main(int argc, char** argv) {
         if (t >= n - window) last += us;
       }
       const CacheStats st = cache->stats();
-      std::printf("%-16s %14.3f %14.3f %8.2f %10.2f %14.2f\n", m.c_str(), first / window, last / window, last / first,
-                  st.compression_ratio(), double(st.coded_symbols - symbols_before_last) / double(window));
+      std::printf("%-16s %14.3f %14.3f %8.2f %10.2f %14.2f %12.3f\n", m.c_str(), first / window, last / window,
+                  last / first, st.compression_ratio(), double(st.coded_symbols - symbols_before_last) / double(window),
+                  double(st.resident_bytes) / double(st.compressed_bytes()));
     } catch (const Error& e) {
       std::printf("%-8s error: %s\n", m.c_str(), e.what());
     }
