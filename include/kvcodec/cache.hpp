@@ -34,6 +34,13 @@ using Settings = std::map<std::string, std::string>;
 
 // Byte telemetry, K and V separately. Everything stored is counted, as it is
 // serialised: payload, tables, basis, scales, raw tail.
+//
+// Beside it, memory as held: resident_bytes is what the process holds for
+// this cache alone (payloads, raw tail, parameters, decoder and encoder
+// tables, scratch kept between calls; vectors by capacity, not size), and
+// `shared` what it uses but shares with other caches (a calibration's
+// parameters and tables, the RoPE table), keyed by the shared object's
+// identity so that summing caches counts each object once.
 struct CacheStats {
   std::string method;
   int64_t tokens = 0;                  // tokens held
@@ -41,15 +48,24 @@ struct CacheStats {
   uint64_t compressed_value_bytes = 0;
   uint64_t fp16_key_bytes = 0;         // what f16 would cost for the tokens held
   uint64_t fp16_value_bytes = 0;
+  uint64_t resident_bytes = 0;         // held for this cache alone
+  std::map<std::string, uint64_t> shared;  // identity -> bytes held once for all its users
+  // Symbols entropy-coded since the cache was made or loaded (work done, not
+  // state: trim does not roll it back, load starts it at 0).
+  uint64_t coded_symbols = 0;
   // Method extras, named "key.<name>" / "value.<name>" (per-head values as
   // "key.n_survived.<h>"), or plain "<name>" when they belong to neither.
   std::map<std::string, double> extras;
 
   uint64_t compressed_bytes() const { return compressed_key_bytes + compressed_value_bytes; }
   uint64_t fp16_bytes() const { return fp16_key_bytes + fp16_value_bytes; }
+  uint64_t shared_bytes() const;       // sum of `shared`
   // (fp16 K+V) / (compressed K+V); 0 when nothing is stored.
   double compression_ratio() const;
-  // Sums counters and extras of several caches (one per layer).
+  // (fp16 K+V) / resident_bytes (shared bytes apart); 0 when nothing is held.
+  double resident_ratio() const;
+  // Sums counters and extras of several caches (one per layer); a shared
+  // object (same identity) counts once.
   CacheStats& operator+=(const CacheStats& other);
 };
 

@@ -1,4 +1,5 @@
 // The parts of the cache contract shared by every method.
+#include <algorithm>
 #include <cstring>
 
 #include "kvcodec/cache.hpp"
@@ -11,6 +12,16 @@ double CacheStats::compression_ratio() const {
   return compressed == 0 ? 0.0 : double(fp16_bytes()) / double(compressed);
 }
 
+double CacheStats::resident_ratio() const {
+  return resident_bytes == 0 ? 0.0 : double(fp16_bytes()) / double(resident_bytes);
+}
+
+uint64_t CacheStats::shared_bytes() const {
+  uint64_t n = 0;
+  for (const auto& [id, bytes] : shared) n += bytes;
+  return n;
+}
+
 CacheStats& CacheStats::operator+=(const CacheStats& other) {
   if (method.empty()) method = other.method;
   tokens += other.tokens;
@@ -18,6 +29,11 @@ CacheStats& CacheStats::operator+=(const CacheStats& other) {
   compressed_value_bytes += other.compressed_value_bytes;
   fp16_key_bytes += other.fp16_key_bytes;
   fp16_value_bytes += other.fp16_value_bytes;
+  resident_bytes += other.resident_bytes;
+  coded_symbols += other.coded_symbols;
+  // One object seen through several caches: once, at its largest report
+  // (a table that grew between the two stats() calls).
+  for (const auto& [id, bytes] : other.shared) shared[id] = std::max(shared[id], bytes);
   for (const auto& [name, value] : other.extras) extras[name] += value;
   return *this;
 }

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "cache/saved_meta.hpp"
+#include "core/held_bytes.hpp"
 #include "cache/settings.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
@@ -85,7 +86,13 @@ class KvtcCache final : public KVCache {
   DType raw_dtype_ = DType::kF16;
   int64_t offset_ = 0;
   bool fitted_ = false;
+  uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
+  // Symbols of n_blocks new blocks of every head of s (one code per kept
+  // component and token), added to coded_symbols_.
+  void count_coded(const Stream& s, int64_t n_blocks) {
+    for (const auto& h : s.heads) coded_symbols_ += uint64_t(n_blocks) * uint64_t(options_.block) * uint64_t(h.n_kept());
+  }
 };
 
 void KvtcCache::reset() {
@@ -218,6 +225,7 @@ void KvtcCache::encode_direct(const TensorView& keys, const TensorView& values, 
             stream->heads[size_t(h)], base + int64_t(j) * B * src.strides[2], src.strides[2], B, raw_dtype_);
       }
     });
+    count_coded(*stream, int64_t(n_blocks));
   }
 }
 
@@ -245,8 +253,10 @@ void KvtcCache::encode_ready_blocks() {
         stream->blocks[first + size_t(j)].payload[size_t(h)] = kvtc::encode_block(stream->heads[size_t(h)], x.data(), B);
       }
       raw.erase(raw.begin() + sinks * D, raw.begin() + (sinks + n_new * B) * D);
+      shrink_if_oversized(raw, size_t(sinks + B + options_.window) * D);
     };
     parallel_heads(heads, encode_head);
+    count_coded(*stream, n_new);
   }
 }
 
@@ -347,10 +357,23 @@ CacheStats KvtcCache::stats() const {
     st.extras[prefix + "pre_entropy_bytes"] = double(pre_entropy);
     st.extras[prefix + "raw_bytes"] = double(raw);
     st.extras[prefix + "entropy_coding_gain"] = payload ? double(pre_entropy) / double(payload) : 0.0;
+    // As held: the payload and raw vectors by capacity, every head's
+    // parameters and the tables derived from them.
+    uint64_t params_held = held_bytes(s->heads), tables_held = 0;
+    for (const auto& h : s->heads) {
+      params_held += h.params_held_bytes();
+      tables_held += h.derived_held_bytes();
+    }
+    uint64_t blocks_held = uint64_t(s->blocks.capacity()) * sizeof(EncodedBlock);
+    for (const auto& blk : s->blocks) blocks_held += held_bytes(blk.payload);
+    st.resident_bytes += params_held + tables_held + blocks_held + held_bytes(s->raw);
+    st.extras[prefix + "table_bytes"] = double(tables_held);
     for (size_t h = 0; h < s->heads.size(); ++h)
       st.extras[prefix + "n_survived." + std::to_string(h)] = double(s->heads[h].n_kept());
   }
   st.extras["bit_budget"] = double(options_.codec.bit_budget > 0 ? options_.codec.bit_budget : 4 * config_.head_dim);
+  st.resident_bytes += sizeof(*this);
+  st.coded_symbols = coded_symbols_;
   return st;
 }
 

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "cache/settings.hpp"
+#include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
@@ -28,6 +29,13 @@ std::string format_double(double v) {
   s.precision(17);
   s << v;
   return s.str();
+}
+
+// A shared object's identity in CacheStats::shared (its address).
+std::string address_text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
 }
 
 }  // namespace
@@ -223,6 +231,15 @@ std::shared_ptr<const KvtcCalibration> KvtcCalibration::load_shared(const std::s
   return cal;
 }
 
+uint64_t KvtcCalibration::held_bytes() const {
+  uint64_t n = sizeof(*this) + kvcodec::held_bytes(key_scale) + kvcodec::held_bytes(value_scale);
+  for (const auto* list : {&keys, &values, &key_refine, &value_refine}) {
+    n += uint64_t(list->capacity()) * sizeof(kvtc::HeadParams);
+    for (const auto& p : *list) n += p.params_held_bytes() + p.derived_held_bytes();
+  }
+  return n;
+}
+
 uint64_t KvtcCalibration::params_bytes() const {
   uint64_t n = 0;
   for (const auto& p : keys) n += p.serialized_size();
@@ -345,13 +362,13 @@ namespace {
 using cache_impl::append_varint;
 using cache_impl::varint_size;
 
-// One block of up to `block` tokens: one payload per batch row (all heads of
-// the layer coded together as one vector per token). Every block but the
-// newest holds exactly `block` tokens; the newest may be partial: tokens are
-// coded as soon as they leave the window, and the partial block grows (its
-// codes decoded and re-coded with the new tokens' appended, never
-// re-quantized) until it is full. So the raw part is exactly the sinks and
-// the window, never a block's worth of waiting tokens on top.
+// One block of `block` tokens: one payload per batch row (all heads of the
+// layer coded together as one vector per token). Tokens that left the window
+// wait raw until a whole block of them is there, then are coded once (never
+// decoded and re-coded as the block fills): the raw part is the sinks, up to
+// block - 1 waiting tokens and the window. Only a cache loaded from a file
+// of the earlier layout, whose blocks grew token by token, may hold a
+// partial newest block; it is completed by the next block's worth of tokens.
 struct Block {
   int64_t tokens = 0;
   std::vector<std::vector<uint8_t>> payload;  // [B]
@@ -365,8 +382,8 @@ struct Block {
 // Refinement codes (kvtc.refine = N) of a run of consecutive coded tokens:
 // the residual after the base code, coded with the calibration's refinement
 // parameters. Groups of up to kRefineGroup tokens, never across a base
-// block boundary; the newest may be partial and grows as the base block
-// does. A group is dropped once all its tokens are older than the N newest
+// block boundary, coded with their block (a partial newest one only after
+// loading a file of the earlier layout). A group is dropped once all its tokens are older than the N newest
 // coded tokens.
 struct RefineGroup {
   int64_t first = 0;  // coded-token index (position - sinks) of its first token
@@ -425,7 +442,7 @@ class CalibratedKvtcCache final : public KVCache {
   const kvtc::HeadParams& refine_params(bool is_key) const {
     return (is_key ? calibration_->key_refine : calibration_->value_refine)[size_t(config_.layer)];
   }
-  void append_refinement(Stream& stream, bool is_key, int64_t b, const float* residual, int64_t m);
+  void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m);
   void drop_aged_refinement();
   const float* inverse_scale(bool is_key) const {
     return inverse_scale_[is_key ? 0 : 1].empty() ? nullptr : inverse_scale_[is_key ? 0 : 1].data();
@@ -460,6 +477,7 @@ class CalibratedKvtcCache final : public KVCache {
   DType raw_dtype_ = DType::kF16;
   int64_t offset_ = 0;
   int64_t encoded_ = 0;  // tokens in blocks (same for keys and values)
+  uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
 };
 
@@ -513,17 +531,17 @@ void CalibratedKvtcCache::encode_ready_blocks() {
   const bool refining = options_.refine > 0;
   std::vector<float> x, recon;
   std::vector<uint16_t> codes, fresh;
-  // A token leaves the raw tail once `window` newer tokens follow it; sinks
-  // never leave. It goes into the newest block while that one has room.
+  // A token leaves the raw tail once `window` newer tokens follow it and a
+  // whole block of such tokens is there: the block is then coded once. The
+  // newest block is partial only in a cache loaded from a file written when
+  // blocks grew token by token; it is completed first (its codes decoded
+  // once, then coded again with the new tokens').
   for (;;) {
     const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
-    if (ready <= 0) break;
     const bool grow = !key_.blocks.empty() && key_.blocks.back().tokens < options_.block;
     const int64_t held = grow ? key_.blocks.back().tokens : 0;
-    int64_t m = std::min(ready, options_.block - held);
-    // Refinement groups start at every kRefineGroup-th token of a block; a
-    // step never crosses one's end.
-    if (refining) m = std::min(m, kRefineGroup - held % kRefineGroup);
+    const int64_t m = options_.block - held;
+    if (ready < m) break;
     const int64_t sinks = sink_tokens();
     const int64_t first_position = sinks + encoded_tokens();
     for (Stream* stream : {&key_, &value_}) {
@@ -534,13 +552,21 @@ void CalibratedKvtcCache::encode_ready_blocks() {
         stream->blocks.emplace_back();
         stream->blocks.back().payload.resize(size_t(batch_));
       }
-      // A new group at a group boundary, or where the newest one does not
-      // reach the newest coded token (refinement just turned on by a load).
-      if (refining && (held % kRefineGroup == 0 || stream->refine.empty() ||
-                       stream->refine.back().first + stream->refine.back().codes.tokens != encoded_tokens())) {
-        stream->refine.emplace_back();
-        stream->refine.back().first = encoded_tokens();
-        stream->refine.back().codes.payload.resize(size_t(batch_));
+      // The refinement groups this step fills: one per kRefineGroup-th token
+      // of the block (the first continues the newest group where that one
+      // is partial and reaches the newest coded token).
+      std::vector<std::pair<RefineGroup*, int64_t>> pieces;  // group, tokens of this step it takes
+      for (int64_t at = held; refining && at < options_.block;) {
+        const bool continues = at % kRefineGroup != 0 && !stream->refine.empty() &&
+                               stream->refine.back().first + stream->refine.back().codes.tokens == encoded_tokens() + (at - held);
+        if (!continues) {
+          stream->refine.emplace_back();  // a deque: references to older groups stay valid
+          stream->refine.back().first = encoded_tokens() + (at - held);
+          stream->refine.back().codes.payload.resize(size_t(batch_));
+        }
+        const int64_t n = std::min(kRefineGroup - at % kRefineGroup, options_.block - at);
+        pieces.emplace_back(&stream->refine.back(), n);
+        at += n;
       }
       Block& blk = stream->blocks.back();
       x.resize(size_t(m * V));
@@ -551,8 +577,6 @@ void CalibratedKvtcCache::encode_ready_blocks() {
         if (const float* w = scale(is_key))
           for (int64_t t = 0; t < m; ++t)
             for (int64_t d = 0; d < V; ++d) x[size_t(t * V + d)] *= w[d];
-        // The new tokens' codes, appended to the held tokens' codes as coded
-        // (encode_codes of all of them: the bytes encode_block would give).
         fresh.resize(size_t(m) * K);
         kvtc::quantize_block(p, x.data(), m, fresh.data());
         auto& payload = blk.payload[size_t(b)];
@@ -564,17 +588,25 @@ void CalibratedKvtcCache::encode_ready_blocks() {
           std::copy(fresh.begin(), fresh.end(), codes.begin() + int64_t(held) * int64_t(K));
           payload = kvtc::encode_codes(p, codes.data(), held + m);
         }
+        coded_symbols_ += uint64_t(held + m) * K;
         if (refining) {
           // The residual after the base reconstruction the reader will see.
           recon.resize(x.size());
           kvtc::dequantize_block(p, fresh.data(), m, recon.data());
           for (size_t i = 0; i < x.size(); ++i) x[i] -= recon[i];
-          append_refinement(*stream, is_key, b, x.data(), m);
+          int64_t at = 0;
+          for (const auto& [group, n] : pieces) {
+            append_refinement(*group, is_key, b, x.data() + at * V, n);
+            at += n;
+          }
         }
       }
-      blk.tokens = held + m;
-      if (refining) stream->refine.back().codes.tokens += m;
-      for (auto& raw : stream->raw) raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + m) * V);
+      blk.tokens = options_.block;
+      for (const auto& [group, n] : pieces) group->codes.tokens += n;
+      for (auto& raw : stream->raw) {
+        raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + m) * V);
+        shrink_if_oversized(raw, size_t(sinks + options_.block + options_.window) * size_t(V));
+      }
     }
     encoded_ += m;
     drop_aged_refinement();
@@ -582,19 +614,18 @@ void CalibratedKvtcCache::encode_ready_blocks() {
 }
 
 // Appends m tokens' refinement codes of residual [m, V] to batch row b of
-// the stream's newest refinement group (whose token count the caller
-// advances after every row).
-void CalibratedKvtcCache::append_refinement(Stream& stream, bool is_key, int64_t b, const float* residual,
+// group g (whose token count the caller advances after every row).
+void CalibratedKvtcCache::append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual,
                                             int64_t m) {
   const kvtc::HeadParams& rp = refine_params(is_key);
   const size_t K = size_t(rp.n_kept());
-  RefineGroup& g = stream.refine.back();
   const int64_t held = g.codes.tokens;
   std::vector<uint16_t> codes(size_t(held + m) * K);
   auto& payload = g.codes.payload[size_t(b)];
   if (held > 0) kvtc::decode_codes(rp, payload.data(), payload.size(), held, codes.data());
   kvtc::quantize_block(rp, residual, m, codes.data() + size_t(held) * K);
   payload = kvtc::encode_codes(rp, codes.data(), held + m);
+  coded_symbols_ += uint64_t(held + m) * K;
 }
 
 // Drops the refinement groups all of whose tokens are older than the
@@ -772,7 +803,18 @@ CacheStats CalibratedKvtcCache::stats() const {
     // so not in compressed_*_bytes (summed over layers it is the whole file's
     // parameters).
     st.extras[prefix + "calibration_bytes"] = double(p.serialized_size());
+    st.resident_bytes += kvcodec::held_bytes(s->raw) + uint64_t(s->blocks.capacity()) * sizeof(Block);
+    for (const auto& blk : s->blocks) st.resident_bytes += kvcodec::held_bytes(blk.payload);
+    for (const auto& g : s->refine) st.resident_bytes += sizeof(RefineGroup) + kvcodec::held_bytes(g.codes.payload);
   }
+  // Scratch kept between calls and this cache's own copies; the calibration
+  // and the RoPE table are held once for every cache using them.
+  st.resident_bytes += sizeof(*this) + kvcodec::held_bytes(key_scratch_) + kvcodec::held_bytes(value_scratch_) +
+                       kvcodec::held_bytes(inverse_scale_[0]) + kvcodec::held_bytes(inverse_scale_[1]);
+  st.shared["kvtc calibration " + options_.calibration + " @" + address_text(calibration_.get())] =
+      calibration_->held_bytes();
+  if (rope_) st.shared["rope table @" + address_text(rope_.get())] = rope_->held_bytes();
+  st.coded_symbols = coded_symbols_;
   uint64_t key_bits = 0;
   for (uint8_t w : params(true).fixed_widths) key_bits += w;
   st.extras["bit_budget"] = double(key_bits);  // fixed-width bits per token of the layer's key vector

@@ -6,9 +6,11 @@
 // The parameters are fitted offline over many sequences (src/model/calibrate)
 // and shared by every sequence, so a calibrated cache stores no per-sequence
 // side information: its bytes are encoded blocks plus the raw sinks and
-// window. The calibration file itself is reported as the extra
-// `calibration_bytes` (once per model, not per sequence) and never counted in
-// compressed_*_bytes.
+// window, and the coded tokens that wait raw until a whole block of them can
+// be coded (fewer than one block). The calibration file itself is reported
+// as the extra `calibration_bytes` (once per model, not per sequence) and
+// never counted in compressed_*_bytes; in memory, the parsed calibration and
+// the RoPE table are CacheStats::shared, not resident_bytes.
 //
 // Calibration file (container kind "calibration"):
 //   meta   format=kvtc-calibration, n_layers, n_kv_heads, head_dim,
@@ -74,6 +76,10 @@ struct KvtcCalibration {
   static std::shared_ptr<const KvtcCalibration> load_shared(const std::string& path);
   // Bytes of the parameters as serialised (sum of the sections).
   uint64_t params_bytes() const;
+  // Bytes held in memory: every layer's parameters, the tables derived from
+  // them and the weights (what the caches sharing it report in
+  // CacheStats::shared).
+  uint64_t held_bytes() const;
 };
 
 // XXH3-64 of bytes, as 16 lowercase hex digits (the model identity hash).
@@ -100,6 +106,7 @@ class RopeTable {
   // A table covering at least `positions` positions (shared; thread-safe).
   static std::shared_ptr<const RopeTable> get(int head_dim, double theta, int64_t positions);
   int64_t positions() const { return positions_; }
+  uint64_t held_bytes() const { return uint64_t(cos_.capacity() + sin_.capacity()) * sizeof(float); }
   // rope_rotate_tokens() on n tokens of n_heads * head_dim values whose
   // starts are token_stride floats apart, bit-identical to it.
   void rotate(float* x, int64_t n, int64_t token_stride, int n_heads, int64_t first_position, bool inverse) const;

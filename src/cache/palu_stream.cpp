@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "cache/streams.hpp"
+#include "core/held_bytes.hpp"
 #include "palu/group_quant.hpp"
 
 namespace kvcodec::cache_impl {
@@ -117,6 +118,15 @@ class PaluStream final : public TokenStream {
     uint64_t n = 1;
     if (!fitted_) return n + raw_.bytes();
     for (const Group& g : groups_) n += g.proj.serialized_size() + g.blobs.size() + 2 * g.tail.size();
+    return n;
+  }
+
+  uint64_t held_bytes() const override {
+    uint64_t n = sizeof(*this) + raw_.held() + uint64_t(groups_.capacity()) * sizeof(Group);
+    for (const Group& g : groups_)
+      n += kvcodec::held_bytes(g.blobs) + kvcodec::held_bytes(g.tail) + kvcodec::held_bytes(g.proj.basis_f16) +
+           kvcodec::held_bytes(g.proj.bits) + kvcodec::held_bytes(g.proj.basis) + kvcodec::held_bytes(g.proj.basis_t) +
+           kvcodec::held_bytes(g.proj.channel_energy);
     return n;
   }
 

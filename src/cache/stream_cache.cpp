@@ -133,9 +133,11 @@ class StreamCache final : public KVCache {
     if (shaped_) {
       st.compressed_key_bytes = keys_->stored_bytes();
       st.compressed_value_bytes = values_->stored_bytes();
+      st.resident_bytes = keys_->held_bytes() + values_->held_bytes();
       keys_->add_extras("key.", st.extras);
       values_->add_extras("value.", st.extras);
     }
+    st.resident_bytes += sizeof(*this);
     return st;
   }
 

@@ -1,5 +1,6 @@
 // Raw storage and the baseline streams: fp16, int8/int4 (q8_0/q4_0 style) and KIVI.
 #include "cache/streams.hpp"
+#include "core/held_bytes.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -29,7 +30,7 @@ void RawTokenStore::reset(int64_t rows, int64_t dim, DType dtype) {
   dim_ = dim;
   dtype_ = dtype;
   tokens_ = 0;
-  data_.clear();
+  decltype(data_)().swap(data_);  // gives the memory back (palu's pre-fit tokens once fitted; = {} would keep it)
 }
 
 void RawTokenStore::push_back(const float* x, int64_t n) {
@@ -49,6 +50,8 @@ void RawTokenStore::push_front(const float* x, int64_t n) {
 void RawTokenStore::pop_front(int64_t n) {
   data_.erase(data_.begin(), data_.begin() + ptrdiff_t(size_t(n) * token_bytes()));
   tokens_ -= n;
+  // A prefill's raw tokens, once quantized, must not stay allocated.
+  shrink_if_oversized(data_, 0);
 }
 
 void RawTokenStore::truncate(int64_t n_tokens) {
@@ -90,6 +93,7 @@ class RawStream final : public TokenStream {
   void trim_to(int64_t total) override { store_.truncate(total); }
   int64_t tokens() const override { return store_.tokens(); }
   uint64_t stored_bytes() const override { return store_.bytes(); }
+  uint64_t held_bytes() const override { return sizeof(*this) + store_.held(); }
   void save(ByteWriter& w) const override { store_.serialize(w); }
   void load(ByteReader& r, int64_t tokens) override { store_.deserialize(r, tokens); }
 
@@ -110,6 +114,11 @@ class SymmetricStream final : public TokenStream {
     tokens_ = 0;
   }
   void append(const float* x, int64_t n) override {
+    // One call's rows in one allocation: a prefill is held at its size, not
+    // rounded up to the vector's next doubling; one-token appends still grow
+    // geometrically.
+    const size_t need = data_.size() + size_t(n * shape_.rows()) * row_bytes_;
+    if (need > data_.capacity()) data_.reserve(std::max(need, 2 * data_.capacity()));
     for (int64_t i = 0; i < n * shape_.rows(); ++i)
       baselines::sym_encode_row(x + i * shape_.dim, shape_.dim, group_, bits_, data_);
     tokens_ += n;
@@ -130,6 +139,7 @@ class SymmetricStream final : public TokenStream {
   }
   int64_t tokens() const override { return tokens_; }
   uint64_t stored_bytes() const override { return data_.size(); }
+  uint64_t held_bytes() const override { return sizeof(*this) + data_.capacity(); }
   void save(ByteWriter& w) const override { w.bytes(data_.data(), data_.size()); }
   void load(ByteReader& r, int64_t tokens) override {
     const uint64_t n = checked_mul(checked_mul(uint64_t(tokens), uint64_t(shape_.rows()), "int tokens"), row_bytes_,
@@ -217,6 +227,9 @@ class KiviKeyStream final : public TokenStream {
   }
   int64_t tokens() const override { return quantized_ + raw_.tokens(); }
   uint64_t stored_bytes() const override { return 8 + blobs_.size() + raw_.bytes(); }
+  uint64_t held_bytes() const override {
+    return sizeof(*this) + widths_.capacity() + blobs_.capacity() + raw_.held();
+  }
   void save(ByteWriter& w) const override {
     w.u64(uint64_t(quantized_));
     w.bytes(blobs_.data(), blobs_.size());
@@ -305,6 +318,7 @@ class KiviValueStream final : public TokenStream {
   }
   int64_t tokens() const override { return quantized_ + raw_.tokens(); }
   uint64_t stored_bytes() const override { return 8 + data_.size() + raw_.bytes(); }
+  uint64_t held_bytes() const override { return sizeof(*this) + data_.capacity() + raw_.held(); }
   void save(ByteWriter& w) const override {
     w.u64(uint64_t(quantized_));
     w.bytes(data_.data(), data_.size());

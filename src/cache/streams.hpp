@@ -80,6 +80,7 @@ class RawTokenStore {
   int64_t tokens() const { return tokens_; }
   size_t token_bytes() const { return size_t(rows_ * dim_) * dtype_size(dtype_); }
   size_t bytes() const { return data_.size(); }
+  size_t held() const { return data_.capacity(); }  // bytes allocated
   void push_back(const float* x, int64_t n);  // x [n, R, D]
   void push_front(const float* x, int64_t n);
   void pop_front(int64_t n);
@@ -110,6 +111,9 @@ class TokenStream {
   virtual void trim_to(int64_t total) = 0;                                // keep the first total tokens
   virtual int64_t tokens() const = 0;
   virtual uint64_t stored_bytes() const = 0;
+  // What the stream holds in memory (capacities, parameters, tables kept
+  // between calls), for CacheStats::resident_bytes.
+  virtual uint64_t held_bytes() const = 0;
   virtual void save(ByteWriter& w) const = 0;
   virtual void load(ByteReader& r, int64_t tokens) = 0;  // after start(); reads everything
   virtual void add_extras(const std::string& /*prefix*/, std::map<std::string, double>& /*extras*/) const {}

@@ -124,6 +124,8 @@ struct FrequencyTable {
   // counts.size() must be <= alphabet_size (missing symbols count 0).
   double cost_bits(const std::vector<uint64_t>& counts) const;
 
+  uint64_t held_bytes() const;  // heap bytes of freq and cum (capacity)
+
   bool operator==(const FrequencyTable& o) const {
     return alphabet_size == o.alphabet_size && scale_bits == o.scale_bits && freq == o.freq;
   }
@@ -145,18 +147,20 @@ struct RansDecodeTable {
   };
   uint32_t alphabet_size = 0;
   uint32_t scale_bits = 0;
-  std::vector<uint16_t> slot_symbol;  // [1 << scale_bits], entries < alphabet_size
+  std::vector<uint16_t> slot_symbol;  // [1 << scale_bits] entries < alphabet_size, or empty (search)
   std::vector<Sym> syms;              // [alphabet_size]
   // Small alphabets (<= kRansSearchMax symbols, scale_bits <= 14): cum[1..]
-  // as 16-bit entries padded with 0x7fff to kRansSearchMax - 1 + 1 = 32; the
-  // AVX2 decoder finds a slot's symbol by counting the entries <= slot (two
-  // vector compares) instead of reading slot_symbol. A 64-column head then
-  // decodes from 2 KB of tables instead of 512 KB, which thrash the L2
-  // cache (every slot is equally likely, so the whole slot table is hot).
-  std::vector<uint16_t> search;       // [32] or empty
+  // as 16-bit entries padded with 0x7fff to kRansSearchMax - 1 + 1 = 32, and
+  // no slot table: the decoder finds a slot's symbol by counting the entries
+  // <= slot (two vector compares with AVX2, a plain loop without). A
+  // 64-column head then decodes from 2 KB of tables instead of 512 KB, which
+  // thrash the L2 cache (every slot is equally likely, so the whole slot
+  // table is hot) and would be most of a cache's resident bytes.
+  std::vector<uint16_t> search;       // [32] or empty (slot_symbol)
 
   RansDecodeTable() = default;
   explicit RansDecodeTable(const FrequencyTable& table);
+  uint64_t held_bytes() const;  // heap bytes (capacity)
 };
 
 // Division-free encoder constants of one frozen table, built once and cached
@@ -176,6 +180,7 @@ struct RansEncodeTable {
   uint32_t alphabet_size = 0;
   uint32_t scale_bits = 0;
   std::vector<Sym> syms;  // [alphabet_size]
+  uint64_t held_bytes() const { return uint64_t(syms.capacity()) * sizeof(Sym); }
 
   RansEncodeTable() = default;
   // Throws Error(kInvalidArgument) for a table that is not a valid model.
@@ -216,6 +221,7 @@ struct RansGroupTables {
   // The decode tables these were built (and validated) from: a decode
   // given exactly these pointers skips re-validating them per call.
   std::vector<const RansDecodeTable*> built_from;
+  uint64_t held_bytes() const;  // heap bytes (capacity)
 };
 RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tables);
 
@@ -312,6 +318,8 @@ struct HuffmanTable {
 
   // sum counts[s] * lengths[s]; counts.size() <= alphabet_size.
   uint64_t cost_bits(const std::vector<uint64_t>& counts) const;
+
+  uint64_t held_bytes() const;  // heap bytes of lengths, codes, lut, sorted (capacity)
 
   bool operator==(const HuffmanTable& o) const {
     return alphabet_size == o.alphabet_size && lengths == o.lengths;

@@ -284,3 +284,11 @@ double FrequencyTable::cost_bits(const std::vector<uint64_t>& counts) const {
 }
 
 }  // namespace kvcodec::entropy
+
+namespace kvcodec::entropy {
+
+uint64_t FrequencyTable::held_bytes() const {
+  return uint64_t(freq.capacity() + cum.capacity()) * sizeof(uint32_t);
+}
+
+}  // namespace kvcodec::entropy

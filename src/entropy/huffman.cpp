@@ -293,3 +293,12 @@ void huffman_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_co
 }
 
 }  // namespace kvcodec::entropy
+
+namespace kvcodec::entropy {
+
+uint64_t HuffmanTable::held_bytes() const {
+  return uint64_t(lengths.capacity()) + uint64_t(codes.capacity() + sorted.capacity()) * sizeof(uint16_t) +
+         uint64_t(lut.capacity()) * sizeof(uint32_t);
+}
+
+}  // namespace kvcodec::entropy

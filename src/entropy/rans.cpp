@@ -86,8 +86,11 @@ void check_tables(const std::vector<uint32_t>& cols, const std::vector<const Fre
 void check_decode_tables(const std::vector<uint32_t>& cols, const std::vector<const RansDecodeTable*>& tables) {
   for (uint32_t c : cols) {
     const RansDecodeTable& t = *tables[c];
-    if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.slot_symbol.size() != (size_t(1) << t.scale_bits) ||
-        t.syms.size() != t.alphabet_size || t.alphabet_size == 0 || (!t.search.empty() && t.search.size() != 32))
+    // Exactly one of the slot table and the search table.
+    const bool slots = t.slot_symbol.size() == (size_t(1) << t.scale_bits) && t.search.empty();
+    const bool search = t.slot_symbol.empty() && t.search.size() == 32 && t.alphabet_size <= kRansSearchMax;
+    if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || !(slots || search) || t.syms.size() != t.alphabet_size ||
+        t.alphabet_size == 0)
       throw Error(ErrorCode::kInvalidArgument,
                   "rans_decode: decode table of column " + std::to_string(c) + " is not built from a FrequencyTable");
   }
@@ -122,6 +125,12 @@ inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
     const __m256i m = _mm256_packs_epi16(_mm256_cmpgt_epi16(sv, a), _mm256_cmpgt_epi16(sv, b));
     const uint32_t sym = uint32_t(__builtin_popcount(uint32_t(_mm256_movemask_epi8(m))));
     return sym < c.last ? sym : c.last;  // a table built by the constructor never needs the clamp
+  }
+#else
+  if (c.search) {
+    uint32_t sym = 0;
+    for (int i = 0; i < 32; ++i) sym += uint32_t(c.search[i] <= slot);
+    return sym < c.last ? sym : c.last;
   }
 #endif
   return c.slot_symbol[slot];
@@ -536,20 +545,24 @@ inline void step_padded_tail(SimdStream& st) {
 RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
   if (t.freq.size() != t.alphabet_size || t.alphabet_size == 0 || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits)
     throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: invalid frequency table");
-  slot_symbol.resize(size_t(1) << scale_bits);
+  // The search table replaces the slot table where it applies: 64 bytes
+  // instead of 2^(scale_bits + 1) (8 KB at 12 bits, per component).
+  const bool by_search = alphabet_size <= kRansSearchMax && scale_bits <= 14;
+  const size_t total = size_t(1) << scale_bits;
+  if (!by_search) slot_symbol.resize(total);
   syms.resize(alphabet_size);
   size_t slot = 0;
   for (uint32_t s = 0; s < alphabet_size; ++s) {
     const uint32_t f = t.freq[s];
-    if (f == 0 || slot + f > slot_symbol.size())
+    if (f == 0 || slot + f > total)
       throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: frequencies do not sum to 2^scale_bits");
     syms[s] = Sym{f, uint32_t(slot)};
-    std::fill(slot_symbol.begin() + long(slot), slot_symbol.begin() + long(slot + f), uint16_t(s));
+    if (!by_search) std::fill(slot_symbol.begin() + long(slot), slot_symbol.begin() + long(slot + f), uint16_t(s));
     slot += f;
   }
-  if (slot != slot_symbol.size())
+  if (slot != total)
     throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: frequencies do not sum to 2^scale_bits");
-  if (alphabet_size <= kRansSearchMax && scale_bits <= 14) {
+  if (by_search) {
     search.assign(32, 0x7fff);
     for (uint32_t s = 1; s < alphabet_size; ++s) search[s - 1] = uint16_t(syms[s].cum);
   }
@@ -1407,6 +1420,20 @@ void rans_decode_reference(const uint8_t* data, size_t size, size_t n_rows, size
     }
   if (p != end) bad_stream("trailing bytes");
   if (x != kRansLow) bad_stream("final state mismatch");
+}
+
+}  // namespace kvcodec::entropy
+
+namespace kvcodec::entropy {
+
+uint64_t RansDecodeTable::held_bytes() const {
+  return uint64_t(slot_symbol.capacity() + search.capacity()) * sizeof(uint16_t) +
+         uint64_t(syms.capacity()) * sizeof(Sym);
+}
+
+uint64_t RansGroupTables::held_bytes() const {
+  return uint64_t(groups.capacity()) * sizeof(Group) + uint64_t(rows.capacity()) * sizeof(int32_t) +
+         uint64_t(built_from.capacity()) * sizeof(const RansDecodeTable*);
 }
 
 }  // namespace kvcodec::entropy

@@ -14,6 +14,7 @@
 #include "alloc/allocator.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
+#include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
 #include "kvtc/raw_convert.hpp"
 
@@ -496,6 +497,26 @@ void HeadParams::build_decoders() {
     for (const auto& t : rans_decode) tables.push_back(&t);
     rans_groups = entropy::rans_group_tables(tables);
   }
+}
+
+uint64_t HeadParams::params_held_bytes() const {
+  uint64_t n = held_bytes(mean) + held_bytes(kept) + held_bytes(basis) + held_bytes(row_scale) + held_bytes(quant) +
+               held_bytes(fixed_widths) + held_bytes(eigenvalues) + held_bytes(bits);
+  n += uint64_t(rans_tables.capacity()) * sizeof(entropy::FrequencyTable);
+  for (const auto& t : rans_tables) n += t.held_bytes();
+  n += uint64_t(huffman_tables.capacity()) * sizeof(entropy::HuffmanTable);
+  for (const auto& t : huffman_tables) n += t.held_bytes();
+  return n;
+}
+
+uint64_t HeadParams::derived_held_bytes() const {
+  uint64_t n = uint64_t(rans_decode.capacity()) * sizeof(entropy::RansDecodeTable);
+  for (const auto& t : rans_decode) n += t.held_bytes();
+  n += uint64_t(rans_encode.capacity()) * sizeof(entropy::RansEncodeTable);
+  for (const auto& t : rans_encode) n += t.held_bytes();
+  n += rans_groups.held_bytes() + held_bytes(basis_t) + held_bytes(recon_zero2) + held_bytes(recon_scale) +
+       held_bytes(recon_w) + held_bytes(proj_w) + held_bytes(proj_qscale);
+  return n;
 }
 
 // --- small dense products -----------------------------------------------------

@@ -151,6 +151,13 @@ struct HeadParams {
   float proj_max_sq = 0.0f;
   bool proj_int = false;
   void build_decoders();
+
+  // Heap bytes held (capacities): the parameters above (mean, kept, basis,
+  // scales, quantizers, coder tables, fit telemetry) and, apart, what
+  // build_decoders() derives from them (decode/encode tables, transposed
+  // basis, integer kernels' weights). For CacheStats::resident_bytes.
+  uint64_t params_held_bytes() const;
+  uint64_t derived_held_bytes() const;
 };
 
 // Fits one head from x [n, D] (row-major) given its PCA (eigen-sorted axes).

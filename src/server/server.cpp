@@ -523,6 +523,10 @@ json stats_json(ServerState& s) {
   j["last_request"] = cache_stats_json(s.last.compressed_key_bytes, s.last.compressed_value_bytes,
                                        s.last.fp16_key_bytes, s.last.fp16_value_bytes);
   j["last_request"]["tokens"] = cfg.n_layers > 0 ? s.last.tokens / cfg.n_layers : 0;  // stats sum the layers
+  // Memory held by the request's caches (shared calibration apart), beside the stored ratio.
+  j["last_request"]["resident_bytes"] = s.last.resident_bytes;
+  j["last_request"]["shared_bytes"] = s.last.shared_bytes();
+  j["last_request"]["resident_ratio"] = s.last.resident_ratio();
   j["tokens"] = {{"seen", s.tokens_seen}, {"retained", ps.tokens}};
   j["prefix_store"] = {{"kind", s.store ? ps.kind : "off"}, {"entries", ps.entries}, {"bytes", ps.bytes},
                        {"budget_bytes", ps.budget_bytes}, {"block_tokens", s.opt.prefix_block},

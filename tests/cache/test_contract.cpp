@@ -269,6 +269,40 @@ TEST_P(Contract, TelemetryIsHonest) {
   }
 }
 
+// Memory as held (CacheStats::resident_bytes): never below the bytes stored,
+// and for fp16, whose stored bytes are its f16 tokens, the f16 size plus the
+// objects' own few hundred bytes. No stream cache shares anything.
+TEST_P(Contract, ResidentBytesCoverWhatIsStored) {
+  const Data d = make_data(batch(), 300, DType::kBF16);
+  auto c = make();
+  c->append(d.k(0, 200), d.v(0, 200));
+  for (int64_t t = 200; t < 300; ++t) c->append(d.k(t, 1), d.v(t, 1));
+  const CacheStats st = c->stats();
+  EXPECT_GE(st.resident_bytes, st.compressed_bytes()) << method();
+  EXPECT_GT(st.resident_ratio(), 0.0);
+  EXPECT_EQ(st.shared_bytes(), 0u) << method();
+  // One append of everything: vectors sized once, nothing left over from growth.
+  auto once = make();
+  once->append(d.k(0, 300), d.v(0, 300));
+  const CacheStats one = once->stats();
+  EXPECT_GE(one.resident_bytes, one.compressed_bytes()) << method();
+  if (method() == "fp16") {
+    EXPECT_GE(one.resident_bytes, one.fp16_bytes());
+    EXPECT_LE(one.resident_bytes, one.fp16_bytes() + 1024);
+  }
+  // int8 / int4 hold their fixed-size rows and nothing else.
+  if (method() == "int8" || method() == "int4") {
+    EXPECT_LE(one.resident_bytes, one.compressed_bytes() + 1024) << method();
+  }
+  // A prefill's raw tokens, once coded, are given back: a compressed method
+  // without per-cache parameters holds less than f16 would after a one-call
+  // prefill (palu and kvtc also hold fitted projections and tables, which
+  // 300 tokens do not pay for).
+  if (method() == "int8" || method() == "int4" || method() == "kivi2") {
+    EXPECT_LT(one.resident_bytes, one.fp16_bytes()) << method();
+  }
+}
+
 TEST_P(Contract, AnyCorruptedByteFailsCleanly) {
   const Data d = make_data(batch(), 140, DType::kBF16);
   auto c = make();

@@ -139,3 +139,37 @@ TEST(KvtcLocal, PerTensorTargets) {
 }
 
 }  // namespace
+
+// resident_bytes counts the decoder and encoder tables (extras
+// "<t>.table_bytes") on top of the payloads, raw tokens and parameters, and
+// a rANS cache's tables are there to count; the raw tail of a one-call
+// prefill is given back once its blocks are coded.
+TEST(KvtcLocal, ResidentBytesCountTablesAndDropThePrefill) {
+  CacheConfig cfg;
+  cfg.n_kv_heads = 2;
+  cfg.head_dim = 64;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  const int64_t S = 1024;
+  std::vector<float> x(size_t(2 * S * 64));
+  for (auto& v : x) v = g(rng);
+  const TensorView kv = TensorView::contiguous(x.data(), DType::kF32, {1, 2, S, 64});
+  for (const char* coder : {"rans", "fixed"}) {
+    auto cache = make_cache("kvtc", cfg, {{"coder", coder}});
+    cache->append(kv, kv);
+    const CacheStats st = cache->stats();
+    const double tables = st.extras.at("key.table_bytes") + st.extras.at("value.table_bytes");
+    const double stored = st.extras.at("key.payload_bytes") + st.extras.at("value.payload_bytes") +
+                          st.extras.at("key.raw_bytes") + st.extras.at("value.raw_bytes");
+    EXPECT_GE(double(st.resident_bytes), stored + tables) << coder;
+    EXPECT_GE(st.resident_bytes, st.compressed_bytes()) << coder;
+    if (std::string(coder) == "rans") EXPECT_GT(tables, 0.0);
+    // No raw copy of the 1024 prefill tokens left behind (512 KB of f16):
+    // the cache holds about what its reloaded copy (every vector sized
+    // exactly by load) holds.
+    const std::vector<uint8_t> saved = cache->save();
+    auto loaded = load_cache(saved.data(), saved.size());
+    const double a = double(st.resident_bytes), b = double(loaded->stats().resident_bytes);
+    EXPECT_LT(std::fabs(a - b), double(st.fp16_bytes()) / 16) << coder << ": " << a << " vs " << b;
+  }
+}

@@ -30,6 +30,14 @@ for r in with_z:
         for f in ("encode_vs_zstd", "decode_vs_zstd"):
             # a ratio of two wall-clock speeds of the same repeat: positive and finite
             assert 0 < r[f] < 1e4, (r["method"], f, r[f])
+# Memory as held beside the stored bytes: int8 holds its rows and a few
+# hundred bytes per layer, shares nothing; resident_ratio is f16 / resident.
+for r in with_z:
+    if r["method"] == "int8":
+        assert r["compressed_bytes"] <= r["resident_bytes"] <= r["compressed_bytes"] + 8192, r
+        assert r["shared_bytes"] == 0, r
+        f16 = r["compression_ratio"] * r["compressed_bytes"]
+        assert abs(r["resident_ratio"] * r["resident_bytes"] - f16) < 1e-6 * f16, r
 for r in json.load(open(f"{w}/without.json")):
     assert "encode_vs_zstd" not in r and "decode_vs_zstd" not in r, r
 PY

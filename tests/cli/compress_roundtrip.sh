@@ -22,6 +22,15 @@ assert i["kind"] == "dump" and i["meta"]["method"] == "int8", i["meta"]
 assert len(i["layers"]) == c["n_layers"] == int(i["meta"]["n_layers"]) >= 1
 assert 1.5 < c["file_ratio"] < c["caches"]["compression_ratio"] <= 2.0, c
 assert abs(i["file_ratio"] - c["file_ratio"]) < 1e-9
+# Memory as held: int8 holds its stored rows plus a few hundred bytes per
+# layer, shares nothing, and the held ratio is f16 / resident; inspect (which
+# loads the caches) reports the same.
+for cc in (c["caches"], i["caches"]):
+    stored = cc["compressed_key_bytes"] + cc["compressed_value_bytes"]
+    assert stored <= cc["resident_bytes"] <= stored + 1024 * c["n_layers"], cc
+    assert cc["shared_bytes"] == 0, cc
+    f16 = cc["fp16_key_bytes"] + cc["fp16_value_bytes"]
+    assert abs(cc["resident_ratio"] - f16 / cc["resident_bytes"]) < 1e-9, cc
 PY
 
 # decompress, then fp16 of the reconstruction: lossless from there on.

@@ -15,6 +15,10 @@ assert set(r) == {"int4", "int4:g16", "int4:g64"}, r.keys()
 # Smaller groups store more scales: the ratios must order by group size.
 assert r["int4:g16"]["compression_ratio"] < r["int4"]["compression_ratio"] < r["int4:g64"]["compression_ratio"], r
 assert all(m["scored"] == 8 for m in r.values())
+# Memory as held beside the stored bytes (int4 shares nothing).
+for m in r.values():
+    assert m["resident_bytes"] >= m["compressed_bytes"] and m["shared_bytes"] == 0, m
+    assert abs(m["resident_ratio"] * m["resident_bytes"] - m["fp16_bytes"]) < 1e-6 * m["fp16_bytes"], m
 ' "$out"
 # A variant without a label is refused, naming the option.
 if "$kvcodec" eval --tokens "$tokens" --windows 1 --context 16 --score 2 --methods "int4:" 2>/tmp/kvcodec-eval-err.$$; then

@@ -107,10 +107,11 @@ TEST(RansFast, SameBytesAsTheTextbookEncoder) {
   }
 }
 
-// The AVX2 search lookup (small alphabets) against the slot table: the same
-// stream decoded through a table with its search entries and through a copy
-// without them (which takes the slot-table path) gives the same symbols, for
-// every scale the search serves and alphabets up to the largest it takes.
+// The search lookup (small alphabets) against the slot table: the same
+// stream decoded through a table with its search entries (and no slot table)
+// and through a copy with the slot table filled in instead gives the same
+// symbols, for every scale the search serves and alphabets up to the largest
+// it takes.
 TEST(RansFast, SearchLookupMatchesSlotTable) {
   std::mt19937_64 rng(31);
   for (int trial = 0; trial < 400; ++trial) {
@@ -132,8 +133,15 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
     const FrequencyTable t = FrequencyTable::from_freqs(freq, scale);
     const RansDecodeTable with(t);
     RansDecodeTable without = with;
-    without.search.clear();
     ASSERT_EQ(!with.search.empty(), alphabet <= kRansSearchMax && scale <= 14) << alphabet << " " << scale;
+    // A table holds one of the two lookups, never both.
+    ASSERT_NE(with.search.empty(), with.slot_symbol.empty());
+    if (!with.search.empty()) {
+      std::vector<uint16_t>().swap(without.search);  // gives its memory back (= {} keeps the capacity)
+      for (uint32_t s = 0; s < alphabet; ++s) without.slot_symbol.insert(without.slot_symbol.end(), freq[s], uint16_t(s));
+      // The bytes held count the lookup each one keeps.
+      EXPECT_EQ(without.held_bytes(), with.held_bytes() - 32 * 2 + without.slot_symbol.capacity() * 2);
+    }
     const size_t rows = 1 + rng() % 600;
     std::vector<uint16_t> sym(rows);
     for (auto& v : sym) v = uint16_t(rng() % alphabet);

@@ -239,6 +239,14 @@ TEST_F(ServerTest, StatsFields) {
     EXPECT_GT(s["last_request"][part]["compressed_bytes"].get<uint64_t>(), 0u);
     EXPECT_DOUBLE_EQ(s["last_request"][part]["ratio"].get<double>(), 1.0);  // fp16 stores f16
   }
+  // Memory held by the request's caches: at least what they store, nothing
+  // shared for fp16, and the held ratio f16 / resident (just below 1).
+  const uint64_t stored = s["last_request"]["key"]["compressed_bytes"].get<uint64_t>() +
+                          s["last_request"]["value"]["compressed_bytes"].get<uint64_t>();
+  EXPECT_GE(s["last_request"]["resident_bytes"].get<uint64_t>(), stored);
+  EXPECT_EQ(s["last_request"]["shared_bytes"].get<uint64_t>(), 0u);
+  EXPECT_GT(s["last_request"]["resident_ratio"].get<double>(), 0.5);
+  EXPECT_LE(s["last_request"]["resident_ratio"].get<double>(), 1.0);
   EXPECT_GT(s["tokens"]["seen"].get<uint64_t>(), 0u);
   EXPECT_GT(s["memory"]["rss_bytes"].get<uint64_t>(), 1u << 20);
   EXPECT_FALSE(s["ttft"]["recent"].empty());

@@ -301,6 +301,9 @@ nlohmann::json cache_method_result(const Dump& dump, CacheRunner& runner, bool w
   j["compressed_bytes"] = total.compressed_bytes();
   j["compressed_key_bytes"] = total.compressed_key_bytes;
   j["compressed_value_bytes"] = total.compressed_value_bytes;
+  j["resident_bytes"] = total.resident_bytes;
+  j["shared_bytes"] = total.shared_bytes();
+  j["resident_ratio"] = total.resident_ratio();
   j["rel_mse_key"] = ref_k > 0 ? err_k / ref_k : 0.0;
   j["rel_mse_value"] = ref_v > 0 ? err_v / ref_v : 0.0;
   j["bits_per_element"] = 8.0 * double(total.compressed_bytes()) / elements;

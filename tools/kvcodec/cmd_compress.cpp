@@ -51,6 +51,9 @@ nlohmann::json stats_json(const CacheStats& s) {
   j["fp16_key_bytes"] = s.fp16_key_bytes;
   j["fp16_value_bytes"] = s.fp16_value_bytes;
   j["compression_ratio"] = s.compression_ratio();
+  j["resident_bytes"] = s.resident_bytes;
+  j["shared_bytes"] = s.shared_bytes();
+  j["resident_ratio"] = s.resident_ratio();
   return j;
 }
 
@@ -102,10 +105,13 @@ void run_compress(const CompressArgs& a) {
     j["seconds"] = seconds_since(t0);
     std::printf("%s\n", j.dump(2).c_str());
   } else {
-    std::printf("%s: %d layers of %s %s -> %s with %s: %s bytes (f16 %s), %.3fx; caches' K+V %s bytes (%.3fx)\n",
+    std::printf("%s: %d layers of %s %s -> %s with %s: %s bytes (f16 %s), %.3fx; caches' K+V %s bytes (%.3fx); "
+                "held in memory %s bytes (%.3fx) + %s shared\n",
                 a.kv.c_str(), kv.n_layers(), shape_string(kv.shape).c_str(), dtype_name(kv.dtype), a.out.c_str(),
                 a.method.c_str(), fmt::format("{}", bytes.size()).c_str(), fmt::format("{}", kv.f16_bytes()).c_str(),
-                ratio, fmt::format("{}", stats.compressed_bytes()).c_str(), stats.compression_ratio());
+                ratio, fmt::format("{}", stats.compressed_bytes()).c_str(), stats.compression_ratio(),
+                fmt::format("{}", stats.resident_bytes).c_str(), stats.resident_ratio(),
+                fmt::format("{}", stats.shared_bytes()).c_str());
   }
 }
 
@@ -178,6 +184,11 @@ void run_inspect(const InspectArgs& a) {
                 (unsigned long long)(j["caches"]["fp16_key_bytes"].get<uint64_t>() +
                                      j["caches"]["fp16_value_bytes"].get<uint64_t>()),
                 j["caches"]["compression_ratio"].get<double>());
+  if (j.contains("caches"))
+    std::printf("  held in memory once loaded %llu bytes (%.3fx), %llu shared with other caches\n",
+                (unsigned long long)j["caches"]["resident_bytes"].get<uint64_t>(),
+                j["caches"]["resident_ratio"].get<double>(),
+                (unsigned long long)j["caches"]["shared_bytes"].get<uint64_t>());
 }
 
 }  // namespace
