@@ -166,15 +166,12 @@ void run(const EvalArgs& a) {
               o.whole_window ? fmt::format("whole window ({} predictions each)", o.window_length - 1).c_str()
                              : fmt::format("context {}, score {}", o.context, o.score).c_str(),
               a.baseline.c_str());
-  for (const std::string& note : notes) std::printf("%s
-", note.c_str());
+  for (const std::string& note : notes) std::printf("%s\n", note.c_str());
   // held: f16 / bytes held in memory (shared calibration apart), beside the stored ratio.
-  std::printf("%-12s %8s %8s %9s %8s %8s %10s %7s %10s
-", "method", "ratio", "held", "ppl", "ppl +%", "nll", "kl",
+  std::printf("%-12s %8s %8s %9s %8s %8s %10s %7s %10s\n", "method", "ratio", "held", "ppl", "ppl +%", "nll", "kl",
               "top1", "tokens/s");
   for (const auto& r : results)
-    std::printf("%-12s %7.2fx %7.2fx %9.4f %+7.2f%% %8.4f %10.3e %7.4f %10.1f
-", r.method.c_str(),
+    std::printf("%-12s %7.2fx %7.2fx %9.4f %+7.2f%% %8.4f %10.3e %7.4f %10.1f\n", r.method.c_str(),
                 r.compression_ratio, r.stats.resident_ratio(), r.ppl, 100.0 * r.ppl_change, r.nll, r.kl, r.top1,
                 r.tokens_per_s);
 }
