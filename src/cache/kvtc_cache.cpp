@@ -566,7 +566,7 @@ MethodInfo kvtc_method_info() {
           "KV cache transform coding: PCA per head, DP bit allocation, uniform quantization, rANS",
           {{"mode", "local", "local: basis fitted per (layer, head) at prefill; calibrated: per-layer parameters from a calibration file"},
            {"bit_budget", "", "payload bits per token per head (default 4*head_dim)"},
-           {"bit_choices", "0,1,2,3,4,6,8", "widths the DP may give a component (0 drops it)"},
+           {"bit_choices", "0,1,2,3,4,6,8", "widths the DP may give a component, each in [0, 12] (0 drops it)"},
            {"beta", "3.5", "distortion model d(v,b) = v * beta^-b of the dp allocator"},
            {"allocator", "dp", "dp (beta model) or rate (one step for all components, measured entropy)"},
            {"target_ratio", "none", "pick the budget whose fit-token cost meets this compression ratio"},
