@@ -11,6 +11,7 @@
 
 #include "kvcodec/cache.hpp"
 #include "kvcodec/container.hpp"
+#include "cache/mutant_dumps.hpp"
 #include "format/reseal.hpp"
 #include "kvcodec/error.hpp"
 
@@ -339,6 +340,14 @@ TEST_P(Contract, SealedMutantsLoadOrFailCleanly) {
   }
   std::printf("%s B=%d: %ld sealed mutants, %ld refused, %ld loaded\n", method().c_str(), batch(), n, refused,
               n - refused);
+  if (batch() == 1) {  // files for the kvcodec decompress campaign (a layer-0 cache: the dump's only layer)
+    CacheConfig layer0 = config();
+    layer0.layer = 0;
+    layer0.n_layers = 1;
+    auto c0 = make_cache(method(), layer0);
+    c0->append(d.k(0, 140), d.v(0, 140));
+    testing_reseal::write_dump_mutants(*c0, method(), 99);
+  }
   if (n >= 100) {
     EXPECT_GT(refused, 0);
   }

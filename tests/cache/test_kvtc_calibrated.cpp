@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "cache/kvtc_calibrated.hpp"
+#include "cache/mutant_dumps.hpp"
 #include "format/reseal.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/container.hpp"
@@ -781,6 +782,14 @@ TEST(CalibratedCache, SealedCorruptionsFailCleanlyAndLeaveTheCache) {
   std::mt19937_64 rng(5);
   for (long i = 0; i < n; ++i) attempt(testing_reseal::sealed_mutant(saved, rng));
   std::printf("calibrated (refine) sealed corruptions: %zu refused, %zu loaded\n", refused, loaded);
+  {  // files for the kvcodec decompress campaign (layer 0: the dump's only layer)
+    CacheConfig layer0 = layer_config(0);
+    layer0.n_layers = kLayers;
+    auto c0 = make_cache("kvtc", layer0, refined(24));
+    const Sequence seq0 = make_sequence(1, 70, 0, 34);
+    c0->append(seq0.keys.view(), seq0.values.view());
+    testing_reseal::write_dump_mutants(*c0, "kvtc_calibrated", 98);
+  }
   EXPECT_GT(refused, loaded / 4);
 }
 
