@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Builds every libFuzzer target (fuzz/fuzz_*.cpp) with clang and runs each on a
-# copy of its seed corpus (fuzz/corpus/<target>/, empty if absent).
+# Builds every libFuzzer target (fuzz/fuzz_*.cpp) with clang, replays each
+# one's kept crash inputs (fuzz/regressions/<target>/*), then runs it on a copy
+# of its seed corpus: fuzz/corpus/<target>/, the seeds the target makes itself
+# (KVCODEC_FUZZ_SEEDS, see fuzz/fuzz_seeds.hpp) and, for the cache loader,
+# tests/data/saved_caches/. The fuzz executables verify no container checksum
+# (fuzz/CMakeLists.txt), so mutations reach the parsers behind them.
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]
 #
@@ -66,12 +70,23 @@ for t in "${targets[@]}"; do
   if [ -d "fuzz/corpus/$t" ]; then
     cp -r "fuzz/corpus/$t/." "$corpus/"
   else
-    echo "fuzz.sh: $t has no fuzz/corpus/$t; starting from an empty corpus"
+    echo "fuzz.sh: $t has no fuzz/corpus/$t (seeds from the target itself only)"
   fi
   # Saved caches of every method (golden files checked by test_cache) seed
   # the cache loader: the fuzzer starts from valid files of each layout.
   if [ "$t" = fuzz_cache_load ] && [ -d tests/data/saved_caches ]; then
     cp tests/data/saved_caches/*.kvc "$corpus/"
+  fi
+  mkdir -p "$work/empty"
+  KVCODEC_FUZZ_SEEDS="$corpus" "$build/fuzz/$t" -runs=0 "$work/empty" >/dev/null 2>&1 || true
+  if [ -d "fuzz/regressions/$t" ] && ls "fuzz/regressions/$t"/* >/dev/null 2>&1; then
+    if ! "$build/fuzz/$t" fuzz/regressions/"$t"/* >"$work/$t.regressions.log" 2>&1; then
+      tail -n 40 "$work/$t.regressions.log" >&2
+      echo "fuzz.sh: $t fails on a kept regression input (fuzz/regressions/$t/)" >&2
+      failed+=("$t")
+      continue
+    fi
+    echo "  $t: $(ls fuzz/regressions/"$t" | wc -l) regression inputs pass"
   fi
   echo "== $t: ${per}s"
   if ! ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1} \

@@ -5,6 +5,7 @@
 
 #include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
+#include "core/first_exception.hpp"
 #include "kvcodec/error.hpp"
 
 namespace kvcodec::dump {
@@ -72,24 +73,23 @@ std::vector<uint8_t> compress_dump(const KvDump& dump, const CompressOptions& op
     caches[size_t(i)] = make_cache(options.method, config, options.settings);
   }
   std::vector<std::vector<uint8_t>> saved(static_cast<size_t>(L));
-  std::exception_ptr failure;
+  FirstException failure;
   std::mutex mutex;
   int done = 0;
 #pragma omp parallel for num_threads(options.threads > 0 ? options.threads : 1) schedule(dynamic)
   for (int i = 0; i < L; ++i) {
-    try {
+    failure.capture([&] {
       caches[size_t(i)]->append(dump.keys[size_t(i)], dump.values[size_t(i)]);
       saved[size_t(i)] = caches[size_t(i)]->save();
       caches[size_t(i)].reset();  // one layer's reconstruction buffers at a time
-    } catch (...) {
+    });
+    failure.capture([&] {
       std::lock_guard<std::mutex> lock(mutex);
-      if (!failure) failure = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(mutex);
-    ++done;
-    if (options.progress) options.progress(done, L);
+      ++done;
+      if (options.progress) options.progress(done, L);
+    });
   }
-  if (failure) std::rethrow_exception(failure);
+  failure.rethrow();
 
   ContainerWriter out(ContainerKind::kDump);
   out.set_meta("format", kFormatName);

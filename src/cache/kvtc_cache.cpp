@@ -9,6 +9,7 @@
 #include "cache/saved_meta.hpp"
 #include "core/held_bytes.hpp"
 #include "cache/settings.hpp"
+#include "core/first_exception.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 #include "kvtc/raw_convert.hpp"
@@ -18,8 +19,11 @@ namespace kvcodec {
 
 namespace {
 
-using cache_impl::append_varint;
 using cache_impl::varint_size;
+
+// Meta "layout" of the sections below (docs/format.md); files without the
+// key are version 1 (the same bytes).
+constexpr int kLayoutVersion = 1;
 
 // One encoded block of `block` tokens: every (batch, head)'s payload.
 struct EncodedBlock {
@@ -66,14 +70,20 @@ class KvtcCache final : public KVCache {
   void encode_direct(const TensorView& keys, const TensorView& values, int64_t n);
   void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
   void reset();
+  // Decodes every block once and drops the result: load() refuses a corrupt
+  // payload there, not at a later fetch.
+  void decode_every_block() const;
   // Runs body(h) for every (batch, head): an OpenMP team when threads > 1,
   // a plain loop otherwise (a team per 64-token block costs more than the
   // block's decode at one thread).
+  // An exception in body is carried out of the team (FirstException).
   template <typename Body>
   void parallel_heads(int64_t heads, const Body& body) const {
     if (options_.threads > 1) {
+      FirstException failure;
 #pragma omp parallel for num_threads(options_.threads) schedule(static)
-      for (int64_t h = 0; h < heads; ++h) body(h);
+      for (int64_t h = 0; h < heads; ++h) failure.capture([&] { body(h); });
+      failure.rethrow();
     } else {
       for (int64_t h = 0; h < heads; ++h) body(h);
     }
@@ -180,8 +190,9 @@ void KvtcCache::fit() {
     for (int64_t h = 0; h < heads; ++h) raw_to_f32(stream->raw[size_t(h)], first, n, &x[size_t(h * n) * size_t(D)]);
     const std::vector<linalg::PcaBasis> pcas = linalg::fit_pca_batched(x.data(), heads, n, D, options_.threads);
     stream->heads.assign(size_t(heads), {});
+    FirstException failure;
 #pragma omp parallel for num_threads(options_.threads) schedule(dynamic)
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads; ++h) failure.capture([&] {
       const float* xh = &x[size_t(h * n) * size_t(D)];
       const auto& pca = pcas[size_t(h)];
       kvtc::CodecOptions codec = options_.codec;
@@ -202,7 +213,8 @@ void KvtcCache::fit() {
         codec.bit_budget = std::max(lo, 1);
       }
       stream->heads[size_t(h)] = kvtc::fit_head(xh, n, D, pca.mean, pca.components, pca.eigenvalues, codec);
-    }
+    });
+    failure.rethrow();
   }
   fitted_ = true;
 }
@@ -379,6 +391,10 @@ CacheStats KvtcCache::stats() const {
 
 // --- persistence -------------------------------------------------------------
 //
+// Meta: method, layout (1; files without it read as 1), settings, config.*.
+// load() compares the saved block/sinks/window with this cache's, checks
+// every count against the bytes before sizing anything by it, and decodes
+// every block once (a corrupt payload is refused at load, not at fetch).
 // Sections: "state" (shape, counters), then for K and V: "<t>.params" (every
 // head's HeadParams), "<t>.blocks" (per block, per head: varint length +
 // payload), "<t>.raw" (per head, raw tokens as 16-bit words). The byte
@@ -398,6 +414,7 @@ std::vector<uint8_t> KvtcCache::save() const {
     theta << config_.rope_theta;
     w.set_meta("config.rope_theta", theta.str());
   }
+  cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
   state.u64(uint64_t(batch_));
   state.u64(uint64_t(offset_));
@@ -411,11 +428,7 @@ std::vector<uint8_t> KvtcCache::save() const {
     for (const auto& h : s->heads) h.serialize(params);
     w.add_section(prefix + "params", params.take());
     std::vector<uint8_t> blocks;
-    for (const auto& blk : s->blocks)
-      for (const auto& p : blk.payload) {
-        append_varint(blocks, p.size());
-        blocks.insert(blocks.end(), p.begin(), p.end());
-      }
+    for (const auto& blk : s->blocks) cache_impl::append_block_payloads(blocks, blk.payload);
     w.add_section(prefix + "blocks", std::move(blocks));
     ByteWriter raw;
     for (const auto& r : s->raw)
@@ -426,9 +439,13 @@ std::vector<uint8_t> KvtcCache::save() const {
 }
 
 void KvtcCache::load(const uint8_t* data, size_t size) {
-  const ContainerReader r = ContainerReader::parse(data, size);
+  const std::string who = "kvtc (local mode) load";
+  const ContainerReader r = ContainerReader::parse(data, size, {}, "saved kvtc cache");
   if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
-    throw Error(ErrorCode::kFormat, "kvtc: not a saved kvtc cache");
+    throw Error(ErrorCode::kFormat, who + ": not a saved kvtc cache");
+  if (r.meta().count("calibration.params_hash"))
+    throw Error(ErrorCode::kFormat, who + ": the saved cache is a calibrated kvtc cache, this one is local mode");
+  cache_impl::read_layout_version(r, kLayoutVersion, who);
   auto expect = [&](const char* key, int value) {
     if (r.meta_or_throw(key) != std::to_string(value))
       throw Error(ErrorCode::kShapeMismatch, std::string("kvtc: saved cache has ") + key + " = " +
@@ -436,51 +453,70 @@ void KvtcCache::load(const uint8_t* data, size_t size) {
   };
   expect("config.n_kv_heads", config_.n_kv_heads);
   expect("config.head_dim", config_.head_dim);
-  ByteReader state(r.section("state"));
-  KvtcCache fresh(config_, settings_);
-  fresh.batch_ = int64_t(state.u64());
-  fresh.offset_ = int64_t(state.u64());
-  fresh.fitted_ = state.u8() != 0;
+  const KvtcSettings saved = parse_kvtc_settings(decode_settings(r.meta_or_throw("settings")), config_);
+  cache_impl::expect_same_token_layout(saved.block, saved.sinks, saved.window, options_.block, options_.sinks,
+                                       options_.window, who);
+  ByteReader state(r.section("state"), "kvtc state");
+  const uint64_t batch = state.u64();
+  const uint64_t offset = state.u64();
+  const uint8_t fitted = state.u8();
   const uint8_t raw_dtype = state.u8();
   const uint64_t n_blocks = state.u64();
-  if (fresh.batch_ < 0 || fresh.batch_ > (1 << 20) || fresh.offset_ < 0 || raw_dtype > 2 ||
-      n_blocks > uint64_t(fresh.offset_) || (fresh.offset_ > 0 && fresh.batch_ == 0))
-    throw Error(ErrorCode::kFormat, "kvtc: inconsistent saved state");
+  state.expect_end();
+  // The raw tail holds 16-bit words only: f16 or bf16, nothing else.
+  if (raw_dtype != uint8_t(DType::kF16) && raw_dtype != uint8_t(DType::kBF16))
+    throw Error(ErrorCode::kFormat, who + ": raw dtype id " + std::to_string(raw_dtype) + " is not f16 or bf16");
+  if (fitted > 1 || (n_blocks > 0 && !fitted) || (fitted && offset == 0) || batch > (uint64_t(1) << 20))
+    throw Error(ErrorCode::kFormat, who + ": inconsistent saved state (batch " + std::to_string(batch) +
+                                        ", offset " + std::to_string(offset) + ", fitted " +
+                                        std::to_string(fitted) + ", blocks " + std::to_string(n_blocks) + ")");
+  cache_impl::CodedLayout layout;
+  layout.rows = cache_impl::checked_mul(batch, uint64_t(config_.n_kv_heads), "kvtc rows");
+  layout.token_words = uint64_t(config_.head_dim);
+  layout.block = uint64_t(options_.block);
+  layout.sinks = std::min<uint64_t>(uint64_t(options_.sinks), offset);
+  layout.offset = offset;
+  layout.n_blocks = n_blocks;
+  layout.encoded = cache_impl::checked_mul(n_blocks, uint64_t(options_.block), "kvtc coded tokens");
+  cache_impl::check_coded_layout(layout, who);
+  const int64_t heads = int64_t(layout.rows);
+  const int D = config_.head_dim;
+
+  KvtcCache fresh(config_, settings_);
+  fresh.batch_ = int64_t(batch);
+  fresh.offset_ = int64_t(offset);
+  fresh.fitted_ = fitted != 0;
   fresh.raw_dtype_ = DType(raw_dtype);
-  const int64_t heads = fresh.heads_total();
-  const int64_t D = config_.head_dim;
-  const int64_t raw_tokens = fresh.offset_ - int64_t(n_blocks) * options_.block;
-  if (raw_tokens < 0 || (n_blocks > 0 && !fresh.fitted_))
-    throw Error(ErrorCode::kFormat, "kvtc: saved block count does not match the token count");
   for (Stream* s : {&fresh.key_, &fresh.value_}) {
     const std::string prefix = s == &fresh.key_ ? "key." : "value.";
-    ByteReader params(r.section(prefix + "params"));
+    ByteReader params(r.section(prefix + "params"), "kvtc " + prefix + "params");
+    // Each head's parameters take bytes, so this loop is bounded by the section.
     if (fresh.fitted_)
-      for (int64_t h = 0; h < heads; ++h) s->heads.push_back(kvtc::HeadParams::deserialize(params, int(D)));
-    if (!params.at_end()) throw Error(ErrorCode::kFormat, "kvtc: trailing bytes in " + prefix + "params");
-    ByteReader blocks(r.section(prefix + "blocks"));
-    for (uint64_t j = 0; j < n_blocks; ++j) {
-      EncodedBlock blk;
-      for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t len = blocks.varint();
-        const uint8_t* p = blocks.bytes(size_t(len)).data();
-        blk.payload.emplace_back(p, p + len);
-      }
-      s->blocks.push_back(std::move(blk));
-    }
-    if (!blocks.at_end()) throw Error(ErrorCode::kFormat, "kvtc: trailing bytes in " + prefix + "blocks");
-    const auto raw_bytes = r.section(prefix + "raw");
-    if (raw_bytes.size() != size_t(heads * raw_tokens * D * 2))
-      throw Error(ErrorCode::kFormat, "kvtc: " + prefix + "raw holds " + std::to_string(raw_bytes.size()) +
-                                          " bytes, expected " + std::to_string(heads * raw_tokens * D * 2));
-    ByteReader raw(raw_bytes);
-    s->raw.assign(size_t(heads), {});
-    for (int64_t h = 0; h < heads; ++h) {
-      s->raw[size_t(h)].resize(size_t(raw_tokens * D));
-      for (auto& word : s->raw[size_t(h)]) word = raw.u16();
-    }
+      for (int64_t h = 0; h < heads; ++h) s->heads.push_back(kvtc::HeadParams::deserialize(params, D));
+    params.expect_end();
+    for (auto& payloads : cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, layout.rows,
+                                                          "kvtc " + prefix + "blocks"))
+      s->blocks.push_back(EncodedBlock{std::move(payloads)});
+    s->raw = cache_impl::read_raw_rows(r.section(prefix + "raw"), layout.rows,
+                                       cache_impl::checked_mul(layout.raw_tokens(), layout.token_words, "kvtc raw"),
+                                       "kvtc " + prefix + "raw");
   }
+  fresh.decode_every_block();
   *this = std::move(fresh);
+}
+
+void KvtcCache::decode_every_block() const {
+  const int64_t B = options_.block, D = config_.head_dim;
+  for (size_t j = 0; j < key_.blocks.size(); ++j)
+    parallel_heads(heads_total(), [&](int64_t h) {
+      thread_local std::vector<float> k, v;
+      k.resize(size_t(B * D));
+      v.resize(size_t(B * D));
+      const auto& kp = key_.blocks[j].payload[size_t(h)];
+      const auto& vp = value_.blocks[j].payload[size_t(h)];
+      kvtc::decode_block_pair(key_.heads[size_t(h)], kp.data(), kp.size(), k.data(), value_.heads[size_t(h)],
+                              vp.data(), vp.size(), v.data(), B);
+    });
 }
 
 }  // namespace
@@ -511,11 +547,12 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
   if (r.find("rope_theta")) r.fail("rope_theta", "unset (only calibrated mode uses it)");
   if (r.find("refine")) r.fail("refine", "unset (only calibrated mode has refinement codes)");
   s.codec.bit_budget = int(r.get_int("bit_budget", 4 * D, 1, 16 * D));
-  std::vector<int64_t> choices = r.get_int_list("bit_choices", {0, 1, 2, 3, 4, 6, 8}, 0, 16);
+  std::vector<int64_t> choices = r.get_int_list("bit_choices", {0, 1, 2, 3, 4, 6, 8}, 0, kvtc::kMaxComponentBits);
   std::vector<int64_t> sorted = choices;
   std::sort(sorted.begin(), sorted.end());
   if (sorted.front() != 0 || std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    r.fail("bit_choices", "distinct widths in [0, 16] including 0, e.g. 0,1,2,3,4,6,8");
+    r.fail("bit_choices", "distinct widths in [0, " + std::to_string(kvtc::kMaxComponentBits) +
+                              "] including 0, e.g. 0,1,2,3,4,6,8");
   s.codec.bit_choices.assign(choices.begin(), choices.end());
   s.codec.beta = r.get_double("beta", 3.5, 1.0, 1e6, /*lo_open=*/true);
   s.codec.allocator = r.get_choice("allocator", "dp", {"dp", "rate"}) == "dp" ? kvtc::Allocator::kDp
@@ -552,7 +589,7 @@ MethodInfo kvtc_method_info() {
           "KV cache transform coding: PCA per head, DP bit allocation, uniform quantization, rANS",
           {{"mode", "local", "local: basis fitted per (layer, head) at prefill; calibrated: per-layer parameters from a calibration file"},
            {"bit_budget", "", "payload bits per token per head (default 4*head_dim)"},
-           {"bit_choices", "0,1,2,3,4,6,8", "widths the DP may give a component (0 drops it)"},
+           {"bit_choices", "0,1,2,3,4,6,8", "widths the DP may give a component, each in [0, 12] (0 drops it)"},
            {"beta", "3.5", "distortion model d(v,b) = v * beta^-b of the dp allocator"},
            {"allocator", "dp", "dp (beta model) or rate (one step for all components, measured entropy)"},
            {"target_ratio", "none", "pick the budget whose fit-token cost meets this compression ratio"},

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "cache/settings.hpp"
+#include "core/first_exception.hpp"
 #include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
 #include "kvcodec/container.hpp"
@@ -390,6 +391,9 @@ struct RefineGroup {
   Block codes;
 };
 constexpr int64_t kRefineGroup = 32;
+// Meta "layout" of the saved sections (docs/format.md); files without the
+// key are version 1 (the same bytes).
+constexpr int kLayoutVersion = 1;
 
 struct Stream {
   std::vector<Block> blocks;
@@ -708,20 +712,15 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
     // One task per (block, batch row, tensor). decode_block throws on bad
     // bytes; an exception must not leave an OpenMP region, so it is carried out.
     const int64_t tasks = m * batch_ * 2;
-    std::exception_ptr failure;
+    FirstException failure;
 #pragma omp parallel for num_threads(options_.threads) schedule(dynamic, 1) if (options_.threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const bool is_key = t % 2 == 0;
       const int64_t j = t / 2 / batch_, b = t / 2 % batch_;
       float* out = (is_key ? key_scratch_ : value_scratch_).data() + (b * tokens + j * n) * V;
-      try {
-        decode(is_key, (is_key ? key_ : value_).blocks[size_t(j0 + j)], (j0 + j) * n, b, out);
-      } catch (...) {
-#pragma omp critical(kvtc_calibrated_decode_failure)
-        if (!failure) failure = std::current_exception();
-      }
+      failure.capture([&] { decode(is_key, (is_key ? key_ : value_).blocks[size_t(j0 + j)], (j0 + j) * n, b, out); });
     }
-    if (failure) std::rethrow_exception(failure);
+    failure.rethrow();
     visit(sinks + j0 * n, view(key_scratch_.data(), tokens), view(value_scratch_.data(), tokens));
   }
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
@@ -856,6 +855,7 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
   w.set_meta("config.head_dim", std::to_string(config_.head_dim));
   w.set_meta("config.rope_theta", format_double(config_.rope_theta));
   w.set_meta("calibration.params_hash", params_hash(*calibration_, config_.layer));
+  cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
   state.u64(uint64_t(batch_));
   state.u64(uint64_t(offset_));
@@ -868,11 +868,7 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
   for (const Stream* s : {&key_, &value_}) {
     const std::string prefix = s == &key_ ? "key." : "value.";
     std::vector<uint8_t> blocks;
-    for (const auto& blk : s->blocks)
-      for (const auto& p : blk.payload) {
-        append_varint(blocks, p.size());
-        blocks.insert(blocks.end(), p.begin(), p.end());
-      }
+    for (const auto& blk : s->blocks) cache_impl::append_block_payloads(blocks, blk.payload);
     w.add_section(prefix + "blocks", std::move(blocks));
     if (!s->refine.empty()) {
       // Refinement groups: varint count, then per group varint first coded
@@ -897,9 +893,11 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
 }
 
 void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
-  const ContainerReader r = ContainerReader::parse(data, size);
+  const std::string who = "kvtc calibrated load";
+  const ContainerReader r = ContainerReader::parse(data, size, {}, "saved kvtc cache");
   if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
     throw Error(ErrorCode::kFormat, "kvtc calibrated: not a saved kvtc cache");
+  cache_impl::read_layout_version(r, kLayoutVersion, who);
   if (!r.meta().count("calibration.params_hash"))
     throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache is not a calibrated kvtc cache");
   if (r.meta_or_throw("calibration.params_hash") != params_hash(*calibration_, config_.layer))
@@ -911,6 +909,9 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
     if (r.meta_or_throw(key) != std::to_string(value))
       throw Error(ErrorCode::kShapeMismatch, std::string("kvtc calibrated: saved cache has ") + key + " = " +
                                                  r.meta_or_throw(key) + ", this cache " + std::to_string(value));
+  const KvtcSettings saved = parse_kvtc_settings(decode_settings(r.meta_or_throw("settings")), config_);
+  cache_impl::expect_same_token_layout(saved.block, saved.sinks, saved.window, options_.block, options_.sinks,
+                                       options_.window, who);
   ByteReader state(r.section("state"), "kvtc state");
   const uint64_t batch = state.u64();
   const uint64_t offset = state.u64();
@@ -924,49 +925,38 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   // Bounds before anything is sized by them: every raw token costs 2*V bytes
   // per batch row and every block at least one byte per row.
   const uint64_t block = uint64_t(options_.block);
-  if (offset > (uint64_t(1) << 40) || batch > (uint64_t(1) << 20) || (offset > 0 && batch == 0) ||
-      n_blocks > offset || (offset == 0 && batch != 0) || (n_blocks == 0) != (last_tokens == 0) ||
-      last_tokens > block || (n_blocks > 0 && (n_blocks - 1) * block + last_tokens > offset))
+  if (batch > (uint64_t(1) << 20) || (offset == 0 && batch != 0) || (n_blocks == 0) != (last_tokens == 0) ||
+      last_tokens > block)
     throw Error(ErrorCode::kFormat, "kvtc calibrated: inconsistent state (batch " + std::to_string(batch) +
                                         ", offset " + std::to_string(offset) + ", blocks " +
                                         std::to_string(n_blocks) + ", newest block " +
                                         std::to_string(last_tokens) + " tokens, block size " +
                                         std::to_string(block) + ")");
-  const int64_t encoded = n_blocks ? int64_t((n_blocks - 1) * block + last_tokens) : 0;
-  const int64_t raw_tokens = int64_t(offset) - encoded;
-  const int64_t sinks = std::min<int64_t>(options_.sinks, int64_t(offset));
-  if (n_blocks > 0 && raw_tokens < sinks)
-    throw Error(ErrorCode::kFormat, "kvtc calibrated: blocks without their sink tokens");
+  cache_impl::CodedLayout layout;
+  layout.rows = batch;
+  layout.token_words = uint64_t(V);
+  layout.block = block;
+  layout.sinks = std::min<uint64_t>(uint64_t(options_.sinks), offset);
+  layout.offset = offset;
+  layout.n_blocks = n_blocks;
+  layout.encoded = n_blocks ? cache_impl::checked_mul(n_blocks - 1, block, "kvtc coded tokens") + last_tokens : 0;
+  cache_impl::check_coded_layout(layout, who);
+  const int64_t encoded = int64_t(layout.encoded);
   CalibratedKvtcCache fresh(*this);
   fresh.reset();
   fresh.batch_ = int64_t(batch);
   fresh.offset_ = int64_t(offset);
   fresh.encoded_ = encoded;
   fresh.raw_dtype_ = DType(dtype);
-  fresh.cover_positions(int64_t(offset));
   for (Stream* s : {&fresh.key_, &fresh.value_}) {
     const std::string prefix = s == &fresh.key_ ? "key." : "value.";
-    const auto raw_bytes = r.section(prefix + "raw");
-    if (raw_bytes.size() != size_t(batch) * size_t(raw_tokens) * size_t(V) * 2)
-      throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "raw holds " + std::to_string(raw_bytes.size()) +
-                                          " bytes, expected " +
-                                          std::to_string(size_t(batch) * size_t(raw_tokens) * size_t(V) * 2));
-    const auto block_bytes = r.section(prefix + "blocks");
-    if (n_blocks * batch > block_bytes.size())
-      throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "blocks too short for " +
-                                          std::to_string(n_blocks) + " blocks");
-    ByteReader blocks(block_bytes, "kvtc " + prefix + "blocks");
-    for (uint64_t j = 0; j < n_blocks; ++j) {
-      Block blk;
-      blk.tokens = j + 1 == n_blocks ? int64_t(last_tokens) : options_.block;
-      for (uint64_t b = 0; b < batch; ++b) {
-        const uint64_t len = blocks.varint();
-        const auto bytes = blocks.bytes(size_t(len));
-        blk.payload.emplace_back(bytes.begin(), bytes.end());
-      }
-      s->blocks.push_back(std::move(blk));
-    }
-    if (!blocks.at_end()) throw Error(ErrorCode::kFormat, "kvtc calibrated: trailing bytes in " + prefix + "blocks");
+    s->raw = cache_impl::read_raw_rows(r.section(prefix + "raw"), batch,
+                                       cache_impl::checked_mul(layout.raw_tokens(), layout.token_words, "kvtc raw"),
+                                       "kvtc " + prefix + "raw");
+    auto payloads = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, batch,
+                                                    "kvtc " + prefix + "blocks");
+    for (uint64_t j = 0; j < n_blocks; ++j)
+      s->blocks.push_back(Block{j + 1 == n_blocks ? int64_t(last_tokens) : options_.block, std::move(payloads[j])});
     if (r.has(prefix + "refine")) {
       if (!calibration_->refined())
         throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache holds refinement codes but " +
@@ -981,7 +971,8 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
         const uint64_t first = in.varint(), tokens = in.varint();
         // Contiguous up to the newest coded token, each inside one block.
         const uint64_t want_first = s->refine.empty() ? first : uint64_t(s->refine.back().first + s->refine.back().codes.tokens);
-        if (tokens < 1 || tokens > uint64_t(kRefineGroup) || first != want_first || first + tokens > uint64_t(encoded) ||
+        if (tokens < 1 || tokens > uint64_t(kRefineGroup) || first != want_first || first >= uint64_t(encoded) ||
+            first + tokens > uint64_t(encoded) ||
             first / block != (first + tokens - 1) / block)
           throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "refine group " + std::to_string(i) +
                                               " (first " + std::to_string(first) + ", " + std::to_string(tokens) +
@@ -1000,13 +991,9 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
       if (!s->refine.empty() && s->refine.back().first + s->refine.back().codes.tokens != encoded)
         throw Error(ErrorCode::kFormat, "kvtc calibrated: " + prefix + "refine does not end at the newest coded token");
     }
-    ByteReader raw(raw_bytes, "kvtc " + prefix + "raw");
-    s->raw.assign(size_t(batch), {});
-    for (auto& row : s->raw) {
-      row.resize(size_t(raw_tokens * V));
-      for (auto& word : row) word = raw.u16();
-    }
   }
+  // Sized only now: offset is bounded by the bytes that hold its tokens.
+  fresh.cover_positions(int64_t(offset));
   // Every payload must decode: a corrupted block is refused now, not at fetch.
   std::vector<float> x(size_t(options_.block * V));
   for (const Stream* s : {&fresh.key_, &fresh.value_}) {

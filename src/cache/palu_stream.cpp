@@ -28,6 +28,7 @@ namespace {
 class PaluStream final : public TokenStream {
  public:
   explicit PaluStream(const PaluOptions& opt) : opt_(opt) {}
+  std::unique_ptr<TokenStream> empty_twin() const override { return std::make_unique<PaluStream>(opt_); }
 
   void start(const StreamShape& s) override {
     shape_ = s;

@@ -2,7 +2,8 @@
 // block reads, trim, telemetry and save/load through the container.
 //
 // Saved layout (container kind "cache"):
-//   meta: method, settings ("k=v;..." sorted), config.layer, config.n_layers,
+//   meta: method, layout (version of the key/value sections, 1; absent in
+//         older files, which read as 1), settings ("k=v;..." sorted), config.layer, config.n_layers,
 //         config.n_kv_heads, config.head_dim, config.rope_theta, shape.batch,
 //         tokens, dtype (storage dtype of raw tokens)
 //   sections: "key" and "value", each exactly the stream's stored bytes.
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <tuple>
 
 #include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
@@ -112,17 +114,9 @@ class StreamCache final : public KVCache {
     return w.finish();
   }
 
-  void load(const uint8_t* data, size_t size) override {
-    try {
-      load_impl(data, size);
-    } catch (...) {
-      // Never leave a half-loaded state behind.
-      shaped_ = false;
-      tokens_ = 0;
-      batch_ = 0;
-      throw;
-    }
-  }
+  // Strong guarantee: everything is read into new streams and checked; the
+  // cache changes only when all of it is valid.
+  void load(const uint8_t* data, size_t size) override;
 
   CacheStats stats() const override {
     CacheStats st;
@@ -144,6 +138,7 @@ class StreamCache final : public KVCache {
  private:
   std::map<std::string, std::string> meta() const {
     return {{"method", method_},
+            {cache_impl::kLayoutKey, std::to_string(kLayoutVersion)},
             {"settings", encode_settings(settings_)},
             {"config.layer", std::to_string(cfg_.layer)},
             {"config.n_layers", std::to_string(cfg_.n_layers)},
@@ -174,48 +169,7 @@ class StreamCache final : public KVCache {
     tokens_ = 0;
   }
 
-  void load_impl(const uint8_t* data, size_t size) {
-    const ContainerReader c = ContainerReader::parse(data, size, {}, method_ + " cache");
-    c.expect_kind(ContainerKind::kCache);
-    const std::string& m = c.meta_or_throw("method");
-    if (m != method_)
-      throw Error(ErrorCode::kFormat, "saved cache is of method '" + m + "', this cache is '" + method_ + "'");
-    const auto mine = meta();
-    for (const char* key : {"settings", "config.layer", "config.n_layers", "config.n_kv_heads", "config.head_dim",
-                            "config.rope_theta"}) {
-      const std::string& v = c.meta_or_throw(key);
-      if (v != mine.at(key))
-        throw Error(ErrorCode::kFormat, std::string("saved cache has ") + key + " = '" + v + "', this cache has '" +
-                                            mine.at(key) + "' (use load_cache to make a matching cache)");
-    }
-    const int64_t batch = cache_impl::meta_int(c, "shape.batch", 0, kMaxBatch);
-    const int64_t tokens = cache_impl::meta_int(c, "tokens", 0, kMaxTokens);
-    const std::string& dt = c.meta_or_throw("dtype");
-    if (dt != "f16" && dt != "bf16")
-      throw Error(ErrorCode::kFormat, "saved cache dtype '" + dt + "' is not f16 or bf16");
-    const auto ks = c.section("key");
-    const auto vs = c.section("value");
-    shaped_ = false;
-    tokens_ = 0;
-    if (batch == 0) {
-      if (tokens != 0 || !ks.empty() || !vs.empty())
-        throw Error(ErrorCode::kFormat, "saved cache without a shape holds data");
-      batch_ = 0;
-      return;
-    }
-    batch_ = batch;
-    storage_ = dt == "bf16" ? DType::kBF16 : DType::kF16;
-    start_streams();
-    ByteReader kr(ks.data(), ks.size(), method_ + " key section");
-    keys_->load(kr, tokens);
-    kr.expect_end();
-    ByteReader vr(vs.data(), vs.size(), method_ + " value section");
-    values_->load(vr, tokens);
-    vr.expect_end();
-    if (keys_->tokens() != tokens || values_->tokens() != tokens)
-      throw Error(ErrorCode::kFormat, "saved cache streams hold a different token count than its meta");
-    tokens_ = tokens;
-  }
+  static constexpr int kLayoutVersion = 1;  // meta "layout" of the key/value sections
 
   // [B, H, S, D] any strides/dtype -> token-major [S, B*H, D] f32, rounded
   // through the storage dtype.
@@ -249,6 +203,57 @@ class StreamCache final : public KVCache {
   int64_t batch_ = 0, tokens_ = 0;
   DType storage_ = DType::kF16;
 };
+
+void StreamCache::load(const uint8_t* data, size_t size) {
+  const ContainerReader c = ContainerReader::parse(data, size, {}, method_ + " cache");
+  c.expect_kind(ContainerKind::kCache);
+  const std::string& m = c.meta_or_throw("method");
+  if (m != method_)
+    throw Error(ErrorCode::kFormat, "saved cache is of method '" + m + "', this cache is '" + method_ + "'");
+  read_layout_version(c, kLayoutVersion, method_ + " cache load");
+  const auto mine = meta();
+  for (const char* key : {"settings", "config.layer", "config.n_layers", "config.n_kv_heads", "config.head_dim",
+                          "config.rope_theta"}) {
+    const std::string& v = c.meta_or_throw(key);
+    if (v != mine.at(key))
+      throw Error(ErrorCode::kFormat, std::string("saved cache has ") + key + " = '" + v + "', this cache has '" +
+                                          mine.at(key) + "' (use load_cache to make a matching cache)");
+  }
+  const int64_t batch = meta_int(c, "shape.batch", 0, kMaxBatch);
+  const int64_t tokens = meta_int(c, "tokens", 0, kMaxTokens);
+  const std::string& dt = c.meta_or_throw("dtype");
+  if (dt != "f16" && dt != "bf16") throw Error(ErrorCode::kFormat, "saved cache dtype '" + dt + "' is not f16 or bf16");
+  const auto ks = c.section("key");
+  const auto vs = c.section("value");
+  if (batch == 0) {
+    if (tokens != 0 || !ks.empty() || !vs.empty())
+      throw Error(ErrorCode::kFormat, "saved cache without a shape holds data");
+    keys_ = keys_->empty_twin();  // as a new cache: no shape until the next append
+    values_ = values_->empty_twin();
+    shaped_ = false;
+    batch_ = tokens_ = 0;
+    return;
+  }
+  const DType storage = dt == "bf16" ? DType::kBF16 : DType::kF16;
+  const StreamShape shape{batch, cfg_.n_kv_heads, cfg_.head_dim, storage};
+  std::unique_ptr<TokenStream> keys = keys_->empty_twin(), values = values_->empty_twin();
+  for (auto [stream, bytes, what] : {std::tuple{keys.get(), ks, "key"}, std::tuple{values.get(), vs, "value"}}) {
+    stream->start(shape);
+    ByteReader in(bytes.data(), bytes.size(), method_ + " " + what + " section");
+    stream->load(in, tokens);
+    in.expect_end();
+    if (stream->tokens() != tokens)
+      throw Error(ErrorCode::kFormat, "saved cache " + std::string(what) + " stream holds " +
+                                          std::to_string(stream->tokens()) + " tokens, its meta " +
+                                          std::to_string(tokens));
+  }
+  keys_ = std::move(keys);
+  values_ = std::move(values);
+  batch_ = batch;
+  storage_ = storage;
+  tokens_ = tokens;
+  shaped_ = true;
+}
 
 }  // namespace
 

@@ -10,13 +10,6 @@
 
 namespace kvcodec::cache_impl {
 
-uint64_t checked_mul(uint64_t a, uint64_t b, const char* what) {
-  uint64_t r = 0;
-  if (__builtin_mul_overflow(a, b, &r))
-    throw Error(ErrorCode::kFormat, std::string(what) + ": size overflows (corrupted shape or token count)");
-  return r;
-}
-
 void scatter_tokens(const float* x, int64_t n, int64_t rows, int64_t dim, float* out, int64_t total_n, int64_t at) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t r = 0; r < rows; ++r)
@@ -80,6 +73,7 @@ namespace {
 
 class RawStream final : public TokenStream {
  public:
+  std::unique_ptr<TokenStream> empty_twin() const override { return std::make_unique<RawStream>(); }
   void start(const StreamShape& s) override {
     shape_ = s;
     store_.reset(s.rows(), s.dim, s.storage);
@@ -107,6 +101,7 @@ class RawStream final : public TokenStream {
 class SymmetricStream final : public TokenStream {
  public:
   SymmetricStream(int bits, int64_t group) : bits_(bits), group_(group) {}
+  std::unique_ptr<TokenStream> empty_twin() const override { return std::make_unique<SymmetricStream>(bits_, group_); }
   void start(const StreamShape& s) override {
     shape_ = s;
     row_bytes_ = baselines::sym_row_bytes(s.dim, group_, bits_);
@@ -172,6 +167,9 @@ class SymmetricStream final : public TokenStream {
 class KiviKeyStream final : public TokenStream {
  public:
   KiviKeyStream(int64_t group, int64_t residual, int bits) : group_(group), residual_(residual), bits_(bits) {}
+  std::unique_ptr<TokenStream> empty_twin() const override {
+    return std::make_unique<KiviKeyStream>(group_, residual_, bits_);
+  }
   void start(const StreamShape& s) override {
     shape_ = s;
     widths_.assign(size_t(s.dim), uint8_t(bits_));
@@ -245,6 +243,10 @@ class KiviKeyStream final : public TokenStream {
     const uint8_t* p = r.take(size_t(nb));
     blobs_.assign(p, p + nb);
     quantized_ = int64_t(q);
+    // append() quantizes every full group older than the residual window.
+    if (tokens - quantized_ >= residual_ + group_)
+      throw Error(ErrorCode::kFormat, r.what() + ": KIVI keys hold " + std::to_string(tokens - quantized_) +
+                                          " raw tokens, more than residual + group_size - 1");
     raw_.deserialize(r, tokens - quantized_);
   }
   void add_extras(const std::string& prefix, std::map<std::string, double>& e) const override {
@@ -273,6 +275,9 @@ class KiviKeyStream final : public TokenStream {
 class KiviValueStream final : public TokenStream {
  public:
   KiviValueStream(int64_t group, int64_t residual, int bits) : group_(group), residual_(residual), bits_(bits) {}
+  std::unique_ptr<TokenStream> empty_twin() const override {
+    return std::make_unique<KiviValueStream>(group_, residual_, bits_);
+  }
   void start(const StreamShape& s) override {
     shape_ = s;
     row_bytes_ = detail::row_group_bytes(s.dim, group_, bits_);
@@ -329,6 +334,9 @@ class KiviValueStream final : public TokenStream {
     if (q > uint64_t(tokens))
       throw Error(ErrorCode::kFormat, r.what() + ": KIVI quantized value count " + std::to_string(q) + " exceeds " +
                                           std::to_string(tokens) + " tokens");
+    if (uint64_t(tokens) - q > uint64_t(residual_))
+      throw Error(ErrorCode::kFormat, r.what() + ": KIVI values hold " + std::to_string(uint64_t(tokens) - q) +
+                                          " raw tokens, more than the residual " + std::to_string(residual_));
     const uint64_t nb = checked_mul(checked_mul(q, uint64_t(shape_.rows()), "KIVI values"), row_bytes_, "KIVI values");
     const uint8_t* p = r.take(size_t(nb));
     data_.assign(p, p + nb);

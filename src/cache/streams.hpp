@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/saved_meta.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
@@ -69,9 +70,6 @@ class ByteReader {
   std::string what_;
 };
 
-// a * b, or a kFormat error on overflow (sizes computed from untrusted meta).
-uint64_t checked_mul(uint64_t a, uint64_t b, const char* what);
-
 // Token-major raw storage [t, R, D] in a 16-bit or f32 dtype: pre-fit tokens,
 // raw windows and partial groups. Counted at its exact size.
 class RawTokenStore {
@@ -104,6 +102,9 @@ struct StreamShape {
 class TokenStream {
  public:
   virtual ~TokenStream() = default;
+  // A new stream of the same method and options, holding nothing: load()
+  // fills one and swaps it in only once everything read is valid.
+  virtual std::unique_ptr<TokenStream> empty_twin() const = 0;
   // Sets the shape and clears all state.
   virtual void start(const StreamShape& shape) = 0;
   virtual void append(const float* x, int64_t n) = 0;                    // x [n, R, D]

@@ -118,6 +118,10 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
                     const std::vector<float>& components, const std::vector<double>& eigenvalues,
                     const CodecOptions& options) {
   if (n < 1 || dim < 1) throw Error(ErrorCode::kInvalidArgument, "kvtc fit needs tokens and dim >= 1");
+  for (const int b : options.bit_choices)
+    if (b < 0 || b > kMaxComponentBits)
+      throw Error(ErrorCode::kInvalidArgument, "kvtc fit: bit choice " + std::to_string(b) + " outside [0, " +
+                                                   std::to_string(kMaxComponentBits) + "]");
   HeadParams p;
   p.dim = dim;
   p.basis_bits = options.basis_bits;
@@ -1578,6 +1582,14 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim) {
       throw Error(ErrorCode::kFormat, "kvtc head params: kept component indices not ascending in range");
     p.kept.push_back(idx);
   }
+  // The mean, basis and quantizers must be there before anything is sized by
+  // K x dim (a few bytes claiming dim = K = 65535 must not allocate 16 GB).
+  const size_t basis_row_bytes = p.basis_bits == 16 ? 2 * size_t(p.dim) : 2 + size_t(p.dim);
+  const size_t need = 2 * size_t(p.dim) + size_t(K) * (basis_row_bytes + 9) + 4;
+  if (in.remaining() < need)
+    throw Error(ErrorCode::kFormat, "kvtc head params: " + std::to_string(K) + " components of dim " +
+                                        std::to_string(p.dim) + " need " + std::to_string(need) + " bytes, " +
+                                        std::to_string(in.remaining()) + " remain");
   p.mean.resize(size_t(p.dim));
   for (int d = 0; d < p.dim; ++d) p.mean[size_t(d)] = f16_to_f32(in.u16());
   p.basis.resize(size_t(K) * size_t(p.dim));
@@ -1598,7 +1610,7 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim) {
     q.levels = in.u16();
     q.zero = in.u16();
     const uint8_t mid = in.u8();
-    if (!(std::isfinite(q.step) && q.step > 0.0f) || q.levels < 2 || q.levels > 4096 || q.zero >= q.levels || mid > 1)
+    if (!(std::isfinite(q.step) && q.step > 0.0f) || q.levels < 2 || q.levels > (1u << kMaxComponentBits) || q.zero >= q.levels || mid > 1)
       throw Error(ErrorCode::kFormat, "kvtc head params: bad quantizer of component " + std::to_string(k));
     q.half_offset = mid == 1;
     p.quant.push_back(q);

@@ -30,9 +30,14 @@ enum class CoderChoice : uint8_t { kRans = 0, kHuffman = 1, kFixed = 2, kAuto = 
 const char* allocator_name(Allocator a);
 const char* coder_name(CoderChoice c);
 
+// The widest component code: 4096 levels, the most a serialised quantizer
+// holds (HeadParams::deserialize refuses more), so bit_choices lie in
+// [0, kMaxComponentBits].
+inline constexpr int kMaxComponentBits = 12;
+
 struct CodecOptions {
   int bit_budget = 0;                          // payload bits per token; 0 -> 4 * D
-  std::vector<int> bit_choices{0, 1, 2, 3, 4, 6, 8};
+  std::vector<int> bit_choices{0, 1, 2, 3, 4, 6, 8};  // each in [0, kMaxComponentBits]
   double beta = 3.5;                           // distortion model d(v, b) = v * beta^-b
   Allocator allocator = Allocator::kDp;
   CoderChoice coder = CoderChoice::kRans;

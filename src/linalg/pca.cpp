@@ -17,6 +17,7 @@
 #include <limits>
 #include <string>
 
+#include "core/first_exception.hpp"
 #include "kvcodec/error.hpp"
 
 namespace kvcodec::linalg {
@@ -151,10 +152,10 @@ std::vector<PcaBasis> fit_pca_batched(const float* x, int64_t batch, int64_t n, 
   // would spin on the other cores for a while after the loop, beside
   // whatever single-threaded work comes next.
   const int team = threads > 0 ? threads : omp_get_max_threads();
+  FirstException failure;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team) if (team > 1)
-  for (int64_t b = 0; b < batch; ++b) {
-    out[b] = fit_unchecked(x + b * stride, n, dim);
-  }
+  for (int64_t b = 0; b < batch; ++b) failure.capture([&] { out[b] = fit_unchecked(x + b * stride, n, dim); });
+  failure.rethrow();
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <Eigen/Dense>
 
 #include "alloc/allocator.hpp"
+#include "core/first_exception.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
 #include "linalg/pca.hpp"
@@ -216,8 +217,9 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
   // rate and distortion are then measured on every token at the chosen step.
   const int64_t sub = std::max<int64_t>(1, n / 4096);
   const int64_t n_sub = (n + sub - 1) / sub;
+  FirstException failure;
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int k = 0; k < dim; ++k) {
+  for (int k = 0; k < dim; ++k) failure.capture([&] {
     const float* c = t.coeffs.data() + k;
     double energy = 0.0, largest = 0.0;
     for (int64_t i = 0; i < n; ++i) {
@@ -273,7 +275,8 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
       t.distortion[size_t(k)][j] = grid_sq_error(c, n, dim, stored, levels, false, &counts) / double(n);
       t.rate[size_t(k)][j] = entropy_bits(counts, n);
     }
-  }
+  });
+  failure.rethrow();
   return t;
 }
 
@@ -650,9 +653,11 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
     if (progress) progress(l, L, "fitting layer " + std::to_string(l));
     if (!o.sensitivity_allocation) {
       // Keys and values of a layer in parallel (each fit is single-threaded).
+      FirstException failure;
 #pragma omp parallel for num_threads(2) schedule(static)
       for (int t = 2 * l; t < 2 * l + 2; ++t)
-        params_of(t) = fit_one(data(t), s.tokens, dim, o, tensor_ratio(t), &ratios[size_t(t)]);
+        failure.capture([&] { params_of(t) = fit_one(data(t), s.tokens, dim, o, tensor_ratio(t), &ratios[size_t(t)]); });
+      failure.rethrow();
     } else {
       for (int t = 2 * l; t < 2 * l + 2; ++t) {
         bases[size_t(t)] = linalg::fit_pca(data(t).data(), s.tokens, dim);
@@ -707,12 +712,15 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
       total_rate(std::pow(10.0, hi), &widths);
       std::vector<kvtc::HeadParams> trial(size_t(2 * L));
       double bits = 0.0;
+      FirstException failure;
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : bits)
-      for (int t = 0; t < 2 * L; ++t) {
-        trial[size_t(t)] = build_head_params(tables[size_t(t)], data(t).data(), s.tokens, dim,
-                                             bases[size_t(t)].eigenvalues, widths[size_t(t)]);
-        bits += 16.0 * dim / payload_ratio(trial[size_t(t)], data(t), s.tokens, dim);
-      }
+      for (int t = 0; t < 2 * L; ++t)
+        failure.capture([&] {
+          trial[size_t(t)] = build_head_params(tables[size_t(t)], data(t).data(), s.tokens, dim,
+                                               bases[size_t(t)].eigenvalues, widths[size_t(t)]);
+          bits += 16.0 * dim / payload_ratio(trial[size_t(t)], data(t), s.tokens, dim);
+        });
+      failure.rethrow();
       if (progress) {
         std::ostringstream m;
         m.precision(4);
@@ -744,8 +752,9 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
     cal.key_refine.resize(size_t(L));
     cal.value_refine.resize(size_t(L));
     std::vector<double> refine_ratios(size_t(2 * L));
+    FirstException failure;
 #pragma omp parallel for num_threads(2) schedule(dynamic, 1)
-    for (int t = 0; t < 2 * L; ++t) {
+    for (int t = 0; t < 2 * L; ++t) failure.capture([&] {
       const kvtc::HeadParams& base = params_of(t);
       const std::vector<float>& x = data(t);
       std::vector<uint16_t> codes(size_t(s.tokens) * size_t(base.n_kept()));
@@ -758,7 +767,8 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
                                                          o.codec.bit_choices, o.quantizers);
       (t % 2 == 0 ? cal.key_refine : cal.value_refine)[size_t(t / 2)] =
           fit_measured(mt, pca, residual, s.tokens, dim, o, o.refine_ratio, &refine_ratios[size_t(t)]);
-    }
+    });
+    failure.rethrow();
     if (progress)
       for (int l = 0; l < L; ++l) {
         std::ostringstream m;

@@ -211,11 +211,24 @@ Tokenizer Tokenizer::parse(const std::string& text, const std::string& origin) {
     // Added tokens first: their text is literal, not byte-level.
     std::unordered_map<std::string, int32_t> added_by_content;
     if (j.contains("added_tokens") && j["added_tokens"].is_array())
-      for (const json& a : j["added_tokens"]) added_by_content[a.at("content").get<std::string>()] = a.at("id").get<int32_t>();
+      for (const json& a : j["added_tokens"]) {
+        // Integers only: converting a float id such as 1e58 is undefined (found by fuzz_tokenizer).
+        if (!a.at("id").is_number_integer() || a.at("id").get<int64_t>() >= (1 << 24))
+          fail(ErrorCode::kFormat, origin, "added token id " + a.at("id").dump() + " is not an integer in [0, 2^24)");
+        added_by_content[a.at("content").get<std::string>()] = a.at("id").get<int32_t>();
+      }
 
     int64_t max_id = -1;
-    for (auto it = vocab.begin(); it != vocab.end(); ++it) max_id = std::max<int64_t>(max_id, it.value().get<int64_t>());
-    for (const auto& [content, id] : added_by_content) max_id = std::max<int64_t>(max_id, id);
+    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+      if (!it.value().is_number_integer())
+        fail(ErrorCode::kFormat, origin, "id of token " + json(it.key()).dump() + " is not an integer");
+      max_id = std::max<int64_t>(max_id, it.value().get<int64_t>());
+    }
+    for (const auto& [content, id] : added_by_content) {
+      // A negative id would index id_to_bytes_ out of bounds below (found by fuzz_tokenizer).
+      if (id < 0) fail(ErrorCode::kFormat, origin, "negative id for added token " + json(content).dump());
+      max_id = std::max<int64_t>(max_id, id);
+    }
     if (max_id < 0 || max_id >= (1 << 24)) fail(ErrorCode::kFormat, origin, "vocabulary ids out of range [0, 2^24)");
     t.id_to_bytes_.assign(size_t(max_id + 1), std::string());
     t.special_.assign(size_t(max_id + 1), false);

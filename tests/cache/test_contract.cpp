@@ -4,11 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
 #include "kvcodec/cache.hpp"
 #include "kvcodec/container.hpp"
+#include "cache/mutant_dumps.hpp"
+#include "format/reseal.hpp"
 #include "kvcodec/error.hpp"
 
 using namespace kvcodec;
@@ -303,6 +307,22 @@ TEST_P(Contract, ResidentBytesCoverWhatIsStored) {
   }
 }
 
+// A loaded mutant must be usable: every read and a save work (or throw an
+// Error), never a crash or an out-of-bounds access (ASan build).
+void use_loaded(const KVCache& c) {
+  try {
+    (void)c.stats();
+    (void)c.fetch(DType::kF32);
+    (void)c.save();
+  } catch (const Error&) {
+  }
+}
+
+// Every byte flipped, then the container sealed again (format/reseal.hpp), so
+// the corruption reaches load() past the checksums: each either loads a
+// usable cache or is refused with an Error. The meta and the small state
+// sections must be refused more often than not (a loader that checked
+// nothing would accept nearly all of them).
 TEST_P(Contract, AnyCorruptedByteFailsCleanly) {
   const Data d = make_data(batch(), 140, DType::kBF16);
   auto c = make();
@@ -310,14 +330,81 @@ TEST_P(Contract, AnyCorruptedByteFailsCleanly) {
   const std::vector<uint8_t> saved = c->save();
   // Every header byte, then a stride through the payload (keeps ASan runs short).
   const size_t stride = std::max<size_t>(1, saved.size() / 1500);
+  size_t refused = 0, tried = 0;
   for (size_t i = 0; i < saved.size(); i += (i < 600 ? 1 : stride)) {
     std::vector<uint8_t> bad = saved;
     bad[i] ^= uint8_t(0x5a);
-    EXPECT_THROW(load_cache(bad.data(), bad.size()), Error) << "byte " << i;
+    if (!testing_reseal::reseal(bad)) {
+      EXPECT_THROW(load_cache(bad.data(), bad.size()), Error) << "byte " << i;
+      continue;
+    }
+    ++tried;
+    try {
+      use_loaded(*load_cache(bad.data(), bad.size()));
+    } catch (const Error&) {
+      ++refused;
+    }
   }
+  EXPECT_GT(tried, 0u);
+  EXPECT_GT(refused, 0u) << "no resealed corruption was refused by " << method() << "'s load()";
   for (size_t n : {size_t(0), size_t(7), saved.size() / 2, saved.size() - 1}) {
     EXPECT_THROW(load_cache(saved.data(), n), Error) << "truncated to " << n;
   }
+}
+
+// Random sealed mutants (format/reseal.hpp) through load_cache: no crash, no
+// hang, each loads a usable cache or throws an Error. KVCODEC_MUTANTS sets the
+// count (default 300; the campaigns in docs/format.md run 100,000 under ASan).
+TEST_P(Contract, SealedMutantsLoadOrFailCleanly) {
+  const Data d = make_data(batch(), 140, DType::kBF16);
+  auto c = make();
+  c->append(d.k(0, 140), d.v(0, 140));
+  const std::vector<uint8_t> saved = c->save();
+  const char* env = std::getenv("KVCODEC_MUTANTS");
+  const long n = env ? std::atol(env) : 300;
+  std::mt19937_64 rng(77 + uint64_t(batch()));
+  long refused = 0;
+  for (long i = 0; i < n; ++i) {
+    const std::vector<uint8_t> bad = testing_reseal::sealed_mutant(saved, rng);
+    try {
+      use_loaded(*load_cache(bad.data(), bad.size()));
+    } catch (const Error&) {
+      ++refused;
+    }
+  }
+  std::printf("%s B=%d: %ld sealed mutants, %ld refused, %ld loaded\n", method().c_str(), batch(), n, refused,
+              n - refused);
+  if (batch() == 1) {  // files for the kvcodec decompress campaign (a layer-0 cache: the dump's only layer)
+    CacheConfig layer0 = config();
+    layer0.layer = 0;
+    layer0.n_layers = 1;
+    auto c0 = make_cache(method(), layer0);
+    c0->append(d.k(0, 140), d.v(0, 140));
+    testing_reseal::write_dump_mutants(*c0, method(), 99);
+  }
+  if (n >= 100) {
+    EXPECT_GT(refused, 0);
+  }
+}
+
+// A failed load leaves the cache as it was (strong guarantee).
+TEST_P(Contract, FailedLoadLeavesCacheUnchanged) {
+  const Data d = make_data(batch(), 140, DType::kBF16);
+  auto a = make();
+  a->append(d.k(0, 140), d.v(0, 140));
+  auto b = make();
+  b->append(d.k(0, 90), d.v(0, 90));
+  const std::vector<uint8_t> before = b->save();
+  // a's bytes, with its token count (or the kvtc state's) one too high.
+  std::vector<uint8_t> bad = a->save();
+  bad = testing_reseal::edit_container(bad, [](testing_reseal::Meta& meta, testing_reseal::Sections& sections) {
+    if (meta.count("tokens")) meta["tokens"] = std::to_string(std::stoll(meta["tokens"]) + 1);
+    for (auto& [name, payload] : sections)
+      if (name == "state") payload[8] = uint8_t(payload[8] + 1);  // u64 offset, low byte
+  });
+  EXPECT_THROW(b->load(bad.data(), bad.size()), Error);
+  EXPECT_EQ(b->save(), before);
+  EXPECT_EQ(b->offset(), 90);
 }
 
 TEST_P(Contract, ReconstructionErrorWithinMethodBound) {

@@ -2,7 +2,9 @@
 // on a small calibration fitted here from synthetic low-rank KV.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +13,8 @@
 #include <unistd.h>
 
 #include "cache/kvtc_calibrated.hpp"
+#include "cache/mutant_dumps.hpp"
+#include "format/reseal.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
@@ -819,6 +823,79 @@ TEST(CalibratedCache, EarlierLayoutPartialBlockLoadsAndCompletes) {
   loaded->append(slice(seq.keys, 24, 4), slice(seq.values, 24, 4));
   sixteen->append(slice(seq.keys, 24, 4), slice(seq.values, 24, 4));
   EXPECT_EQ(loaded->save(), sixteen->save());
+}
+
+// Past the checksums (format/reseal.hpp): every flipped byte of a refined,
+// batch-2 cache, sealed again, is refused or loads a cache whose reads work;
+// a refused load leaves the target cache as it was. KVCODEC_MUTANTS random
+// sealed mutants more (default 200; the campaign in docs/format.md runs
+// 100,000 under ASan).
+TEST(CalibratedCache, SealedCorruptionsFailCleanlyAndLeaveTheCache) {
+  const Sequence seq = make_sequence(2, 70, 1, 31);
+  auto whole = make_cache("kvtc", layer_config(1), refined(24));
+  whole->append(seq.keys.view(), seq.values.view());
+  const std::vector<uint8_t> saved = whole->save();
+  auto target = make_cache("kvtc", layer_config(1), refined(24));
+  const Sequence other = make_sequence(1, 30, 1, 32);
+  target->append(other.keys.view(), other.values.view());
+  const std::vector<uint8_t> before = target->save();
+  size_t refused = 0, loaded = 0;
+  auto attempt = [&](const std::vector<uint8_t>& bad) {
+    try {
+      target->load(bad.data(), bad.size());
+    } catch (const Error&) {
+      ++refused;
+      EXPECT_EQ(target->save(), before);
+      return;
+    }
+    ++loaded;
+    EXPECT_NO_THROW(target->fetch(DType::kF32));
+    target->load(before.data(), before.size());
+  };
+  for (size_t i = 0; i < saved.size(); i += 3) {
+    std::vector<uint8_t> bad = saved;
+    bad[i] ^= 0x41;
+    if (testing_reseal::reseal(bad)) attempt(bad);
+  }
+  const char* env = std::getenv("KVCODEC_MUTANTS");
+  const long n = env ? std::atol(env) : 200;
+  std::mt19937_64 rng(5);
+  for (long i = 0; i < n; ++i) attempt(testing_reseal::sealed_mutant(saved, rng));
+  std::printf("calibrated (refine) sealed corruptions: %zu refused, %zu loaded\n", refused, loaded);
+  {  // files for the kvcodec decompress campaign (layer 0: the dump's only layer)
+    CacheConfig layer0 = layer_config(0);
+    layer0.n_layers = kLayers;
+    auto c0 = make_cache("kvtc", layer0, refined(24));
+    const Sequence seq0 = make_sequence(1, 70, 0, 34);
+    c0->append(seq0.keys.view(), seq0.values.view());
+    testing_reseal::write_dump_mutants(*c0, "kvtc_calibrated", 98);
+  }
+  EXPECT_GT(refused, loaded / 4);
+}
+
+TEST(CalibratedCache, HugeOffsetIsRefusedBeforeAnythingIsSizedByIt) {
+  const Sequence seq = make_sequence(1, 40, 1, 33);
+  auto cache = make_cache("kvtc", layer_config(1), calibrated(4, 8));
+  cache->append(seq.keys.view(), seq.values.view());
+  const auto saved = cache->save();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const uint64_t offset : {uint64_t(1) << 30, uint64_t(1) << 40, ~uint64_t(0)}) {
+    const auto bad = testing_reseal::edit_section(saved, "state", [&](std::vector<uint8_t>& p) {
+      for (int b = 0; b < 8; ++b) p[size_t(8 + b)] = uint8_t(offset >> (8 * b));
+    });
+    auto fresh = make_cache("kvtc", layer_config(1), calibrated(4, 8));
+    EXPECT_THROW(fresh->load(bad.data(), bad.size()), Error) << offset;
+  }
+  // A RoPE table for 2^30 positions would take seconds and gigabytes.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  // Another block size places tokens elsewhere: a configuration error.
+  auto other = make_cache("kvtc", layer_config(1), calibrated(4, 8, 32));
+  try {
+    other->load(saved.data(), saved.size());
+    ADD_FAILURE() << "loaded a cache saved with block 16 into one of block 32";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kConfig) << e.what();
+  }
 }
 
 }  // namespace

@@ -761,6 +761,41 @@ TEST(Codec, CorruptSideInformationIsRejected) {
   }
 }
 
+// A few bytes claiming dim = K = 65535 are refused before the basis (K x dim
+// floats, 16 GB) is sized; the error names what was missing.
+TEST(Codec, SideInformationIsCheckedBeforeItSizesAnything) {
+  ByteWriter w;
+  w.u16(65535);  // dim
+  w.u8(0);       // rANS
+  w.u8(16);      // basis bits
+  w.u16(65535);  // K
+  for (int k = 0; k < 65535; ++k) w.u16(uint16_t(k));  // valid ascending kept indices, then nothing
+  const std::vector<uint8_t> bytes = w.take();
+  ByteReader r(bytes.data(), bytes.size());
+  try {
+    HeadParams::deserialize(r, 65535);
+    FAIL() << "accepted 131 kB as a 65535 x 65535 basis";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kFormat);
+    EXPECT_NE(std::string(e.what()).find("need"), std::string::npos) << e.what();
+  }
+}
+
+// Widths the codec cannot store are refused by the fit, not coded wrong.
+TEST(Codec, FitRefusesWidthsAboveTheLargestStoredQuantizer) {
+  const int dim = 8;
+  const auto x = correlated(64, dim, 3);
+  for (const int b : {13, 14, 16, -1}) {
+    CodecOptions o;
+    o.bit_choices = {0, b};
+    EXPECT_THROW(fit(x, 64, dim, o), Error) << b;
+  }
+  CodecOptions o;
+  o.bit_choices = {0, kMaxComponentBits};
+  o.bit_budget = 4 * kMaxComponentBits;
+  EXPECT_NO_THROW(fit(x, 64, dim, o));
+}
+
 TEST(Codec, DropsEverythingAtZeroBudgetGracefully) {
   const int dim = 8;
   const auto x = correlated(64, dim, 2);

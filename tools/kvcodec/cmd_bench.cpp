@@ -15,6 +15,7 @@
 
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
+#include "core/first_exception.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/safetensors.hpp"
 #include "linalg/pca.hpp"
@@ -187,11 +188,15 @@ class CacheRunner {
     const int n_layers = int(caches_.size());
     const auto t0 = Clock::now();
     double sink = 0.0;
+    FirstException failure;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic) reduction(+ : sink)
     for (int i = 0; i < n_layers; ++i)
-      caches_[size_t(i)]->for_each_block([&](int64_t, const TensorView& k, const TensorView&) {
-        sink += static_cast<const float*>(k.data)[0];  // keep the decode from being elided
+      failure.capture([&] {
+        caches_[size_t(i)]->for_each_block([&](int64_t, const TensorView& k, const TensorView&) {
+          sink += static_cast<const float*>(k.data)[0];  // keep the decode from being elided
+        });
       });
+    failure.rethrow();
     const double s = seconds_since(t0);
     if (std::isnan(sink)) std::fprintf(stderr, "bench: NaN in %s reconstruction\n", method_.c_str());
     best_dec_ = std::min(best_dec_, s);
@@ -226,9 +231,13 @@ class CacheRunner {
   double append_all(std::vector<std::unique_ptr<KVCache>>& caches) {
     const int n_layers = int(caches.size());
     const auto t0 = Clock::now();
+    FirstException failure;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic)
     for (int i = 0; i < n_layers; ++i)
-      caches[size_t(i)]->append(dump_.layers[size_t(i)].key.view(), dump_.layers[size_t(i)].value.view());
+      failure.capture([&] {
+        caches[size_t(i)]->append(dump_.layers[size_t(i)].key.view(), dump_.layers[size_t(i)].value.view());
+      });
+    failure.rethrow();
     return seconds_since(t0);
   }
 

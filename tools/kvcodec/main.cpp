@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const kvcodec::Error& e) {
     std::fprintf(stderr, "kvcodec: error: %s (%s)\n", e.what(), kvcodec::error_code_name(e.code()));
-    return 1;
+    // A bad setting is a usage error, as CLI11's own parse errors are.
+    return e.code() == kvcodec::ErrorCode::kConfig ? 2 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvcodec: error: %s\n", e.what());
     return 1;

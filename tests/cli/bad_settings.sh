@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every bad method setting ends in a configuration error naming the field,
+# exit code 2, never an abort (ctest: cli_bad_settings).
+# Usage: bad_settings.sh KVCODEC SHARED_DIR
+set -uo pipefail
+kvcodec=$1
+model=$2/models/tinycode
+dump=$model/kv_dump.safetensors
+if [ ! -f "$dump" ] || [ ! -f "$model/config.json" ]; then echo "SKIP: no tinycode model at $model"; exit 0; fi
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvcodec-cli.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+failures=0
+
+# expect_config_error FIELD COMMAND...: exit 2, "configuration error" and FIELD on stderr.
+expect_config_error() {
+  local field=$1
+  shift
+  "$@" >"$work/out" 2>"$work/err"
+  local rc=$?
+  if [ "$rc" -ne 2 ] || ! grep -q "configuration error" "$work/err" || ! grep -qF -- "$field" "$work/err"; then
+    echo "FAIL (rc $rc, want 2 naming $field): $*" >&2
+    cat "$work/err" >&2
+    failures=$((failures + 1))
+  fi
+}
+
+for bad in kvtc.bit_choices=0,14 kvtc.bit_choices=0,13 kvtc.bit_choices=0,16 kvtc.bit_choices=1,2 \
+           kvtc.block=0 kvtc.threads=0 kvtc.basis_bits=12 kvtc.no_such_field=1 kvtc.beta=nan; do
+  field=${bad%%=*}
+  expect_config_error "$field" "$kvcodec" run --method kvtc --set "$bad" --max-tokens 2 --prompt "def f"
+  expect_config_error "$field" "$kvcodec" compress --kv "$dump" -o "$work/x.kvc" --method kvtc --set "$bad"
+done
+expect_config_error int8.group_size "$kvcodec" run --method int8 --set int8.group_size=7 --max-tokens 2
+expect_config_error palu.hi_bit "$kvcodec" compress --kv "$dump" -o "$work/x.kvc" --method palu --set palu.hi_bit=9
+expect_config_error kivi2.residual "$kvcodec" run --method kivi2 --set kivi2.residual=-1 --max-tokens 2
+expect_config_error "--set" "$kvcodec" run --method kvtc --set garbage --max-tokens 2
+
+if [ "$failures" -gt 0 ]; then echo "bad_settings: $failures failures" >&2; exit 1; fi
+echo "bad_settings: every bad setting exited 2 with a configuration error"
