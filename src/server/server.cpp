@@ -99,6 +99,9 @@ struct ServerState {
   std::string scope;
   std::unique_ptr<PrefixStore> store;
   int64_t max_prompt = 0;
+  // A text longer than this cannot fit in max_prompt tokens (no token is
+  // longer than the tokenizer's longest), so it is refused before tokenizing.
+  uint64_t max_prompt_bytes = 0;
   Clock::time_point started = Clock::now();
   std::atomic<int> model_threads{0};  // OpenMP threads the model thread uses (stats)
 
@@ -192,6 +195,22 @@ std::string chat_transcript(const json& j) {
   return text + "assistant:";
 }
 
+// Refuses, before any tokenizing, a prompt text that cannot fit: its bytes
+// exceed max_prompt tokens of the longest token each.
+void check_prompt_bytes(const ServerState& s, size_t bytes) {
+  if (bytes > s.max_prompt_bytes)
+    throw HttpError{400, "prompt is " + std::to_string(bytes) + " bytes; this server takes at most " +
+                             std::to_string(s.max_prompt_bytes) + " bytes (max prompt tokens " +
+                             std::to_string(s.max_prompt) + " x the longest token, " +
+                             std::to_string(s.tok->max_token_bytes()) + " bytes)"};
+}
+
+void check_prompt_tokens(const ServerState& s, size_t n) {
+  if (int64_t(n) > s.max_prompt)
+    throw HttpError{400, "prompt is " + std::to_string(n) + " tokens; this server takes at most " +
+                             std::to_string(s.max_prompt)};
+}
+
 // Builds the job from an OpenAI request body; throws HttpError for anything wrong.
 std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
   static const std::set<std::string> common = {"model", "max_tokens", "max_completion_tokens", "temperature",
@@ -219,6 +238,7 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
     const json& p = j["prompt"];
     if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
       // Token ids, as OpenAI allows.
+      check_prompt_tokens(s, p.size());
       for (const auto& t : p) {
         if (!t.is_number_integer()) throw HttpError{400, "field 'prompt': a token array must hold only integers"};
         const int64_t id = t.get<int64_t>();
@@ -234,16 +254,14 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
     }
   }
   if (job->prompt.empty()) {
-    if (text.size() > s.opt.max_body_bytes) throw HttpError{413, "prompt is longer than the body limit"};
+    check_prompt_bytes(s, text.size());
     job->prompt = s.tok->encode(text);
   }
   if (job->prompt.empty()) {
     const auto& c = s.model->config();
     job->prompt.push_back(c.bos_token_id >= 0 ? c.bos_token_id : std::max(0, c.eos_token_id));
   }
-  if (int64_t(job->prompt.size()) > s.max_prompt)
-    throw HttpError{400, "prompt is " + std::to_string(job->prompt.size()) + " tokens; this server takes at most " +
-                             std::to_string(s.max_prompt)};
+  check_prompt_tokens(s, job->prompt.size());
   const char* max_name = j.contains("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   job->gen.max_tokens = int_field(j, max_name, s.opt.default_max_tokens, 0, s.opt.max_tokens_limit);
   const int64_t context = s.model->config().max_position_embeddings;
@@ -720,6 +738,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   s.store = make_prefix_store(s.scope, opt.prefix_block, opt.prefix_store_bytes, opt.prefix_store_dir);
   const int64_t context = s.model->config().max_position_embeddings > 0 ? s.model->config().max_position_embeddings : 2048;
   s.max_prompt = opt.max_prompt_tokens > 0 ? std::min<int64_t>(opt.max_prompt_tokens, context - 1) : context - 1;
+  s.max_prompt_bytes = uint64_t(s.max_prompt) * s.tok->max_token_bytes();
 
   // Signals go to one thread (sigwait below), never into the HTTP or model threads.
   sigset_t sigs, old;
@@ -786,6 +805,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
       if (j.contains("messages")) text = chat_transcript(j);
       else if (j["prompt"].is_string()) text = j["prompt"].get<std::string>();
       else throw HttpError{400, "field 'prompt' must be a string"};
+      check_prompt_bytes(s, text.size());
       const std::vector<int32_t> ids = s.tok->encode(text);
       res.set_content(dump({{"count", ids.size()}, {"max_model_len", s.model->config().max_position_embeddings},
                             {"max_prompt_tokens", s.max_prompt}, {"tokens", ids}}),
@@ -847,8 +867,8 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
         << ", " << s.store->stats().entries << " entries found\n";
   else
     log << "kvcodec serve: prefix store off\n";
-  log << "kvcodec serve: max body " << opt.max_body_bytes << " bytes, max prompt " << s.max_prompt
-      << " tokens, queue " << opt.max_queue << "\n";
+  log << "kvcodec serve: max body " << opt.max_body_bytes << " bytes, max prompt " << s.max_prompt << " tokens ("
+      << s.max_prompt_bytes << " bytes before tokenizing), queue " << opt.max_queue << "\n";
   log << "kvcodec serve: ready on http://" << opt.host << ":" << port << std::endl;
 
   const bool listened = http.listen_after_bind();

@@ -222,6 +222,19 @@ TEST_F(TinycodeTokenizer, LongWordsAreMergedInBoundedPieces) {
   EXPECT_EQ(Tokenizer::split_long_word("abc").size(), 1u);
 }
 
+// The server's worst case: one 1 MB word (its body limit) encodes in well
+// under a second (the O(n^2) rescan took 2.6 s for 30 KB).
+TEST_F(TinycodeTokenizer, MegabyteWordEncodesQuickly) {
+  std::string word;
+  while (word.size() < (1u << 20)) word += "return";
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto ids = tok_->encode(word);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[ tokens ] one %zu-byte word -> %zu ids in %.3f s\n", word.size(), ids.size(), s);
+  EXPECT_LT(s, 1.0);
+  EXPECT_EQ(tok_->decode(ids), word);
+}
+
 TEST_F(TinycodeTokenizer, MaxTokenBytesBoundsTheTokenCount) {
   size_t longest = 0;
   for (int32_t id = 0; id < tok_->vocab_size(); ++id) longest = std::max(longest, tok_->token_bytes(id).size());
