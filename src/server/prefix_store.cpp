@@ -20,8 +20,11 @@ namespace {
 constexpr uint64_t kMaxLayers = 4096;
 constexpr uint64_t kMaxTokens = 1u << 24;
 
-uint64_t hash_tokens(const int32_t* tokens, int64_t n) {
-  return XXH3_64bits(tokens, size_t(n) * sizeof(int32_t));
+// An entry's id (its file name on disk): the tokens hashed with the scope
+// as seed, so stores of two scopes sharing a folder (two models, two
+// methods) never overwrite each other's entry for the same tokens.
+uint64_t entry_id(const std::string& scope, const std::vector<int32_t>& tokens) {
+  return XXH3_64bits_withSeed(tokens.data(), tokens.size() * sizeof(int32_t), XXH3_64bits(scope.data(), scope.size()));
 }
 
 uint64_t parse_u64(const std::string& text, const char* what, const std::string& label) {
@@ -187,7 +190,7 @@ bool PrefixStore::put(const PrefixEntry& entry) {
   if (entry.scope != scope_)
     throw Error(ErrorCode::kInvalidArgument, "prefix store: entry scope '" + entry.scope + "' is not the store's '" + scope_ + "'");
   std::vector<uint8_t> blob = encode_prefix_entry(entry);
-  const uint64_t id = hash_tokens(entry.tokens.data(), n);
+  const uint64_t id = entry_id(scope_, entry.tokens);
   std::lock_guard<std::mutex> lock(mu_);
   if (blob.size() > budget_) {
     ++stats_.rejected_too_large;
@@ -333,7 +336,7 @@ DiskPrefixStore::DiskPrefixStore(std::string scope, int64_t block, uint64_t budg
       if (blob) {
         const PrefixEntry e = decode_prefix_entry(blob->data(), blob->size(), path.string());
         if (e.scope != this->scope()) continue;  // another method's entry: not ours to judge
-        ok = int64_t(e.tokens.size()) >= block && hash_tokens(e.tokens.data(), int64_t(e.tokens.size())) == id;
+        ok = int64_t(e.tokens.size()) >= block && entry_id(e.scope, e.tokens) == id;
         if (ok) index_existing(id, e.tokens, blob->size(), e.bytes);
       }
     } catch (const Error&) {

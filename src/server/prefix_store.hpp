@@ -104,7 +104,7 @@ class PrefixStore {
   const std::string& scope() const { return scope_; }
 
  protected:
-  // Back end: bytes of entry `id` (a hash of its full token list).
+  // Back end: bytes of entry `id` (a hash of its full token list, seeded by the scope).
   virtual void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) = 0;
   // nullopt when the bytes are gone or unreadable.
   virtual std::optional<std::vector<uint8_t>> read_blob(uint64_t id) = 0;

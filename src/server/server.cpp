@@ -23,7 +23,9 @@
 
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "model/calibrate.hpp"
 #include "model/generate.hpp"
+#include "model/identity.hpp"
 #include "model/llama.hpp"
 #include "model/paths.hpp"
 #include "model/tokenizer.hpp"
@@ -93,6 +95,7 @@ struct Job {
 struct ServerState {
   ServeOptions opt;
   std::string model_name;
+  std::string model_identity;  // model::model_identity(): part of the prefix-store scope
   std::unique_ptr<model::LlamaModel> model;
   std::unique_ptr<model::Tokenizer> tok;
   Settings settings;
@@ -527,6 +530,7 @@ json stats_json(ServerState& s) {
   const PrefixStoreStats ps = s.store ? s.store->stats() : PrefixStoreStats{};
   json j;
   j["model"] = s.model_name;
+  j["model_identity"] = s.model_identity;
   j["method"] = s.opt.method;
   json settings = json::object();
   for (const auto& [k, v] : s.settings) settings[k] = v;
@@ -659,8 +663,10 @@ void handle_generate(ServerState& s, const httplib::Request& req, httplib::Respo
       });
 }
 
-std::string scope_of(const std::string& method, const Settings& settings) {
-  std::string s = method;
+// What a stored prefix must have been made with to be served: the model
+// (config and weights, model_identity()) and the method with its settings.
+std::string scope_of(const std::string& method, const Settings& settings, const std::string& model_identity) {
+  std::string s = "model=" + model_identity + ";" + method;
   for (const auto& [k, v] : settings) s += ";" + k + "=" + v;
   return s;
 }
@@ -734,7 +740,9 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     cc.rope_theta = s.model->config().rope_theta;
     (void)make_cache(opt.method, cc, s.settings);
   }
-  s.scope = scope_of(opt.method, s.settings);
+  s.model_identity = model::model_identity(*s.model, dir);
+  model::check_method_for_model(opt.method, s.settings, s.model->config(), model::model_config_hash(dir));
+  s.scope = scope_of(opt.method, s.settings, s.model_identity);
   s.store = make_prefix_store(s.scope, opt.prefix_block, opt.prefix_store_bytes, opt.prefix_store_dir);
   const int64_t context = s.model->config().max_position_embeddings > 0 ? s.model->config().max_position_embeddings : 2048;
   s.max_prompt = opt.max_prompt_tokens > 0 ? std::min<int64_t>(opt.max_prompt_tokens, context - 1) : context - 1;
@@ -853,7 +861,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
 
   const auto& c = s.model->config();
   log << "kvcodec serve: model " << s.model_name << " (" << c.n_layers << " layers, " << c.n_kv_heads << " kv heads, head_dim "
-      << c.head_dim << ", context " << context << ") from " << dir << "\n";
+      << c.head_dim << ", context " << context << ") from " << dir << ", identity " << s.model_identity << "\n";
   log << "kvcodec serve: method " << opt.method << ", settings {";
   bool first = true;
   for (const auto& [k, v] : s.settings) {

@@ -13,7 +13,9 @@
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "model/calibrate.hpp"
 #include "model/eval.hpp"
+#include "model/identity.hpp"
 #include "model/llama.hpp"
 #include "model/paths.hpp"
 
@@ -93,6 +95,7 @@ void run(const EvalArgs& a) {
     Settings settings = settings_for_method(a.sets, base);
     if (colon != std::string::npos)
       for (const auto& [field, value] : settings_for_method(a.sets, name)) settings[field] = value;
+    model::check_method_for_model(base, settings, m.config(), model::model_config_hash(dir));
     model::MethodSpec s{name, model::method_cache_factory(base, settings)};
     s.factory(probe);  // a bad method or setting fails now, not after the baseline has run
     return s;
