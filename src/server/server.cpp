@@ -29,6 +29,7 @@
 #include "model/llama.hpp"
 #include "model/paths.hpp"
 #include "model/tokenizer.hpp"
+#include "server/connection.hpp"
 #include "server/prefix_store.hpp"
 
 namespace kvcodec::server {
@@ -101,6 +102,9 @@ struct ServerState {
   Settings settings;
   std::string scope;
   std::unique_ptr<PrefixStore> store;
+  std::ostream* log = nullptr;
+  std::mutex log_mu;          // the model and signal threads both write the log
+  uint64_t store_failures_logged = 0;  // model thread only
   int64_t max_prompt = 0;
   // A text longer than this cannot fit in max_prompt tokens (no token is
   // longer than the tokenizer's longest), so it is refused before tokenizing.
@@ -299,6 +303,21 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
 
 // --- the model thread ------------------------------------------------------------
 
+void log_line(ServerState& s, const std::string& line) {
+  std::lock_guard<std::mutex> lock(s.log_mu);
+  if (s.log) *s.log << "kvcodec serve: " << line << std::endl;
+}
+
+// Logs store failures counted since the last call (the counters are in the
+// stats; the log says what happened). Model thread only.
+void log_store_failures(ServerState& s) {
+  const PrefixStoreStats st = s.store->stats();
+  if (st.failures() == s.store_failures_logged) return;
+  log_line(s, "prefix store: " + std::to_string(st.failures() - s.store_failures_logged) +
+                  " failure(s) (request answered without the store): " + st.last_failure);
+  s.store_failures_logged = st.failures();
+}
+
 void push_piece(Job& job, const std::string& piece) {
   if (piece.empty()) return;
   std::lock_guard<std::mutex> lock(job.mu);
@@ -313,7 +332,14 @@ void run_job(ServerState& s, Job& job) {
   // prefill (its logits give the first generated token).
   const Clock::time_point load_start = Clock::now();
   std::optional<PrefixMatch> match;
-  if (s.store) match = s.store->lookup(job.prompt.data(), n, n - 1);
+  if (s.store) {
+    try {
+      match = s.store->lookup(job.prompt.data(), n, n - 1);
+    } catch (const std::exception& e) {  // a store problem is a miss, never a failed request
+      log_line(s, std::string("prefix store: lookup failed: ") + e.what());
+    }
+    log_store_failures(s);
+  }
   model::CacheFactory factory;
   if (match) {
     const auto& entry = match->entry;
@@ -413,8 +439,13 @@ void run_job(ServerState& s, Job& job) {
       e.scope = s.scope;
       e.tokens = std::move(fed);
       e.bytes = {st.compressed_key_bytes, st.compressed_value_bytes, st.fp16_key_bytes, st.fp16_value_bytes};
-      for (const auto& c : session->caches()) e.layers.push_back(c->save());
-      s.store->put(e);
+      try {
+        for (const auto& c : session->caches()) e.layers.push_back(c->save());
+        s.store->put(e);
+      } catch (const std::exception& ex) {  // the answer is ready: a store problem must not turn it into a 500
+        log_line(s, std::string("prefix store: storing failed: ") + ex.what());
+      }
+      log_store_failures(s);
     }
   }
 }
@@ -551,7 +582,9 @@ json stats_json(ServerState& s) {
                        {"lookups", ps.lookups}, {"hits", ps.hits}, {"hit_rate", ps.hit_rate()},
                        {"reused_tokens", ps.reused_tokens}, {"stores", ps.stores}, {"evictions", ps.evictions},
                        {"rejected_too_large", ps.rejected_too_large}, {"corrupt_dropped", ps.corrupt_dropped},
-                       {"superseded", ps.superseded}};
+                       {"superseded", ps.superseded}, {"write_failures", ps.write_failures},
+                       {"read_failures", ps.read_failures}, {"erase_failures", ps.erase_failures},
+                       {"last_failure", ps.last_failure}};
   j["requests"] = {{"served", s.served}, {"queued", s.queue.size()}, {"running", s.busy ? 1 : 0},
                    {"max_queue", s.opt.max_queue}, {"rejected_queue_full", s.rejected_full},
                    {"cancelled", s.cancelled}, {"failed", s.failed}, {"model_threads", s.model_threads.load()},
@@ -567,6 +600,26 @@ json stats_json(ServerState& s) {
   j["uptime_s"] = std::chrono::duration<double>(Clock::now() - s.started).count();
   j["draining"] = s.draining;
   return j;
+}
+
+// Prometheus text format of the stats' counters and gauges: the request
+// counts and the prefix store's (failures included), one "kvcodec_" metric each.
+std::string metrics_text(const json& stats) {
+  std::string out;
+  auto emit = [&](const std::string& name, const json& v, const char* type) {
+    out += "# TYPE kvcodec_" + name + " " + type + "\nkvcodec_" + name + " " + v.dump() + "\n";
+  };
+  for (const char* k : {"served", "rejected_queue_full", "cancelled", "failed"})
+    emit(std::string("requests_") + k + "_total", stats["requests"][k], "counter");
+  for (const char* k : {"queued", "running"}) emit(std::string("requests_") + k, stats["requests"][k], "gauge");
+  const json& ps = stats["prefix_store"];
+  for (const char* k : {"lookups", "hits", "reused_tokens", "stores", "evictions", "superseded", "rejected_too_large",
+                        "corrupt_dropped", "write_failures", "read_failures", "erase_failures"})
+    emit(std::string("prefix_store_") + k + "_total", ps[k], "counter");
+  for (const char* k : {"entries", "bytes", "budget_bytes"}) emit(std::string("prefix_store_") + k, ps[k], "gauge");
+  emit("tokens_seen_total", stats["tokens"]["seen"], "counter");
+  emit("rss_bytes", stats["memory"]["rss_bytes"], "gauge");
+  return out;
 }
 
 // Queues the job, or throws HttpError 503 when the queue is full or the server drains.
@@ -597,8 +650,12 @@ void handle_generate(ServerState& s, const httplib::Request& req, httplib::Respo
     return;
   }
   if (!job->stream) {
+    // Check on the client every 200 ms while the job waits or runs: when it
+    // has gone, the model thread stops at the next token (or skips the job).
+    const int fd = find_connection_fd(req.remote_addr, req.remote_port, req.local_port);
     std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->done; });
+    while (!job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return job->done; }))
+      if (fd >= 0 && !job->cancelled.load() && peer_closed(fd)) job->cancelled = true;
     if (job->error) {
       lock.unlock();
       send_error(res, 500, *job->error, "server_error");
@@ -725,6 +782,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
 
   ServerState s;
   s.opt = opt;
+  s.log = &log;
   const std::string dir = opt.model_dir.empty() ? model::default_model_dir() : opt.model_dir;
   s.model_name = std::filesystem::path(dir).lexically_normal().filename().string();
   if (s.model_name.empty()) s.model_name = std::filesystem::path(dir).parent_path().filename().string();
@@ -793,6 +851,9 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   http.Get("/v1/kv/stats", [&s](const httplib::Request&, httplib::Response& res) {
     res.set_content(dump(stats_json(s)), "application/json");
   });
+  http.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_text(stats_json(s)), "text/plain; version=0.0.4");
+  });
   http.Get("/", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(kDashboardHtml, sizeof(kDashboardHtml) - 1, "text/html; charset=utf-8");
   });
@@ -849,7 +910,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
       stop = sig == SIGTERM || sig == SIGINT || (stop_requested && stop_requested());
     }
     if (!stop) return;
-    log << "kvcodec serve: draining" << std::endl;
+    log_line(s, "draining");
     std::unique_lock<std::mutex> lock(s.mu);
     s.draining = true;
     s.cv.wait_for(lock, std::chrono::seconds(60), [&] { return s.queue.empty() && !s.busy; });
