@@ -11,6 +11,7 @@
 #include "kvcodec/error.hpp"
 #include "model/tokenizer.hpp"
 #include "model_fixtures.hpp"
+#include "timing.hpp"
 
 namespace kvcodec::model {
 namespace {
@@ -231,7 +232,7 @@ TEST_F(TinycodeTokenizer, MegabyteWordEncodesQuickly) {
   const auto ids = tok_->encode(word);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("[ tokens ] one %zu-byte word -> %zu ids in %.3f s\n", word.size(), ids.size(), s);
-  EXPECT_LT(s, 1.0);
+  if (kvcodec::testing::kTimedBuild) EXPECT_LT(s, 1.0);
   EXPECT_EQ(tok_->decode(ids), word);
 }
 
