@@ -41,7 +41,7 @@ cmake -S . -B "$tsan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
 cmake --build "$tsan" -j"$jobs" --target test_server test_cache
 export OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
 "$tsan"/src/server/test_server --gtest_filter='-*Dashboard*'
-"$tsan"/src/cache/test_cache --gtest_filter='CalibratedCache.*:Contract.*'
+"$tsan"/src/cache/test_cache --gtest_filter='*Contract*:CalibratedCache.*:KvtcLocal.*'
 unset OMP_NUM_THREADS TSAN_OPTIONS
 
 # --- GPU kernels (issue 7; owner: gpu): compile-only check -------------------
