@@ -29,6 +29,21 @@ if [ -f fuzz/CMakeLists.txt ]; then
   KVCODEC_FUZZ_BUILD_DIR="$san" bash scripts/fuzz.sh "${KVCODEC_FUZZ_SECONDS:-60}"
 fi
 
+echo "== ThreadSanitizer build (clang, -O1) of the server and cache tests"
+# Only these two test binaries (and the libraries under them) to keep CI
+# time small; OpenMP at one thread (libomp's own threads are not what is
+# checked here: the server's HTTP, model and store threads and concurrent
+# cache reads are).
+tsan=build-tsan
+cmake -S . -B "$tsan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
+  -DKVCODEC_TSAN=ON -DKVCODEC_TESTS=ON -DKVCODEC_BENCH=OFF \
+  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" >/dev/null
+cmake --build "$tsan" -j"$jobs" --target test_server test_cache
+export OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
+"$tsan"/src/server/test_server --gtest_filter='-*Dashboard*'
+"$tsan"/src/cache/test_cache --gtest_filter='*Contract*:CalibratedCache.*:KvtcLocal.*'
+unset OMP_NUM_THREADS TSAN_OPTIONS
+
 # --- GPU kernels (issue 7; owner: gpu): compile-only check -------------------
 # CI has no GPU, so the CUDA build is not run here; this compiles the .cu files
 # to objects (sm_90, no link) so that kernel code cannot rot unnoticed.

@@ -144,3 +144,13 @@ std::unique_ptr<KVCache> load_cache(const uint8_t* data, size_t size);
 Settings settings_for_method(const std::vector<std::string>& assignments, const std::string& method);
 
 }  // namespace kvcodec
+
+// Concurrency of KVCache methods (placed after the code, so editing it
+// moves no line of the declarations): the const methods (method, config,
+// for_each_block, fetch, offset, is_trimmable, save, stats) may run on
+// several threads at once on one cache; they write no shared state (read-path scratch is per call).
+// append, update_and_fetch, trim and load modify the cache: while one runs,
+// no other call on the same cache may run. Distinct caches are independent
+// (calibrations shared between them are immutable). The server keeps each
+// request's caches on its model thread; ThreadSanitizer runs the server and
+// cache tests (scripts/test.sh).

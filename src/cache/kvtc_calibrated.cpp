@@ -474,9 +474,6 @@ class CalibratedKvtcCache final : public KVCache {
   std::shared_ptr<const KvtcCalibration> calibration_;
   std::vector<float> inverse_scale_[2];     // [key, value] 1 / scale, or empty
   std::shared_ptr<const RopeTable> rope_;  // covers every position held (grown in append / load)
-  // Read-path scratch, overwritten by every for_each_block call (never a copy
-  // kept between calls): up to kVisitBlocks decoded blocks, token-major.
-  mutable std::vector<float> key_scratch_, value_scratch_;
   int64_t batch_ = 0;
   DType raw_dtype_ = DType::kF16;
   int64_t offset_ = 0;
@@ -683,21 +680,25 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
     t.strides = {n * V, D, V, 1};
     return t;
   };
+  // Scratch of this call (up to kVisitBlocks decoded blocks, token-major),
+  // not a member: for_each_block is const and may run on several threads
+  // at once (kvcodec/cache.hpp), so it must not write shared state.
+  std::vector<float> key_scratch, value_scratch;
   auto scratch = [&](int64_t tokens) {
     const size_t need = size_t(batch_ * tokens * V);
-    if (key_scratch_.size() < need) key_scratch_.resize(need);
-    if (value_scratch_.size() < need) value_scratch_.resize(need);
+    if (key_scratch.size() < need) key_scratch.resize(need);
+    if (value_scratch.size() < need) value_scratch.resize(need);
   };
   auto emit_raw = [&](int64_t raw_first, int64_t count, int64_t first_token) {
     if (count <= 0) return;
     scratch(count);
     for (int64_t b = 0; b < batch_; ++b) {
-      convert(key_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_, key_scratch_.data() + b * count * V,
+      convert(key_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_, key_scratch.data() + b * count * V,
               DType::kF32, size_t(count * V));
       convert(value_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_,
-              value_scratch_.data() + b * count * V, DType::kF32, size_t(count * V));
+              value_scratch.data() + b * count * V, DType::kF32, size_t(count * V));
     }
-    visit(first_token, view(key_scratch_.data(), count), view(value_scratch_.data(), count));
+    visit(first_token, view(key_scratch.data(), count), view(value_scratch.data(), count));
   };
   const int64_t sinks = sink_tokens();
   emit_raw(0, sinks, 0);
@@ -717,11 +718,11 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
     for (int64_t t = 0; t < tasks; ++t) {
       const bool is_key = t % 2 == 0;
       const int64_t j = t / 2 / batch_, b = t / 2 % batch_;
-      float* out = (is_key ? key_scratch_ : value_scratch_).data() + (b * tokens + j * n) * V;
+      float* out = (is_key ? key_scratch : value_scratch).data() + (b * tokens + j * n) * V;
       failure.capture([&] { decode(is_key, (is_key ? key_ : value_).blocks[size_t(j0 + j)], (j0 + j) * n, b, out); });
     }
     failure.rethrow();
-    visit(sinks + j0 * n, view(key_scratch_.data(), tokens), view(value_scratch_.data(), tokens));
+    visit(sinks + j0 * n, view(key_scratch.data(), tokens), view(value_scratch.data(), tokens));
   }
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
 }
@@ -808,7 +809,7 @@ CacheStats CalibratedKvtcCache::stats() const {
   }
   // Scratch kept between calls and this cache's own copies; the calibration
   // and the RoPE table are held once for every cache using them.
-  st.resident_bytes += sizeof(*this) + kvcodec::held_bytes(key_scratch_) + kvcodec::held_bytes(value_scratch_) +
+  st.resident_bytes += sizeof(*this) +
                        kvcodec::held_bytes(inverse_scale_[0]) + kvcodec::held_bytes(inverse_scale_[1]);
   st.shared["kvtc calibration " + options_.calibration + " @" + address_text(calibration_.get())] =
       calibration_->held_bytes();

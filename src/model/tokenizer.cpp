@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <fstream>
-#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -90,6 +89,21 @@ CharClass classify(std::string_view s, size_t i, size_t& len) {
 }
 
 }  // namespace
+
+std::vector<std::string_view> Tokenizer::split_long_word(std::string_view word) {
+  std::vector<std::string_view> pieces;
+  while (word.size() > kMaxWordBytes) {
+    // Never cut inside a UTF-8 character: back off to its lead byte (at most
+    // 3 steps; a run of stray continuation bytes is cut where it stands).
+    size_t cut = kMaxWordBytes;
+    for (int back = 0; back < 3 && (uint8_t(word[cut]) & 0xC0) == 0x80; ++back) --cut;
+    if ((uint8_t(word[cut]) & 0xC0) == 0x80) cut = kMaxWordBytes;
+    pieces.push_back(word.substr(0, cut));
+    word.remove_prefix(cut);
+  }
+  if (!word.empty()) pieces.push_back(word);
+  return pieces;
+}
 
 std::vector<std::string_view> Tokenizer::pre_tokenize(std::string_view s) {
   std::vector<std::string_view> out;
@@ -252,6 +266,7 @@ Tokenizer Tokenizer::parse(const std::string& text, const std::string& origin) {
     }
     std::sort(t.added_.begin(), t.added_.end(),
               [](const Added& a, const Added& b) { return a.content.size() > b.content.size(); });
+    for (const std::string& b : t.id_to_bytes_) t.max_token_bytes_ = std::max(t.max_token_bytes_, b.size());
     for (size_t id = 0; id < seen.size(); ++id)
       if (!seen[id]) fail(ErrorCode::kFormat, origin, "vocabulary has no token with id " + std::to_string(id));
     for (int b = 0; b < 256; ++b) {
@@ -292,27 +307,58 @@ Tokenizer Tokenizer::parse(const std::string& text, const std::string& origin) {
   return t;
 }
 
-void Tokenizer::bpe_word(std::string_view word, std::vector<int32_t>& out) const {
-  std::vector<int32_t> sym(word.size());
-  for (size_t i = 0; i < word.size(); ++i) sym[i] = byte_id_[uint8_t(word[i])];
-  // Repeatedly merge the pair of lowest rank (leftmost among equals), the
-  // order HF tokenizers applies. Words are short; O(n^2) is fine.
-  while (sym.size() > 1) {
-    int32_t best_rank = std::numeric_limits<int32_t>::max(), best_id = -1;
-    size_t best_pos = 0;
-    for (size_t i = 0; i + 1 < sym.size(); ++i) {
-      auto it = merges_.find((uint64_t(uint32_t(sym[i])) << 32) | uint32_t(sym[i + 1]));
-      if (it != merges_.end() && it->second.first < best_rank) {
-        best_rank = it->second.first;
-        best_id = it->second.second;
-        best_pos = i;
-      }
-    }
-    if (best_id < 0) break;
-    sym[best_pos] = best_id;
-    sym.erase(sym.begin() + std::ptrdiff_t(best_pos) + 1);
+std::optional<Tokenizer::Merge> Tokenizer::merge(int32_t left, int32_t right) const {
+  auto it = merges_.find((uint64_t(uint32_t(left)) << 32) | uint32_t(right));
+  if (it == merges_.end()) return std::nullopt;
+  return Merge{it->second.first, it->second.second};
+}
+
+void Tokenizer::encode_word(std::string_view word, std::vector<int32_t>& out) const {
+  // Merges the pair of lowest rank, leftmost among equals, until none is
+  // left: the order HF tokenizers applies. The parts form a linked list over
+  // the word's bytes (a part keeps the index of its first byte, so list
+  // order is byte order); a min-heap holds candidate pairs keyed (rank,
+  // first byte of the left part), which is exactly "lowest rank, then
+  // leftmost". A popped pair is stale when either part has since merged
+  // (parts only grow, so their ids then differ) or they are no longer
+  // neighbours; it is skipped. Each merge pushes at most two new pairs:
+  // O(n log n) per word instead of the O(n^2) rescan.
+  const size_t n = word.size();
+  if (n == 0) return;
+  std::vector<int32_t> id(n);
+  std::vector<int32_t> prev(n), next(n);  // -1: none
+  for (size_t i = 0; i < n; ++i) {
+    id[i] = byte_id_[uint8_t(word[i])];
+    prev[i] = int32_t(i) - 1;
+    next[i] = i + 1 < n ? int32_t(i + 1) : -1;
   }
-  out.insert(out.end(), sym.begin(), sym.end());
+  struct Pair {
+    int32_t rank, left, right, left_id, right_id, merged;
+  };
+  auto later = [](const Pair& a, const Pair& b) { return a.rank != b.rank ? a.rank > b.rank : a.left > b.left; };
+  std::vector<Pair> heap;
+  auto push = [&](int32_t l, int32_t r) {
+    if (l < 0 || r < 0) return;
+    const std::optional<Merge> m = merge(id[size_t(l)], id[size_t(r)]);
+    if (!m) return;
+    heap.push_back({m->rank, l, r, id[size_t(l)], id[size_t(r)], m->id});
+    std::push_heap(heap.begin(), heap.end(), later);
+  };
+  for (size_t i = 0; i + 1 < n; ++i) push(int32_t(i), int32_t(i + 1));
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    const Pair p = heap.back();
+    heap.pop_back();
+    const auto l = size_t(p.left), r = size_t(p.right);
+    if (id[l] != p.left_id || id[r] != p.right_id || next[l] != p.right) continue;  // stale
+    id[l] = p.merged;
+    id[r] = -1;  // r is gone; no byte-level id is negative
+    next[l] = next[r];
+    if (next[r] >= 0) prev[size_t(next[r])] = p.left;
+    push(prev[l], p.left);
+    push(p.left, next[l]);
+  }
+  for (int32_t i = 0; i >= 0; i = next[size_t(i)]) out.push_back(id[size_t(i)]);
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special) const {
@@ -320,8 +366,11 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
   auto encode_plain = [&](std::string_view part) {
     for (std::string_view word : pre_tokenize(part)) {
       auto it = bytes_to_id_.find(std::string(word));  // whole word is one token: common, fast
-      if (it != bytes_to_id_.end() && !special_[size_t(it->second)]) out.push_back(it->second);
-      else bpe_word(word, out);
+      if (it != bytes_to_id_.end() && !special_[size_t(it->second)]) {
+        out.push_back(it->second);
+        continue;
+      }
+      for (std::string_view piece : split_long_word(word)) encode_word(piece, out);
     }
   };
   size_t start = 0, i = 0;

@@ -45,8 +45,30 @@ class Tokenizer {
   // invalid UTF-8 bytes are letters of one byte).
   static std::vector<std::string_view> pre_tokenize(std::string_view text);
 
+  // A pre-token longer than kMaxWordBytes is merged in pieces of at most
+  // that many bytes, cut before a UTF-8 lead byte (deterministic; the ids of
+  // a longer word may then differ from HF tokenizers', which has no bound,
+  // at the cuts only). Bounds the work and memory of one word; real text
+  // has no words this long. split_long_word() gives the pieces.
+  static constexpr size_t kMaxWordBytes = 4096;
+  static std::vector<std::string_view> split_long_word(std::string_view word);
+
+  // The BPE ids of one pre-token (no length bound, no added tokens), in
+  // O(n log n) with a heap over merge ranks. Appends to out.
+  void encode_word(std::string_view word, std::vector<int32_t>& out) const;
+
+  // The merge of two adjacent token ids: its rank (lower merges first) and
+  // the merged id. For plain reference implementations (tests).
+  struct Merge {
+    int32_t rank, id;
+  };
+  std::optional<Merge> merge(int32_t left, int32_t right) const;
+  int32_t byte_token(uint8_t byte) const { return byte_id_[byte]; }
+  // Longest byte length of any token (added tokens included): a text of B
+  // bytes encodes to at least B / max_token_bytes() ids.
+  size_t max_token_bytes() const { return max_token_bytes_; }
+
  private:
-  void bpe_word(std::string_view word, std::vector<int32_t>& out) const;
 
   std::vector<std::string> id_to_bytes_;
   std::unordered_map<std::string, int32_t> bytes_to_id_;
@@ -59,6 +81,7 @@ class Tokenizer {
   };
   std::vector<Added> added_;  // longest first, so overlapping specials pick the longest
   std::vector<bool> special_;
+  size_t max_token_bytes_ = 1;
   // No word cache: encode() is const and safe to call from several threads.
 };
 

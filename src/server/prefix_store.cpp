@@ -20,8 +20,11 @@ namespace {
 constexpr uint64_t kMaxLayers = 4096;
 constexpr uint64_t kMaxTokens = 1u << 24;
 
-uint64_t hash_tokens(const int32_t* tokens, int64_t n) {
-  return XXH3_64bits(tokens, size_t(n) * sizeof(int32_t));
+// An entry's id (its file name on disk): the tokens hashed with the scope
+// as seed, so stores of two scopes sharing a folder (two models, two
+// methods) never overwrite each other's entry for the same tokens.
+uint64_t entry_id(const std::string& scope, const std::vector<int32_t>& tokens) {
+  return XXH3_64bits_withSeed(tokens.data(), tokens.size() * sizeof(int32_t), XXH3_64bits(scope.data(), scope.size()));
 }
 
 uint64_t parse_u64(const std::string& text, const char* what, const std::string& label) {
@@ -110,7 +113,7 @@ PrefixStore::PrefixStore(std::string scope, int64_t block, uint64_t budget_bytes
   stats_.budget_bytes = budget_bytes;
 }
 
-void PrefixStore::drop_locked(uint64_t id) {
+void PrefixStore::drop_locked(uint64_t id, std::vector<uint64_t>& erase) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   const Entry& e = it->second;
@@ -130,12 +133,28 @@ void PrefixStore::drop_locked(uint64_t id) {
   lru_.erase(e.lru);
   entries_.erase(it);
   --stats_.entries;
-  erase_blob(id);
+  erase.push_back(id);
 }
 
-void PrefixStore::evict_to_fit_locked(uint64_t incoming) {
+void PrefixStore::erase_blobs(const std::vector<uint64_t>& ids) {
+  for (uint64_t id : ids) {
+    try {
+      erase_blob(id);
+    } catch (const std::exception& e) {
+      note_failure(stats_.erase_failures, std::string("cannot erase entry: ") + e.what());
+    }
+  }
+}
+
+void PrefixStore::note_failure(uint64_t& counter, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++counter;
+  stats_.last_failure = what;
+}
+
+void PrefixStore::evict_to_fit_locked(uint64_t incoming, std::vector<uint64_t>& erase) {
   while (!lru_.empty() && stats_.bytes + incoming > budget_) {
-    drop_locked(lru_.back());
+    drop_locked(lru_.back(), erase);
     ++stats_.evictions;
   }
 }
@@ -166,16 +185,20 @@ void PrefixStore::insert_locked(uint64_t id, const std::vector<int32_t>& tokens,
 
 void PrefixStore::index_existing(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size,
                                  const PrefixBytes& bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (entries_.count(id)) return;
-  if (size > budget_) {
-    erase_blob(id);
-    return;
+  std::vector<uint64_t> erase;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (entries_.count(id)) return;
+    if (size > budget_) {
+      erase.push_back(id);
+    } else {
+      // Files come oldest first; each newer one goes to the front, and the
+      // oldest are evicted when the folder holds more than the budget.
+      evict_to_fit_locked(size, erase);
+      insert_locked(id, tokens, size, bytes, true);
+    }
   }
-  // Files come oldest first; each newer one goes to the front, and the
-  // oldest are evicted when the folder holds more than the budget.
-  evict_to_fit_locked(size);
-  insert_locked(id, tokens, size, bytes, true);
+  erase_blobs(erase);
 }
 
 bool PrefixStore::put(const PrefixEntry& entry) {
@@ -187,41 +210,56 @@ bool PrefixStore::put(const PrefixEntry& entry) {
   if (entry.scope != scope_)
     throw Error(ErrorCode::kInvalidArgument, "prefix store: entry scope '" + entry.scope + "' is not the store's '" + scope_ + "'");
   std::vector<uint8_t> blob = encode_prefix_entry(entry);
-  const uint64_t id = hash_tokens(entry.tokens.data(), n);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (blob.size() > budget_) {
-    ++stats_.rejected_too_large;
-    return false;
-  }
-  drop_locked(id);  // same tokens: the new bytes replace the old
-  // An entry whose tokens are a prefix of the new one holds nothing the new
-  // one does not (a conversation's previous turn): drop it, so the budget
-  // keeps distinct conversations rather than every turn of one.
-  std::vector<uint64_t> older;
-  for (uint64_t h : prefix_boundary_hashes(entry.tokens.data(), n, block_)) {
-    auto b = boundary_index_.find(h);
-    if (b == boundary_index_.end()) continue;
-    for (uint64_t other : b->second) {
-      const auto& ot = entries_.at(other).tokens;
-      if (ot.size() <= size_t(n) && std::equal(ot.begin(), ot.end(), entry.tokens.begin())) older.push_back(other);
+  const uint64_t id = entry_id(scope_, entry.tokens);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (blob.size() > budget_) {
+      ++stats_.rejected_too_large;
+      return false;
     }
   }
-  std::sort(older.begin(), older.end());
-  older.erase(std::unique(older.begin(), older.end()), older.end());
-  for (uint64_t other : older) {
-    drop_locked(other);
-    ++stats_.superseded;
+  // The bytes go to the back end outside the lock (stats and lookups do not
+  // wait behind a slow disk); the index learns of the entry only once its
+  // bytes are in place, so a lookup never finds an entry it cannot read.
+  try {
+    write_blob(id, blob);
+  } catch (const std::exception& e) {
+    note_failure(stats_.write_failures, std::string("cannot write entry: ") + e.what());
+    return false;
   }
-  evict_to_fit_locked(blob.size());
-  write_blob(id, blob);
-  insert_locked(id, entry.tokens, blob.size(), entry.bytes, true);
-  ++stats_.stores;
+  std::vector<uint64_t> erase;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    drop_locked(id, erase);  // same tokens: the new bytes (already written) replace the old
+    // An entry whose tokens are a prefix of the new one holds nothing the new
+    // one does not (a conversation's previous turn): drop it, so the budget
+    // keeps distinct conversations rather than every turn of one.
+    std::vector<uint64_t> older;
+    for (uint64_t h : prefix_boundary_hashes(entry.tokens.data(), n, block_)) {
+      auto b = boundary_index_.find(h);
+      if (b == boundary_index_.end()) continue;
+      for (uint64_t other : b->second) {
+        const auto& ot = entries_.at(other).tokens;
+        if (ot.size() <= size_t(n) && std::equal(ot.begin(), ot.end(), entry.tokens.begin())) older.push_back(other);
+      }
+    }
+    std::sort(older.begin(), older.end());
+    older.erase(std::unique(older.begin(), older.end()), older.end());
+    for (uint64_t other : older) {
+      drop_locked(other, erase);
+      ++stats_.superseded;
+    }
+    evict_to_fit_locked(blob.size(), erase);
+    insert_locked(id, entry.tokens, blob.size(), entry.bytes, true);
+    ++stats_.stores;
+    erase.erase(std::remove(erase.begin(), erase.end(), id), erase.end());  // its bytes are the new ones
+  }
+  erase_blobs(erase);
   return true;
 }
 
-std::optional<PrefixMatch> PrefixStore::lookup_once_locked(const int32_t* tokens, int64_t limit,
-                                                           const std::vector<uint64_t>& hashes, bool& retry) {
-  retry = false;
+std::optional<PrefixStore::Candidate> PrefixStore::best_candidate_locked(const int32_t* tokens, int64_t limit,
+                                                                         const std::vector<uint64_t>& hashes) {
   // The deepest boundary with a candidate gives the longest match: an entry
   // sharing more than (k+1) blocks would also be indexed at boundary k+1.
   for (int64_t k = int64_t(hashes.size()); k >= 1; --k) {
@@ -232,12 +270,8 @@ std::optional<PrefixMatch> PrefixStore::lookup_once_locked(const int32_t* tokens
     // wrong cache) and extend token by token past the boundary, so a prompt
     // that diverges mid-block (a re-tokenized reply, a new message) still
     // reuses everything it shares. Longest first, then most recently used.
-    struct Candidate {
-      int64_t shared;
-      size_t rank;
-      uint64_t id;
-    };
-    std::vector<Candidate> ranked;
+    std::optional<Candidate> best;
+    size_t best_rank = 0;
     for (uint64_t id : b->second) {
       auto it = entries_.find(id);
       if (it == entries_.end()) continue;
@@ -246,34 +280,13 @@ std::optional<PrefixMatch> PrefixStore::lookup_once_locked(const int32_t* tokens
       int64_t shared = len;
       const int64_t most = std::min<int64_t>(limit, int64_t(st.size()));
       while (shared < most && st[size_t(shared)] == tokens[shared]) ++shared;
-      ranked.push_back({shared, size_t(std::distance(lru_.begin(), it->second.lru)), id});
-    }
-    if (ranked.empty()) continue;
-    std::sort(ranked.begin(), ranked.end(), [](const Candidate& x, const Candidate& y) {
-      return x.shared != y.shared ? x.shared > y.shared : x.rank < y.rank;
-    });
-    const Candidate best = ranked.front();
-    auto it = entries_.find(best.id);
-    std::optional<std::vector<uint8_t>> blob = read_blob(best.id);
-    PrefixMatch m;
-    bool ok = false;
-    if (blob) {
-      try {
-        m.entry = decode_prefix_entry(blob->data(), blob->size(), "prefix entry " + std::to_string(best.id));
-        ok = m.entry.scope == scope_ && m.entry.tokens == it->second.tokens;
-      } catch (const Error&) {
-        ok = false;
+      const size_t rank = size_t(std::distance(lru_.begin(), it->second.lru));
+      if (!best || shared > best->shared || (shared == best->shared && rank < best_rank)) {
+        best = Candidate{id, shared, st};
+        best_rank = rank;
       }
     }
-    if (!ok) {
-      ++stats_.corrupt_dropped;
-      drop_locked(best.id);
-      retry = true;  // the index changed under the loop
-      return std::nullopt;
-    }
-    lru_.splice(lru_.begin(), lru_, it->second.lru);
-    m.matched_tokens = best.shared;
-    return m;
+    if (best) return best;
   }
   return std::nullopt;
 }
@@ -281,16 +294,55 @@ std::optional<PrefixMatch> PrefixStore::lookup_once_locked(const int32_t* tokens
 std::optional<PrefixMatch> PrefixStore::lookup(const int32_t* tokens, int64_t n, int64_t max_tokens) {
   const int64_t limit = std::min(n, max_tokens);
   const std::vector<uint64_t> hashes = prefix_boundary_hashes(tokens, limit, block_);
-  std::lock_guard<std::mutex> lock(mu_);
-  ++stats_.lookups;
-  bool retry = true;
-  std::optional<PrefixMatch> m;
-  while (retry) m = lookup_once_locked(tokens, limit, hashes, retry);
-  if (m) {
-    ++stats_.hits;
-    stats_.reused_tokens += uint64_t(m->matched_tokens);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.lookups;
   }
-  return m;
+  for (;;) {
+    std::optional<Candidate> best;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      best = best_candidate_locked(tokens, limit, hashes);
+    }
+    if (!best) return std::nullopt;
+    // Read and check the bytes outside the lock.
+    std::optional<std::vector<uint8_t>> blob;
+    std::string why;
+    try {
+      blob = read_blob(best->id);
+      if (!blob) why = "entry unreadable or missing";
+    } catch (const std::exception& e) {
+      why = std::string("cannot read entry: ") + e.what();
+    }
+    PrefixMatch m;
+    bool ok = false;
+    if (blob) {
+      try {
+        m.entry = decode_prefix_entry(blob->data(), blob->size(), "prefix entry " + std::to_string(best->id));
+        ok = m.entry.scope == scope_ && m.entry.tokens == best->tokens;
+        if (!ok) why = "entry holds another scope or other tokens";
+      } catch (const Error& e) {
+        why = e.what();
+      }
+    }
+    std::vector<uint64_t> erase;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ok) {
+        auto it = entries_.find(best->id);
+        if (it != entries_.end()) lru_.splice(lru_.begin(), lru_, it->second.lru);
+        ++stats_.hits;
+        m.matched_tokens = best->shared;
+        stats_.reused_tokens += uint64_t(m.matched_tokens);
+        return m;
+      }
+      // Never served: dropped, so it is recomputed; then look again.
+      ++(blob ? stats_.corrupt_dropped : stats_.read_failures);
+      stats_.last_failure = why;
+      drop_locked(best->id, erase);
+    }
+    erase_blobs(erase);
+  }
 }
 
 PrefixStoreStats PrefixStore::stats() const {
@@ -302,7 +354,18 @@ PrefixStoreStats PrefixStore::stats() const {
 
 // --- back ends ----------------------------------------------------------------
 
+void MemoryPrefixStore::write_blob(uint64_t id, const std::vector<uint8_t>& bytes) {
+  std::lock_guard<std::mutex> lock(blobs_mu_);
+  blobs_[id] = bytes;
+}
+
+void MemoryPrefixStore::erase_blob(uint64_t id) {
+  std::lock_guard<std::mutex> lock(blobs_mu_);
+  blobs_.erase(id);
+}
+
 std::optional<std::vector<uint8_t>> MemoryPrefixStore::read_blob(uint64_t id) {
+  std::lock_guard<std::mutex> lock(blobs_mu_);
   auto it = blobs_.find(id);
   if (it == blobs_.end()) return std::nullopt;
   return it->second;
@@ -333,7 +396,7 @@ DiskPrefixStore::DiskPrefixStore(std::string scope, int64_t block, uint64_t budg
       if (blob) {
         const PrefixEntry e = decode_prefix_entry(blob->data(), blob->size(), path.string());
         if (e.scope != this->scope()) continue;  // another method's entry: not ours to judge
-        ok = int64_t(e.tokens.size()) >= block && hash_tokens(e.tokens.data(), int64_t(e.tokens.size())) == id;
+        ok = int64_t(e.tokens.size()) >= block && entry_id(e.scope, e.tokens) == id;
         if (ok) index_existing(id, e.tokens, blob->size(), e.bytes);
       }
     } catch (const Error&) {
@@ -343,7 +406,7 @@ DiskPrefixStore::DiskPrefixStore(std::string scope, int64_t block, uint64_t budg
       // Unreadable, corrupted or misnamed: never served, removed so it is recomputed.
       std::error_code e3;
       fs::remove(path, e3);
-      count_corrupt();
+      count_corrupt("entry at start-up unreadable or corrupted: " + path.string());
     }
   }
 }

@@ -21,8 +21,14 @@
 //                      container checksums; an entry that fails is dropped
 //                      (file removed) and reported as a miss, so it is
 //                      recomputed, never served.
-// Thread-safe (one mutex): the HTTP threads read stats while the model
-// thread looks up and stores.
+// Thread-safe: one mutex guards the index and the counters, and no back-end
+// I/O runs under it (blobs are written before the index learns of them, read
+// and decoded after the lookup has chosen them, erased after they left the
+// index), so stats() never waits behind a slow disk. A back end that fails
+// (write error, full disk, unreadable or corrupted bytes) never fails the
+// caller: put() returns false, lookup() reports a miss; each failure is
+// counted (write_failures, read_failures, corrupt_dropped, erase_failures)
+// and the last one is kept as text (last_failure) for the server's log.
 #pragma once
 
 #include <cstdint>
@@ -69,6 +75,9 @@ struct PrefixStoreStats {
   uint64_t lookups = 0, hits = 0, reused_tokens = 0;
   uint64_t stores = 0, evictions = 0, rejected_too_large = 0, corrupt_dropped = 0;
   uint64_t superseded = 0;  // entries dropped because a new entry extends them
+  uint64_t write_failures = 0, read_failures = 0, erase_failures = 0;  // back-end errors, never request errors
+  std::string last_failure;  // what the last failure (of any kind above, or corrupt_dropped) was
+  uint64_t failures() const { return write_failures + read_failures + erase_failures + corrupt_dropped; }
   double hit_rate() const { return lookups ? double(hits) / double(lookups) : 0.0; }
 };
 
@@ -104,7 +113,9 @@ class PrefixStore {
   const std::string& scope() const { return scope_; }
 
  protected:
-  // Back end: bytes of entry `id` (a hash of its full token list).
+  // Back end: bytes of entry `id` (a hash of its full token list, seeded by
+  // the scope). Called without the store's lock, possibly from several
+  // threads: a back end guards its own state. May throw (counted).
   virtual void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) = 0;
   // nullopt when the bytes are gone or unreadable.
   virtual std::optional<std::vector<uint8_t>> read_blob(uint64_t id) = 0;
@@ -114,8 +125,7 @@ class PrefixStore {
   // For back ends that find entries at start-up (disk): adds an entry to the
   // index as least recently used so far. Caller holds no lock (constructor).
   void index_existing(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size, const PrefixBytes& bytes);
-  void drop_locked(uint64_t id);  // removes from index and back end
-  void count_corrupt() { ++stats_.corrupt_dropped; }
+  void count_corrupt(const std::string& what) { note_failure(stats_.corrupt_dropped, what); }
 
  private:
   struct Entry {
@@ -124,12 +134,22 @@ class PrefixStore {
     PrefixBytes bytes;
     std::list<uint64_t>::iterator lru;  // position in lru_ (front = most recent)
   };
-  void evict_to_fit_locked(uint64_t incoming);
+  struct Candidate {
+    uint64_t id;
+    int64_t shared;               // tokens shared with the prompt
+    std::vector<int32_t> tokens;  // the entry's tokens, to confirm its bytes against
+  };
+  // Removes `id` from the index; its bytes are erased later, outside the
+  // lock (erase_blobs), so the id joins `erase`.
+  void drop_locked(uint64_t id, std::vector<uint64_t>& erase);
+  void erase_blobs(const std::vector<uint64_t>& ids);
+  void note_failure(uint64_t& counter, const std::string& what);
+  void evict_to_fit_locked(uint64_t incoming, std::vector<uint64_t>& erase);
   void insert_locked(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size, const PrefixBytes& bytes,
                      bool most_recent);
-  // One pass of lookup(); sets `retry` when it dropped a corrupted entry.
-  std::optional<PrefixMatch> lookup_once_locked(const int32_t* tokens, int64_t limit, const std::vector<uint64_t>& hashes,
-                                                bool& retry);
+  // The longest (then most recently used) entry sharing a block boundary.
+  std::optional<Candidate> best_candidate_locked(const int32_t* tokens, int64_t limit,
+                                                 const std::vector<uint64_t>& hashes);
 
   std::string scope_;
   int64_t block_;
@@ -150,12 +170,13 @@ class MemoryPrefixStore final : public PrefixStore {
   using PrefixStore::PrefixStore;
 
  protected:
-  void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) override { blobs_[id] = bytes; }
+  void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) override;
   std::optional<std::vector<uint8_t>> read_blob(uint64_t id) override;
-  void erase_blob(uint64_t id) override { blobs_.erase(id); }
+  void erase_blob(uint64_t id) override;
   const char* kind() const override { return "memory"; }
 
  private:
+  std::mutex blobs_mu_;  // the blobs are touched outside the index lock
   std::unordered_map<uint64_t, std::vector<uint8_t>> blobs_;
 };
 

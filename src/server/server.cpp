@@ -23,10 +23,13 @@
 
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "model/calibrate.hpp"
 #include "model/generate.hpp"
+#include "model/identity.hpp"
 #include "model/llama.hpp"
 #include "model/paths.hpp"
 #include "model/tokenizer.hpp"
+#include "server/connection.hpp"
 #include "server/prefix_store.hpp"
 
 namespace kvcodec::server {
@@ -93,12 +96,19 @@ struct Job {
 struct ServerState {
   ServeOptions opt;
   std::string model_name;
+  std::string model_identity;  // model::model_identity(): part of the prefix-store scope
   std::unique_ptr<model::LlamaModel> model;
   std::unique_ptr<model::Tokenizer> tok;
   Settings settings;
   std::string scope;
   std::unique_ptr<PrefixStore> store;
+  std::ostream* log = nullptr;
+  std::mutex log_mu;          // the model and signal threads both write the log
+  uint64_t store_failures_logged = 0;  // model thread only
   int64_t max_prompt = 0;
+  // A text longer than this cannot fit in max_prompt tokens (no token is
+  // longer than the tokenizer's longest), so it is refused before tokenizing.
+  uint64_t max_prompt_bytes = 0;
   Clock::time_point started = Clock::now();
   std::atomic<int> model_threads{0};  // OpenMP threads the model thread uses (stats)
 
@@ -192,6 +202,22 @@ std::string chat_transcript(const json& j) {
   return text + "assistant:";
 }
 
+// Refuses, before any tokenizing, a prompt text that cannot fit: its bytes
+// exceed max_prompt tokens of the longest token each.
+void check_prompt_bytes(const ServerState& s, size_t bytes) {
+  if (bytes > s.max_prompt_bytes)
+    throw HttpError{400, "prompt is " + std::to_string(bytes) + " bytes; this server takes at most " +
+                             std::to_string(s.max_prompt_bytes) + " bytes (max prompt tokens " +
+                             std::to_string(s.max_prompt) + " x the longest token, " +
+                             std::to_string(s.tok->max_token_bytes()) + " bytes)"};
+}
+
+void check_prompt_tokens(const ServerState& s, size_t n) {
+  if (int64_t(n) > s.max_prompt)
+    throw HttpError{400, "prompt is " + std::to_string(n) + " tokens; this server takes at most " +
+                             std::to_string(s.max_prompt)};
+}
+
 // Builds the job from an OpenAI request body; throws HttpError for anything wrong.
 std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
   static const std::set<std::string> common = {"model", "max_tokens", "max_completion_tokens", "temperature",
@@ -219,6 +245,7 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
     const json& p = j["prompt"];
     if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
       // Token ids, as OpenAI allows.
+      check_prompt_tokens(s, p.size());
       for (const auto& t : p) {
         if (!t.is_number_integer()) throw HttpError{400, "field 'prompt': a token array must hold only integers"};
         const int64_t id = t.get<int64_t>();
@@ -234,16 +261,14 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
     }
   }
   if (job->prompt.empty()) {
-    if (text.size() > s.opt.max_body_bytes) throw HttpError{413, "prompt is longer than the body limit"};
+    check_prompt_bytes(s, text.size());
     job->prompt = s.tok->encode(text);
   }
   if (job->prompt.empty()) {
     const auto& c = s.model->config();
     job->prompt.push_back(c.bos_token_id >= 0 ? c.bos_token_id : std::max(0, c.eos_token_id));
   }
-  if (int64_t(job->prompt.size()) > s.max_prompt)
-    throw HttpError{400, "prompt is " + std::to_string(job->prompt.size()) + " tokens; this server takes at most " +
-                             std::to_string(s.max_prompt)};
+  check_prompt_tokens(s, job->prompt.size());
   const char* max_name = j.contains("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   job->gen.max_tokens = int_field(j, max_name, s.opt.default_max_tokens, 0, s.opt.max_tokens_limit);
   const int64_t context = s.model->config().max_position_embeddings;
@@ -278,6 +303,21 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
 
 // --- the model thread ------------------------------------------------------------
 
+void log_line(ServerState& s, const std::string& line) {
+  std::lock_guard<std::mutex> lock(s.log_mu);
+  if (s.log) *s.log << "kvcodec serve: " << line << std::endl;
+}
+
+// Logs store failures counted since the last call (the counters are in the
+// stats; the log says what happened). Model thread only.
+void log_store_failures(ServerState& s) {
+  const PrefixStoreStats st = s.store->stats();
+  if (st.failures() == s.store_failures_logged) return;
+  log_line(s, "prefix store: " + std::to_string(st.failures() - s.store_failures_logged) +
+                  " failure(s) (request answered without the store): " + st.last_failure);
+  s.store_failures_logged = st.failures();
+}
+
 void push_piece(Job& job, const std::string& piece) {
   if (piece.empty()) return;
   std::lock_guard<std::mutex> lock(job.mu);
@@ -292,7 +332,14 @@ void run_job(ServerState& s, Job& job) {
   // prefill (its logits give the first generated token).
   const Clock::time_point load_start = Clock::now();
   std::optional<PrefixMatch> match;
-  if (s.store) match = s.store->lookup(job.prompt.data(), n, n - 1);
+  if (s.store) {
+    try {
+      match = s.store->lookup(job.prompt.data(), n, n - 1);
+    } catch (const std::exception& e) {  // a store problem is a miss, never a failed request
+      log_line(s, std::string("prefix store: lookup failed: ") + e.what());
+    }
+    log_store_failures(s);
+  }
   model::CacheFactory factory;
   if (match) {
     const auto& entry = match->entry;
@@ -392,8 +439,13 @@ void run_job(ServerState& s, Job& job) {
       e.scope = s.scope;
       e.tokens = std::move(fed);
       e.bytes = {st.compressed_key_bytes, st.compressed_value_bytes, st.fp16_key_bytes, st.fp16_value_bytes};
-      for (const auto& c : session->caches()) e.layers.push_back(c->save());
-      s.store->put(e);
+      try {
+        for (const auto& c : session->caches()) e.layers.push_back(c->save());
+        s.store->put(e);
+      } catch (const std::exception& ex) {  // the answer is ready: a store problem must not turn it into a 500
+        log_line(s, std::string("prefix store: storing failed: ") + ex.what());
+      }
+      log_store_failures(s);
     }
   }
 }
@@ -509,6 +561,7 @@ json stats_json(ServerState& s) {
   const PrefixStoreStats ps = s.store ? s.store->stats() : PrefixStoreStats{};
   json j;
   j["model"] = s.model_name;
+  j["model_identity"] = s.model_identity;
   j["method"] = s.opt.method;
   json settings = json::object();
   for (const auto& [k, v] : s.settings) settings[k] = v;
@@ -533,7 +586,9 @@ json stats_json(ServerState& s) {
                        {"lookups", ps.lookups}, {"hits", ps.hits}, {"hit_rate", ps.hit_rate()},
                        {"reused_tokens", ps.reused_tokens}, {"stores", ps.stores}, {"evictions", ps.evictions},
                        {"rejected_too_large", ps.rejected_too_large}, {"corrupt_dropped", ps.corrupt_dropped},
-                       {"superseded", ps.superseded}};
+                       {"superseded", ps.superseded}, {"write_failures", ps.write_failures},
+                       {"read_failures", ps.read_failures}, {"erase_failures", ps.erase_failures},
+                       {"last_failure", ps.last_failure}};
   j["requests"] = {{"served", s.served}, {"queued", s.queue.size()}, {"running", s.busy ? 1 : 0},
                    {"max_queue", s.opt.max_queue}, {"rejected_queue_full", s.rejected_full},
                    {"cancelled", s.cancelled}, {"failed", s.failed}, {"model_threads", s.model_threads.load()},
@@ -549,6 +604,26 @@ json stats_json(ServerState& s) {
   j["uptime_s"] = std::chrono::duration<double>(Clock::now() - s.started).count();
   j["draining"] = s.draining;
   return j;
+}
+
+// Prometheus text format of the stats' counters and gauges: the request
+// counts and the prefix store's (failures included), one "kvcodec_" metric each.
+std::string metrics_text(const json& stats) {
+  std::string out;
+  auto emit = [&](const std::string& name, const json& v, const char* type) {
+    out += "# TYPE kvcodec_" + name + " " + type + "\nkvcodec_" + name + " " + v.dump() + "\n";
+  };
+  for (const char* k : {"served", "rejected_queue_full", "cancelled", "failed"})
+    emit(std::string("requests_") + k + "_total", stats["requests"][k], "counter");
+  for (const char* k : {"queued", "running"}) emit(std::string("requests_") + k, stats["requests"][k], "gauge");
+  const json& ps = stats["prefix_store"];
+  for (const char* k : {"lookups", "hits", "reused_tokens", "stores", "evictions", "superseded", "rejected_too_large",
+                        "corrupt_dropped", "write_failures", "read_failures", "erase_failures"})
+    emit(std::string("prefix_store_") + k + "_total", ps[k], "counter");
+  for (const char* k : {"entries", "bytes", "budget_bytes"}) emit(std::string("prefix_store_") + k, ps[k], "gauge");
+  emit("tokens_seen_total", stats["tokens"]["seen"], "counter");
+  emit("rss_bytes", stats["memory"]["rss_bytes"], "gauge");
+  return out;
 }
 
 // Queues the job, or throws HttpError 503 when the queue is full or the server drains.
@@ -579,8 +654,12 @@ void handle_generate(ServerState& s, const httplib::Request& req, httplib::Respo
     return;
   }
   if (!job->stream) {
+    // Check on the client every 200 ms while the job waits or runs: when it
+    // has gone, the model thread stops at the next token (or skips the job).
+    const int fd = find_connection_fd(req.remote_addr, req.remote_port, req.local_port);
     std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->done; });
+    while (!job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return job->done; }))
+      if (fd >= 0 && !job->cancelled.load() && peer_closed(fd)) job->cancelled = true;
     if (job->error) {
       lock.unlock();
       send_error(res, 500, *job->error, "server_error");
@@ -645,8 +724,10 @@ void handle_generate(ServerState& s, const httplib::Request& req, httplib::Respo
       });
 }
 
-std::string scope_of(const std::string& method, const Settings& settings) {
-  std::string s = method;
+// What a stored prefix must have been made with to be served: the model
+// (config and weights, model_identity()) and the method with its settings.
+std::string scope_of(const std::string& method, const Settings& settings, const std::string& model_identity) {
+  std::string s = "model=" + model_identity + ";" + method;
   for (const auto& [k, v] : settings) s += ";" + k + "=" + v;
   return s;
 }
@@ -705,6 +786,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
 
   ServerState s;
   s.opt = opt;
+  s.log = &log;
   const std::string dir = opt.model_dir.empty() ? model::default_model_dir() : opt.model_dir;
   s.model_name = std::filesystem::path(dir).lexically_normal().filename().string();
   if (s.model_name.empty()) s.model_name = std::filesystem::path(dir).parent_path().filename().string();
@@ -720,10 +802,13 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     cc.rope_theta = s.model->config().rope_theta;
     (void)make_cache(opt.method, cc, s.settings);
   }
-  s.scope = scope_of(opt.method, s.settings);
+  s.model_identity = model::model_identity(*s.model, dir);
+  model::check_method_for_model(opt.method, s.settings, s.model->config(), model::model_config_hash(dir));
+  s.scope = scope_of(opt.method, s.settings, s.model_identity);
   s.store = make_prefix_store(s.scope, opt.prefix_block, opt.prefix_store_bytes, opt.prefix_store_dir);
   const int64_t context = s.model->config().max_position_embeddings > 0 ? s.model->config().max_position_embeddings : 2048;
   s.max_prompt = opt.max_prompt_tokens > 0 ? std::min<int64_t>(opt.max_prompt_tokens, context - 1) : context - 1;
+  s.max_prompt_bytes = uint64_t(s.max_prompt) * s.tok->max_token_bytes();
 
   // Signals go to one thread (sigwait below), never into the HTTP or model threads.
   sigset_t sigs, old;
@@ -770,6 +855,9 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   http.Get("/v1/kv/stats", [&s](const httplib::Request&, httplib::Response& res) {
     res.set_content(dump(stats_json(s)), "application/json");
   });
+  http.Get("/metrics", [&s](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_text(stats_json(s)), "text/plain; version=0.0.4");
+  });
   http.Get("/", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(kDashboardHtml, sizeof(kDashboardHtml) - 1, "text/html; charset=utf-8");
   });
@@ -790,6 +878,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
       if (j.contains("messages")) text = chat_transcript(j);
       else if (j["prompt"].is_string()) text = j["prompt"].get<std::string>();
       else throw HttpError{400, "field 'prompt' must be a string"};
+      check_prompt_bytes(s, text.size());
       const std::vector<int32_t> ids = s.tok->encode(text);
       res.set_content(dump({{"count", ids.size()}, {"max_model_len", s.model->config().max_position_embeddings},
                             {"max_prompt_tokens", s.max_prompt}, {"tokens", ids}}),
@@ -825,7 +914,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
       stop = sig == SIGTERM || sig == SIGINT || (stop_requested && stop_requested());
     }
     if (!stop) return;
-    log << "kvcodec serve: draining" << std::endl;
+    log_line(s, "draining");
     std::unique_lock<std::mutex> lock(s.mu);
     s.draining = true;
     s.cv.wait_for(lock, std::chrono::seconds(60), [&] { return s.queue.empty() && !s.busy; });
@@ -837,7 +926,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
 
   const auto& c = s.model->config();
   log << "kvcodec serve: model " << s.model_name << " (" << c.n_layers << " layers, " << c.n_kv_heads << " kv heads, head_dim "
-      << c.head_dim << ", context " << context << ") from " << dir << "\n";
+      << c.head_dim << ", context " << context << ") from " << dir << ", identity " << s.model_identity << "\n";
   log << "kvcodec serve: method " << opt.method << ", settings {";
   bool first = true;
   for (const auto& [k, v] : s.settings) {
@@ -851,8 +940,8 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
         << ", " << s.store->stats().entries << " entries found\n";
   else
     log << "kvcodec serve: prefix store off\n";
-  log << "kvcodec serve: max body " << opt.max_body_bytes << " bytes, max prompt " << s.max_prompt
-      << " tokens, queue " << opt.max_queue << "\n";
+  log << "kvcodec serve: max body " << opt.max_body_bytes << " bytes, max prompt " << s.max_prompt << " tokens ("
+      << s.max_prompt_bytes << " bytes before tokenizing), queue " << opt.max_queue << "\n";
   log << "kvcodec serve: ready on http://" << opt.host << ":" << port << std::endl;
 
   const bool listened = http.listen_after_bind();

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 #include <cstring>
 #include <unistd.h>
 
@@ -341,6 +342,24 @@ TEST(CalibratedCache, ReconstructsWithRopeReappliedAndCountsBytes) {
     EXPECT_EQ(double(st.compressed_key_bytes), st.extras.at("key.payload_bytes") + raw);
     EXPECT_GT(st.compression_ratio(), 2.0);
     EXPECT_GT(st.extras.at("key.calibration_bytes"), 0.0);
+  }
+}
+
+// The const read path may run on several threads at once (kvcodec/cache.hpp):
+// concurrent fetches of one cache are all bit-equal to a lone one (and
+// ThreadSanitizer, in scripts/test.sh, sees no race in them).
+TEST(CalibratedCache, ConcurrentReadsOfOneCacheAgree) {
+  const Sequence seq = make_sequence(2, 300, 1, 77);
+  auto cache = make_cache("kvtc", layer_config(1), calibrated(4, 8));
+  cache->append(seq.keys.view(), seq.values.view());
+  const KVPair alone = cache->fetch(DType::kF32);
+  std::vector<KVPair> got(4);
+  std::vector<std::thread> readers;
+  for (size_t i = 0; i < got.size(); ++i) readers.emplace_back([&, i] { got[i] = cache->fetch(DType::kF32); });
+  for (auto& t : readers) t.join();
+  for (const auto& g : got) {
+    EXPECT_TRUE(bit_equal(g.keys, alone.keys));
+    EXPECT_TRUE(bit_equal(g.values, alone.values));
   }
 }
 

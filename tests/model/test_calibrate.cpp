@@ -3,6 +3,7 @@
 // measured-distortion allocation, and the calibrated cache's read path
 // against a plain decode of the same blocks.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "kvcodec/error.hpp"
 #include "linalg/pca.hpp"
 #include "model/calibrate.hpp"
+#include "model/identity.hpp"
 #include "model_fixtures.hpp"
 
 namespace kvcodec::model {
@@ -467,6 +469,38 @@ TEST_F(CalibrateTiny, CalibratedCacheReadPathMatchesAPlainDecode) {
     }
     std::filesystem::remove(path);
   }
+}
+
+// Where a calibration meets a model (serve, run, eval call
+// check_method_for_model): one made for this model passes, one made for
+// another config (hash) or another shape is refused, naming what differs.
+TEST_F(CalibrateTiny, CalibrationIsCheckedAgainstTheModelItIsUsedWith) {
+  const CalibrationSamples s = collect_calibration_samples(*model_, tokens_, options_);
+  CalibrateOptions o = options_;
+  o.target_ratio = 3.0;
+  const KvtcCalibration cal = fit_calibration(config_, "00000000000000aa", s, o);
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("kvcodec_test_identity_" + std::to_string(::getpid()) + ".kvcal")).string();
+  cal.write_file(path);
+  const Settings settings = {{"calibration", path}};
+  EXPECT_NO_THROW(check_method_for_model("kvtc", settings, config_, "00000000000000aa"));
+  EXPECT_NO_THROW(check_method_for_model("fp16", {}, config_, "00000000000000bb"));  // no calibration: nothing to check
+  try {
+    check_method_for_model("kvtc", settings, config_, "00000000000000bb");
+    ADD_FAILURE() << "accepted a calibration of another config.json";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kConfig);
+    EXPECT_NE(std::string(e.what()).find("00000000000000bb"), std::string::npos) << e.what();
+  }
+  ModelConfig other = config_;
+  other.n_layers += 1;
+  try {
+    check_method_for_model("kvtc", settings, other, "00000000000000aa");
+    ADD_FAILURE() << "accepted a calibration of another shape";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kShapeMismatch);
+  }
+  std::filesystem::remove(path);
 }
 
 }  // namespace

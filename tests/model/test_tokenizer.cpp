@@ -2,12 +2,16 @@
 // evaluation text and the held-out ids.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <fstream>
+#include <limits>
+#include <random>
 #include <sstream>
 
 #include "kvcodec/error.hpp"
 #include "model/tokenizer.hpp"
 #include "model_fixtures.hpp"
+#include "timing.hpp"
 
 namespace kvcodec::model {
 namespace {
@@ -109,6 +113,136 @@ TEST_F(TinycodeTokenizer, RoundTripsSharedEvalData) {
   }
   std::printf("[ tokens ] re-encoded held-out windows: %lld of %lld ids differ, %lld of 32 windows exact\n",
               (long long)mismatched, (long long)total, (long long)windows_exact);
+}
+
+// The plain reference of Tokenizer::encode_word: rescan every adjacent pair,
+// merge the one of lowest rank (leftmost among equals), repeat. O(n^2); the
+// algorithm encode() used before the heap.
+std::vector<int32_t> reference_bpe(const Tokenizer& t, std::string_view word) {
+  std::vector<int32_t> sym;
+  for (char c : word) sym.push_back(t.byte_token(uint8_t(c)));
+  while (sym.size() > 1) {
+    int32_t best_rank = std::numeric_limits<int32_t>::max(), best_id = -1;
+    size_t best_pos = 0;
+    for (size_t i = 0; i + 1 < sym.size(); ++i) {
+      const auto m = t.merge(sym[i], sym[i + 1]);
+      if (m && m->rank < best_rank) {
+        best_rank = m->rank;
+        best_id = m->id;
+        best_pos = i;
+      }
+    }
+    if (best_id < 0) break;
+    sym[best_pos] = best_id;
+    sym.erase(sym.begin() + std::ptrdiff_t(best_pos) + 1);
+  }
+  return sym;
+}
+
+std::vector<int32_t> heap_bpe(const Tokenizer& t, std::string_view word) {
+  std::vector<int32_t> out;
+  t.encode_word(word, out);
+  return out;
+}
+
+// Every pre-token of the shipped sample and of the evaluation text merges to
+// the same ids as the reference; so does encode() of the whole text.
+TEST_F(TinycodeTokenizer, HeapMergeEqualsReferenceOnRealText) {
+  std::string text = "import torch\n\nclass Foo(nn.Module):\n    def forward(self, x):\n        return x * 2\n";
+  const std::string path = testing::shared_tinycode_dir() + "/eval_text.txt";
+  if (testing::exists(path)) {
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  std::vector<int32_t> expected;
+  size_t words = 0;
+  for (std::string_view w : Tokenizer::pre_tokenize(text)) {
+    ASSERT_LE(w.size(), Tokenizer::kMaxWordBytes);
+    const auto ref = reference_bpe(*tok_, w);
+    ASSERT_EQ(heap_bpe(*tok_, w), ref) << "word '" << w << "'";
+    expected.insert(expected.end(), ref.begin(), ref.end());
+    ++words;
+  }
+  EXPECT_EQ(tok_->encode(text, false), expected);
+  std::printf("[ tokens ] %zu pre-tokens, %zu ids equal to the reference\n", words, expected.size());
+}
+
+// Words built to stress the merge order: long runs of one byte (equal ranks
+// everywhere, leftmost must win), repeated keywords, digits, whitespace,
+// every byte, invalid UTF-8 and seeded random bytes and letters.
+TEST_F(TinycodeTokenizer, HeapMergeEqualsReferenceOnAdversarialWords) {
+  std::vector<std::string> words;
+  for (const char* unit : {"a", "e", " ", "\n", "0", "1", "_", "=", "ab", "aab", "return", "self", " self.", "ing"})
+    for (size_t reps : {1u, 2u, 3u, 7u, 64u, 301u}) {
+      std::string w;
+      for (size_t r = 0; r < reps; ++r) w += unit;
+      words.push_back(w);
+    }
+  std::string return_word;
+  for (int r = 0; r < 600; ++r) return_word += "return";  // 3600 bytes: within the bound
+  words.push_back(return_word);
+  std::string all_bytes;
+  for (int b = 0; b < 256; ++b) all_bytes.push_back(char(b));
+  words.push_back(all_bytes);
+  words.push_back("\xFF\xFE\x80\xC3\xC3\xA9\xE2\x82");
+  std::mt19937 rng(7);
+  const std::string letters = "etaoinsrhldcumfpgwybvkxjqz_ETAOIN";
+  for (int k = 0; k < 200; ++k) {
+    std::string w;
+    const size_t len = 1 + rng() % 200;
+    for (size_t i = 0; i < len; ++i) w.push_back(k % 2 ? char(rng() & 0xFF) : letters[rng() % letters.size()]);
+    words.push_back(w);
+  }
+  for (const auto& w : words) ASSERT_EQ(heap_bpe(*tok_, w), reference_bpe(*tok_, w)) << "word of " << w.size() << " bytes";
+}
+
+// A pre-token longer than kMaxWordBytes is merged in pieces cut before a
+// UTF-8 lead byte; the text still round-trips and long words cost linear time.
+TEST_F(TinycodeTokenizer, LongWordsAreMergedInBoundedPieces) {
+  const size_t bound = Tokenizer::kMaxWordBytes;
+  std::string word;
+  while (word.size() < 3 * bound + 100) word += "return";
+  const auto pieces = Tokenizer::split_long_word(word);
+  ASSERT_EQ(pieces.size(), 4u);
+  std::vector<int32_t> expected;
+  for (auto p : pieces) {
+    EXPECT_LE(p.size(), bound);
+    const auto ref = reference_bpe(*tok_, p);
+    expected.insert(expected.end(), ref.begin(), ref.end());
+  }
+  EXPECT_EQ(tok_->encode(word), expected);
+  EXPECT_EQ(tok_->decode(expected), word);
+  // A cut never splits a character: "é" (2 bytes) repeated, then shifted by one byte.
+  std::string accents = "x";
+  while (accents.size() < 2 * bound + 10) accents += "\xC3\xA9";
+  for (auto p : Tokenizer::split_long_word(accents)) EXPECT_NE(uint8_t(p[0]) & 0xC0, 0x80) << "piece starts mid-character";
+  EXPECT_EQ(tok_->decode(tok_->encode(accents)), accents);
+  EXPECT_TRUE(Tokenizer::split_long_word("").empty());
+  EXPECT_EQ(Tokenizer::split_long_word("abc").size(), 1u);
+}
+
+// The server's worst case: one 1 MB word (its body limit) encodes in well
+// under a second (the O(n^2) rescan took 2.6 s for 30 KB).
+TEST_F(TinycodeTokenizer, MegabyteWordEncodesQuickly) {
+  std::string word;
+  while (word.size() < (1u << 20)) word += "return";
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto ids = tok_->encode(word);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[ tokens ] one %zu-byte word -> %zu ids in %.3f s\n", word.size(), ids.size(), s);
+  if (kvcodec::testing::kTimedBuild) EXPECT_LT(s, 1.0);
+  EXPECT_EQ(tok_->decode(ids), word);
+}
+
+TEST_F(TinycodeTokenizer, MaxTokenBytesBoundsTheTokenCount) {
+  size_t longest = 0;
+  for (int32_t id = 0; id < tok_->vocab_size(); ++id) longest = std::max(longest, tok_->token_bytes(id).size());
+  EXPECT_EQ(tok_->max_token_bytes(), longest);
+  std::string text;
+  while (text.size() < 20000) text += "    return self._value  # comment\n";
+  EXPECT_GE(tok_->encode(text).size() * tok_->max_token_bytes(), text.size());
 }
 
 TEST(Tokenizer, RejectsUnsupportedFiles) {

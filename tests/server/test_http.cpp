@@ -20,86 +20,38 @@
 #include <thread>
 
 #include "server/server.hpp"
+#include "server_process.hpp"
 
 namespace kvcodec::server {
 namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-std::string model_dir() { return std::string(KVCODEC_SOURCE_DIR) + "/models/tinycode"; }
+using testing::model_dir;
 
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (!fs::exists(model_dir() + "/config.json")) return;
-    int fds[2];
-    ASSERT_EQ(pipe(fds), 0);
-    pid_ = fork();
-    ASSERT_GE(pid_, 0);
-    if (pid_ == 0) {
-      close(fds[0]);
-      dup2(fds[1], 1);
-      ServeOptions o;
-      o.model_dir = model_dir();
-      o.port = 0;
-      o.prefix_block = 16;
-      o.max_body_bytes = 8192;
-      o.max_prompt_tokens = 200;
-      o.default_max_tokens = 4;
-      o.max_tokens_limit = 256;
-      o.max_queue = 4;
-      o.threads = 1;
-      int rc = 3;
-      try {
-        rc = run_server(o, std::cout);
-      } catch (const std::exception& e) {
-        std::cout << "error: " << e.what() << std::endl;
-      }
-      std::cout.flush();
-      _exit(rc);
-    }
-    close(fds[1]);
-    log_ = fdopen(fds[0], "r");
-    char line[4096];
-    while (fgets(line, sizeof line, log_)) {
-      const std::string l(line);
-      const auto at = l.find("ready on http://127.0.0.1:");
-      if (at != std::string::npos) {
-        port_ = std::stoi(l.substr(at + 26));
-        break;
-      }
-    }
+    if (!testing::have_model()) return;
+    server_ = testing::ServerProcess::start(testing::test_options());
+    pid_ = server_.pid;
+    port_ = server_.port;
+    log_ = server_.log;
   }
   static void TearDownTestSuite() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (log_) fclose(log_);
+    server_.pid = pid_;  // -1 once the SIGTERM test has reaped it
+    server_.stop();
   }
   void SetUp() override {
-    if (!fs::exists(model_dir() + "/config.json")) GTEST_SKIP() << "models/tinycode is absent (copy it from ../shared/models)";
+    if (!testing::have_model()) GTEST_SKIP() << "models/tinycode is absent (copy it from ../shared/models)";
     ASSERT_GT(port_, 0) << "server did not print its ready line";
   }
-  static httplib::Client client() {
-    httplib::Client c("127.0.0.1", port_);
-    c.set_read_timeout(60, 0);
-    return c;
-  }
+  static httplib::Client client() { return server_.client(); }
   static json post(const std::string& path, const std::string& body, int expect_status) {
-    auto c = client();
-    auto r = c.Post(path.c_str(), body, "application/json");
-    EXPECT_TRUE(r) << path;
-    if (!r) return {};
-    EXPECT_EQ(r->status, expect_status) << path << " " << body << " -> " << r->body;
-    return json::parse(r->body, nullptr, false);
+    return server_.post(path, body, expect_status);
   }
-  static json get(const std::string& path) {
-    auto c = client();
-    auto r = c.Get(path.c_str());
-    EXPECT_TRUE(r && r->status == 200) << path;
-    return r ? json::parse(r->body, nullptr, false) : json();
-  }
+  static json get(const std::string& path) { return server_.get(path); }
+  static inline testing::ServerProcess server_;
   static inline pid_t pid_ = -1;
   static inline int port_ = 0;
   static inline FILE* log_ = nullptr;

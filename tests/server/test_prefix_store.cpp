@@ -2,8 +2,12 @@
 // token confirmation, disk persistence, corrupted entries dropped.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <map>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "kvcodec/error.hpp"
 #include "server/prefix_store.hpp"
@@ -256,6 +260,85 @@ TEST_F(DiskStoreTest, BudgetAppliesToEntriesFoundAtStartup) {
   size_t files = 0;
   for (const auto& f : fs::directory_iterator(dir_)) files += f.is_regular_file();
   EXPECT_EQ(files, 2u);
+}
+
+// A back end that fails or stalls on demand.
+class FaultyStore final : public PrefixStore {
+ public:
+  using PrefixStore::PrefixStore;
+  std::atomic<bool> fail_writes{false}, lose_reads{false};
+  std::atomic<int> write_sleep_ms{0};
+  std::atomic<bool> writing{false};
+
+ protected:
+  void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) override {
+    writing = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(write_sleep_ms.load()));
+    writing = false;
+    if (fail_writes) throw Error(ErrorCode::kIo, "disk full (test)");
+    std::lock_guard<std::mutex> lock(mu_);
+    blobs_[id] = bytes;
+  }
+  std::optional<std::vector<uint8_t>> read_blob(uint64_t id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blobs_.find(id);
+    if (lose_reads || it == blobs_.end()) return std::nullopt;
+    return it->second;
+  }
+  void erase_blob(uint64_t id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    blobs_.erase(id);
+  }
+  const char* kind() const override { return "faulty"; }
+
+ private:
+  std::mutex mu_;
+  std::map<uint64_t, std::vector<uint8_t>> blobs_;
+};
+
+TEST(PrefixStore, BackEndFailuresAreCountedNeverThrown) {
+  FaultyStore store("m", 4, 1 << 20);
+  store.fail_writes = true;
+  bool stored = true;
+  EXPECT_NO_THROW(stored = store.put(make_entry("m", seq(8))));
+  EXPECT_FALSE(stored);
+  auto st = store.stats();
+  EXPECT_EQ(st.write_failures, 1u);
+  EXPECT_EQ(st.entries, 0u);  // the index never learnt of bytes that are not there
+  EXPECT_NE(st.last_failure.find("disk full (test)"), std::string::npos) << st.last_failure;
+  const auto q = seq(8);
+  EXPECT_FALSE(store.lookup(q.data(), 8, 8));
+  // Bytes that vanish after the write: a miss, counted, the entry dropped.
+  store.fail_writes = false;
+  ASSERT_TRUE(store.put(make_entry("m", seq(8))));
+  store.lose_reads = true;
+  EXPECT_FALSE(store.lookup(q.data(), 8, 8));
+  st = store.stats();
+  EXPECT_EQ(st.read_failures, 1u);
+  EXPECT_EQ(st.entries, 0u);
+  EXPECT_EQ(st.hits, 0u);
+  EXPECT_EQ(st.failures(), 2u);
+}
+
+// No back-end I/O under the store's lock: stats() and lookups of other
+// entries answer while a write sleeps.
+TEST(PrefixStore, StatsDoNotWaitBehindASlowWrite) {
+  FaultyStore store("m", 4, 1 << 20);
+  ASSERT_TRUE(store.put(make_entry("m", seq(8, 300))));
+  store.write_sleep_ms = 800;
+  std::thread writer([&] { EXPECT_TRUE(store.put(make_entry("m", seq(8)))); });
+  while (!store.writing) std::this_thread::yield();
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto st = store.stats();
+  const auto q = seq(8, 300);
+  const bool hit = store.lookup(q.data(), 8, 8).has_value();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(store.writing) << "the write ended before the check: the measurement says nothing";
+  writer.join();
+  EXPECT_TRUE(hit);
+  EXPECT_EQ(st.entries, 1u);  // the entry being written is not indexed yet
+  EXPECT_LT(ms, 400.0) << "stats and lookup waited behind the 800 ms write";
+  EXPECT_EQ(store.stats().entries, 2u);
 }
 
 }  // namespace

@@ -14,8 +14,10 @@
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "model/calibrate.hpp"
 #include "model/corpus.hpp"
 #include "model/eval.hpp"
+#include "model/identity.hpp"
 #include "model/llama.hpp"
 #include "model/paths.hpp"
 #include "model/tokenizer.hpp"
@@ -128,6 +130,7 @@ void run(const EvalArgs& a) {
       notes.push_back(fmt::format("{}: the model folder's {}.settings:{}", name, base, used));
       settings = std::move(with);
     }
+    model::check_method_for_model(base, settings, m.config(), model::model_config_hash(dir));
     model::MethodSpec s{name, model::method_cache_factory(base, settings)};
     s.factory(probe);  // a bad method or setting fails now, not after the baseline has run
     return s;

@@ -9,7 +9,9 @@
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "model/calibrate.hpp"
 #include "model/generate.hpp"
+#include "model/identity.hpp"
 #include "model/llama.hpp"
 #include "model/paths.hpp"
 #include "model/tokenizer.hpp"
@@ -63,6 +65,7 @@ void run(const RunArgs& a) {
   const model::LlamaModel m = model::LlamaModel::load(dir);
   const model::Tokenizer tok = model::Tokenizer::load(dir + "/tokenizer.json");
   const Settings settings = model::with_model_defaults(dir, a.method, settings_for_method(a.sets, a.method));
+  model::check_method_for_model(a.method, settings, m.config(), model::model_config_hash(dir));
   const model::CacheFactory factory = model::method_cache_factory(a.method, settings);
 
   std::vector<int32_t> prompt = tok.encode(a.prompt);
