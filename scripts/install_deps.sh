@@ -6,6 +6,8 @@ packages=(
   libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
   nlohmann-json3-dev libfmt-dev libxxhash-dev libzstd-dev libcpp-httplib-dev
   gnuplot-nox python3
+  python3-venv python3-numpy python3-torch python3-pytest  # the Python package and its tests (python/, tests/python)
+  rustc  # tests/capi: a Rust program against the installed C API
   chromium  # headless render of the server dashboard (tests/server skip without it)
 )
 missing=()
