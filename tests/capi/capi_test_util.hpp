@@ -79,20 +79,25 @@ inline kvcodec_cache_config layer_config(int layer, int n_layers = 6, int heads 
 inline std::string shared_dir() { return KVCODEC_SHARED_DIR; }
 inline std::string kv_dump_path() { return shared_dir() + "/models/tinycode/kv_dump.safetensors"; }
 
-// A small calibration of the shipped model, made once per test process by
-// `kvcodec calibrate` (one window of 128 tokens); "" when the shared model
-// is absent.
+// A small calibration of the shipped model by `kvcodec calibrate` (one
+// window of 128 tokens), made once per build folder (KVCODEC_TEST_CALIBRATION,
+// remade when the CLI is newer); "" when the shared model is absent.
 inline const std::string& calibration_path() {
   static const std::string path = [] {
+    namespace fs = std::filesystem;
     const std::string tokens = shared_dir() + "/models/tinycode/eval_tokens.u16";
-    if (!std::filesystem::exists(tokens)) return std::string();
-    const std::string out =
-        (std::filesystem::temp_directory_path() / ("capi_test_" + std::to_string(::getpid()) + ".kvcal")).string();
+    if (!fs::exists(tokens)) return std::string();
+    const std::string out = KVCODEC_TEST_CALIBRATION;
+    std::error_code ec;
+    if (fs::exists(out) && fs::last_write_time(out, ec) >= fs::last_write_time(KVCODEC_CLI, ec)) return out;
+    // Written aside and renamed: tests running in parallel never read half a file.
+    const std::string tmp = out + ".tmp" + std::to_string(::getpid());
     const std::string cmd = std::string(KVCODEC_CLI) + " calibrate --tokens " + tokens +
                             " --windows 3-3 --tokens-per-window 128 --threads 1 --set kvtc.target_ratio=8"
-                            " --set kvtc.sensitivity=none -o " + out + " > /dev/null 2>&1";
+                            " --set kvtc.sensitivity=none -o " + tmp + " > /dev/null 2>&1";
     if (std::system(cmd.c_str()) != 0) return std::string();
-    return out;
+    fs::rename(tmp, out, ec);
+    return ec ? std::string() : out;
   }();
   return path;
 }

@@ -127,7 +127,7 @@ TEST_F(CapiErrors, BadMethodAndSettings) {
   kvcodec_cache_free(out);
 }
 
-TEST_F(CapiErrors, CalibrationErrors) {
+TEST_F(CapiErrors, CalibrationFileErrors) {
   kvcodec_calibration* cal = nullptr;
   KVC_FAILS(kvcodec_calibration_load("/nonexistent/cal.kvcal", &cal), KVCODEC_ERROR_NOT_FOUND, "/nonexistent/cal.kvcal");
   const std::string junk = (std::filesystem::temp_directory_path() / ("capi_junk_" + std::to_string(::getpid()))).string();
@@ -139,15 +139,6 @@ TEST_F(CapiErrors, CalibrationErrors) {
   KVC_FAILS(kvcodec_calibration_load(junk.c_str(), &cal), KVCODEC_ERROR_FORMAT, junk);
   std::filesystem::remove(junk);
   EXPECT_EQ(cal, nullptr);
-  const std::string& path = calibration_path();
-  if (path.empty()) GTEST_SKIP() << "no calibration: shared model absent at " << shared_dir();
-  KVC_OK(kvcodec_calibration_load(path.c_str(), &cal));
-  CalibrationPtr owned(cal);
-  kvcodec_cache* out = nullptr;
-  KVC_FAILS(kvcodec_cache_create("int8", "", &cfg_, cal, &out), KVCODEC_ERROR_INVALID_ARGUMENT, "for method kvtc");
-  KVC_FAILS(kvcodec_cache_create("kvtc", "calibration=/other.kvcal", &cfg_, cal, &out), KVCODEC_ERROR_CONFIG, "/other.kvcal");
-  const kvcodec_cache_config wrong = layer_config(0, 6, 4, 64);
-  KVC_FAILS(kvcodec_cache_create("kvtc", "", &wrong, cal, &out), KVCODEC_ERROR_SHAPE_MISMATCH, "fitted for");
 }
 
 TEST_F(CapiErrors, SmallBuffersAndDamagedBytes) {
@@ -178,6 +169,21 @@ TEST_F(CapiErrors, SmallBuffersAndDamagedBytes) {
   EXPECT_EQ(out, nullptr);
   int64_t dropped = 0;
   KVC_FAILS(kvcodec_cache_trim(cache_.get(), -1, &dropped), KVCODEC_ERROR_INVALID_ARGUMENT, "negative");
+}
+
+// Needs `kvcodec calibrate` (label slow: not in the sanitizer pass).
+TEST(CapiWithCli, CalibratedCacheErrors) {
+  const kvcodec_cache_config cfg = layer_config(0);
+  const std::string& path = calibration_path();
+  if (path.empty()) GTEST_SKIP() << "no calibration: shared model absent at " << shared_dir();
+  kvcodec_calibration* cal = nullptr;
+  KVC_OK(kvcodec_calibration_load(path.c_str(), &cal));
+  CalibrationPtr owned(cal);
+  kvcodec_cache* out = nullptr;
+  KVC_FAILS(kvcodec_cache_create("int8", "", &cfg, cal, &out), KVCODEC_ERROR_INVALID_ARGUMENT, "for method kvtc");
+  KVC_FAILS(kvcodec_cache_create("kvtc", "calibration=/other.kvcal", &cfg, cal, &out), KVCODEC_ERROR_CONFIG, "/other.kvcal");
+  const kvcodec_cache_config wrong = layer_config(0, 6, 4, 64);
+  KVC_FAILS(kvcodec_cache_create("kvtc", "", &wrong, cal, &out), KVCODEC_ERROR_SHAPE_MISMATCH, "fitted for");
 }
 
 TEST_F(CapiErrors, LastErrorIsPerThread) {

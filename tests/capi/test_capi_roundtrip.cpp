@@ -171,7 +171,8 @@ TEST(CapiRoundTrip, EveryMethodEveryDtypeMatchesTheCppCache) {
       round_trip(m, dtype, nullptr);
 }
 
-TEST(CapiRoundTrip, CalibratedKvtcThroughASharedCalibration) {
+// Tests named CapiWithCli.* run the kvcodec CLI (label slow: not in the sanitizer pass).
+TEST(CapiWithCli, CalibratedKvtcThroughASharedCalibration) {
   const std::string& path = calibration_path();
   if (path.empty()) GTEST_SKIP() << "no calibration: shared model absent at " << shared_dir();
   kvcodec_calibration* raw = nullptr;
@@ -253,7 +254,7 @@ TEST(CapiRoundTrip, VisitSeesTheHistoryInOrderAndCanStop) {
 
 // Caches fed layer by layer through the C API save exactly the per-layer
 // sections of `kvcodec compress` with the same method and settings.
-TEST(CapiRoundTrip, SavesMatchKvcodecCompressOnTheKvDump) {
+TEST(CapiWithCli, SavesMatchKvcodecCompressOnTheKvDump) {
   if (!std::filesystem::exists(kv_dump_path())) GTEST_SKIP() << "no KV dump at " << kv_dump_path();
   const kvcodec::SafetensorsFile dump = kvcodec::SafetensorsFile::open(kv_dump_path());
   const std::string out = (std::filesystem::temp_directory_path() / ("capi_cli_" + std::to_string(::getpid()) + ".kvc")).string();
