@@ -19,7 +19,7 @@ MODEL = os.path.join(SHARED, "models", "tinycode")
 
 
 def read_safetensors(path):
-    """{name: numpy array} of a safetensors file (F32, F16, I64: what the tests read)."""
+    """{name: numpy array} of a safetensors file (F32, F16, I64; BF16 widened to f32)."""
     with open(path, "rb") as f:
         data = f.read()
     (n,) = struct.unpack("<Q", data[:8])
@@ -28,9 +28,14 @@ def read_safetensors(path):
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = {"F32": np.float32, "F16": np.float16, "I64": np.int64}[info["dtype"]]
         a, b = info["data_offsets"]
-        out[name] = np.frombuffer(data[8 + n + a:8 + n + b], dtype).reshape(info["shape"])
+        raw = data[8 + n + a:8 + n + b]
+        if info["dtype"] == "BF16":  # numpy has no bfloat16: widen the bits to f32 (exact)
+            bits = np.frombuffer(raw, np.uint16).astype(np.uint32) << 16
+            out[name] = bits.view(np.float32).reshape(info["shape"])
+            continue
+        dtype = {"F32": np.float32, "F16": np.float16, "I64": np.int64}[info["dtype"]]
+        out[name] = np.frombuffer(raw, dtype).reshape(info["shape"])
     return out
 
 
