@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <thread>
 
 #include "capi_test_util.hpp"
 #include "kvcodec/cache.hpp"
@@ -250,6 +251,37 @@ TEST(CapiRoundTrip, VisitSeesTheHistoryInOrderAndCanStop) {
   KVC_OK(kvcodec_cache_visit(c.get(), visitor, &one));
   EXPECT_EQ(one.blocks, 1);
   EXPECT_LT(one.next, S);
+}
+
+// kvcodec.h: different handles may be used from different threads at once.
+TEST(CapiRoundTrip, SeparateCachesOnSeparateThreadsSaveTheSameBytes) {
+  const std::vector<float> k = synthetic_kv(2, 256, 64, 11), v = synthetic_kv(2, 256, 64, 12);
+  auto saved_of = [&](const char* method, const char* settings) {
+    const kvcodec_cache_config cfg = layer_config(2);
+    kvcodec_cache* raw = nullptr;
+    std::vector<uint8_t> out;
+    if (kvcodec_cache_create(method, settings, &cfg, nullptr, &raw) != KVCODEC_OK) return out;
+    CachePtr c(raw);
+    const kvcodec_tensor kt = contiguous_tensor(k.data(), KVCODEC_F32, 1, 2, 256, 64);
+    const kvcodec_tensor vt = contiguous_tensor(v.data(), KVCODEC_F32, 1, 2, 256, 64);
+    if (kvcodec_cache_append(c.get(), &kt, &vt) != KVCODEC_OK) return out;
+    size_t n = 0;
+    if (kvcodec_cache_save_size(c.get(), &n) != KVCODEC_OK) return out;
+    out.resize(n);
+    if (kvcodec_cache_save(c.get(), out.data(), n, nullptr) != KVCODEC_OK) out.clear();
+    return out;
+  };
+  const char* methods[][2] = {{"kvtc", "mode=local;block=64"}, {"palu", ""}, {"int4", ""}, {"kivi2", ""}};
+  std::vector<std::vector<uint8_t>> expected, got(8);
+  for (const auto& m : methods) expected.push_back(saved_of(m[0], m[1]));
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < got.size(); ++t)
+    threads.emplace_back([&, t] { got[t] = saved_of(methods[t % 4][0], methods[t % 4][1]); });
+  for (auto& t : threads) t.join();
+  for (size_t t = 0; t < got.size(); ++t) {
+    EXPECT_FALSE(got[t].empty()) << "thread " << t;
+    EXPECT_EQ(got[t], expected[t % 4]) << "thread " << t << ", " << methods[t % 4][0];
+  }
 }
 
 // Caches fed layer by layer through the C API save exactly the per-layer
