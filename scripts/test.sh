@@ -14,7 +14,7 @@ ctest --test-dir build --output-on-failure -j"$jobs"
 echo "== Python package: pip install ./python into a fresh venv (offline), pytest"
 # Measured on the 2-core CI machine under load: 57 s wall, 24 s CPU (venv
 # 13 s, pip install 2 s, 43 tests); the C API's ctest entries (label capi,
-# in the run above) take 24 s wall at -j2.
+# in the run above) take 24-49 s wall at -j2, most of it `kvcodec calibrate`.
 # Debian's python3 (numpy, torch, pytest from apt), whatever else is on PATH.
 py=/usr/bin/python3
 [ -x "$py" ] || py=python3
