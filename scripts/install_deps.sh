@@ -7,6 +7,8 @@ packages=(
   nlohmann-json3-dev libfmt-dev libxxhash-dev libzstd-dev libcpp-httplib-dev
   gnuplot-nox
   python3  # its python3-minimal installs the default eval corpus (docs/eval.md)
+  python3-venv python3-numpy python3-torch python3-pytest  # the Python package and its tests (python/, tests/python)
+  rustc  # tests/capi: a Rust program against the installed C API
   chromium  # headless render of the server dashboard (tests/server skip without it)
 )
 missing=()

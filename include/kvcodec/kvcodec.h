@@ -1,0 +1,218 @@
+/* kvcodec C API: compressed per-layer KV caches for engines in any language.
+ *
+ * C99, no C++ type crosses it; the model is zstd.h. Everything is reached
+ * through opaque handles; every call that can fail returns a kvcodec_status
+ * (0 = KVCODEC_OK) and, on failure, leaves a message naming what was wrong in
+ * kvcodec_last_error() (thread-local). No C++ exception ever leaves the
+ * library.
+ *
+ * One cache per transformer layer. Keys and values are [B, H_kv, S, D]
+ * tensors (keys post-RoPE, as engines hold them) given as a pointer, a dtype
+ * (f32, f16, bf16) and strides in ELEMENTS. The cache stores them compressed
+ * and gives back the reconstructed history [B, H_kv, S_total, D].
+ *
+ * Settings strings: "field=value;field=value" with the method's fields (the
+ * CLI's --set fields without the "<method>." prefix), e.g.
+ * "mode=local;block=64" for kvtc or "group_size=64" for int4. "" or NULL
+ * means the defaults. Values may contain ',' (kvtc bit_choices=1,2,4) but not
+ * ';'. An unknown field or a value out of range fails with
+ * KVCODEC_ERROR_CONFIG naming both.
+ *
+ * Thread safety: different handles may be used from different threads at the
+ * same time. One cache handle must be used by one thread at a time (even
+ * the read calls: fetch, visit and stats reuse scratch memory inside the
+ * cache). A calibration handle is immutable and may be shared by any number
+ * of caches and threads. kvcodec_last_error() is per thread.
+ *
+ * ABI: functions and enum values are only ever added; the structs below are
+ * never changed (a new field means a new struct and new functions).
+ */
+#ifndef KVCODEC_H
+#define KVCODEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define KVCODEC_API
+#else
+#define KVCODEC_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* --- version --------------------------------------------------------------- */
+
+#define KVCODEC_VERSION_MAJOR 0
+#define KVCODEC_VERSION_MINOR 1
+#define KVCODEC_VERSION_PATCH 0
+#define KVCODEC_VERSION_NUMBER (KVCODEC_VERSION_MAJOR * 10000 + KVCODEC_VERSION_MINOR * 100 + KVCODEC_VERSION_PATCH)
+
+/* "0.1.0": the version of the library loaded at run time. */
+KVCODEC_API const char* kvcodec_version(void);
+/* KVCODEC_VERSION_NUMBER of the library loaded at run time. */
+KVCODEC_API unsigned kvcodec_version_number(void);
+
+/* --- errors ---------------------------------------------------------------- */
+
+/* Stable numbers: never renumbered, only appended. 1-9 are the C++ library's
+ * kvcodec::ErrorCode values; 100 and up belong to the C API. */
+typedef enum kvcodec_status {
+  KVCODEC_OK = 0,
+  KVCODEC_ERROR_INVALID_ARGUMENT = 1, /* an argument out of range, a NULL pointer */
+  KVCODEC_ERROR_CONFIG = 2,           /* a setting is unknown or out of range (names field, value, range) */
+  KVCODEC_ERROR_FORMAT = 3,           /* malformed or damaged bytes (saved cache, calibration file) */
+  KVCODEC_ERROR_CHECKSUM = 4,         /* a checksum did not match */
+  KVCODEC_ERROR_IO = 5,               /* the operating system refused a read or write */
+  KVCODEC_ERROR_UNSUPPORTED = 6,      /* a valid request the method cannot serve */
+  KVCODEC_ERROR_SHAPE_MISMATCH = 7,   /* tensors of the wrong or of incompatible shapes */
+  KVCODEC_ERROR_NOT_FOUND = 8,        /* a file or named item is missing */
+  KVCODEC_ERROR_INTERNAL = 9,         /* a bug in kvcodec */
+  KVCODEC_ERROR_BUFFER_TOO_SMALL = 100, /* the caller's buffer is smaller than the size query said */
+  KVCODEC_ERROR_OUT_OF_MEMORY = 101
+} kvcodec_status;
+
+/* "ok", "invalid argument", "configuration error", ...; "unknown error" for
+ * numbers not listed above. */
+KVCODEC_API const char* kvcodec_status_name(int status);
+/* The message of the last failing call on this thread ("" if none failed).
+ * Kept until the next failing call on this thread (a success leaves it). */
+KVCODEC_API const char* kvcodec_last_error(void);
+
+/* --- tensors --------------------------------------------------------------- */
+
+typedef enum kvcodec_dtype { KVCODEC_F32 = 0, KVCODEC_F16 = 1, KVCODEC_BF16 = 2 } kvcodec_dtype;
+
+/* Bytes per element; 0 for an unknown dtype. */
+KVCODEC_API size_t kvcodec_dtype_size(int dtype);
+
+/* A [B, H, S, D] tensor the caller owns. strides are in elements; all four 0
+ * means contiguous (strides {H*S*D, S*D, D, 1}). */
+typedef struct kvcodec_tensor {
+  const void* data;
+  kvcodec_dtype dtype;
+  int64_t shape[4];
+  int64_t strides[4];
+} kvcodec_tensor;
+
+/* --- calibrations ---------------------------------------------------------- */
+
+/* A calibration file of `kvcodec calibrate` (kvtc mode=calibrated), loaded
+ * once: every cache made with the handle shares the one parsed copy, and a
+ * cache made with settings "calibration=<same path>" shares it too. */
+typedef struct kvcodec_calibration kvcodec_calibration;
+
+KVCODEC_API kvcodec_status kvcodec_calibration_load(const char* path, kvcodec_calibration** out);
+/* NULL is a no-op. Caches made with the calibration keep it alive. */
+KVCODEC_API void kvcodec_calibration_free(kvcodec_calibration* calibration);
+/* The shape it was fitted for, and the bytes of its parameters. Any output
+ * pointer may be NULL. */
+KVCODEC_API kvcodec_status kvcodec_calibration_info(const kvcodec_calibration* calibration, int32_t* n_layers,
+                                                    int32_t* n_kv_heads, int32_t* head_dim, double* rope_theta,
+                                                    uint64_t* params_bytes);
+
+/* --- caches ---------------------------------------------------------------- */
+
+typedef struct kvcodec_cache kvcodec_cache;
+
+/* What the model tells a cache about the layer it serves. */
+typedef struct kvcodec_cache_config {
+  int32_t layer;      /* index of the transformer layer, in [0, n_layers) */
+  int32_t n_layers;   /* layers in the model (calibrated kvtc checks it) */
+  int32_t n_kv_heads; /* H_kv */
+  int32_t head_dim;   /* D */
+  double rope_theta;  /* RoPE base (calibrated kvtc removes RoPE from keys) */
+} kvcodec_cache_config;
+
+/* Methods: "fp16", "int8", "int4", "kivi2", "palu", "kvtc". The i-th method's
+ * name, NULL past the end. */
+KVCODEC_API const char* kvcodec_method_name(size_t i);
+
+/* Makes an empty cache. calibration may be NULL; when given, the cache is a
+ * calibrated kvtc cache using it (method must be "kvtc" and settings may not
+ * name another calibration file). */
+KVCODEC_API kvcodec_status kvcodec_cache_create(const char* method, const char* settings,
+                                                const kvcodec_cache_config* config,
+                                                const kvcodec_calibration* calibration, kvcodec_cache** out);
+/* Restores a cache from kvcodec_cache_save() bytes (validated whole first:
+ * damaged bytes give KVCODEC_ERROR_FORMAT or _CHECKSUM). A calibrated kvtc
+ * cache reads its calibration file again from the path it was made with. */
+KVCODEC_API kvcodec_status kvcodec_cache_load(const void* data, size_t size, kvcodec_cache** out);
+/* NULL is a no-op. */
+KVCODEC_API void kvcodec_cache_free(kvcodec_cache* cache);
+
+/* The method's name; valid while the cache lives. */
+KVCODEC_API const char* kvcodec_cache_method(const kvcodec_cache* cache);
+KVCODEC_API kvcodec_status kvcodec_cache_get_config(const kvcodec_cache* cache, kvcodec_cache_config* out);
+
+/* Appends S tokens: keys and values [B, H_kv, S, D], same shape and dtype,
+ * any strides. H_kv and D must be the config's, B the same at every append.
+ * The cache keeps no pointer to them. */
+KVCODEC_API kvcodec_status kvcodec_cache_append(kvcodec_cache* cache, const kvcodec_tensor* keys,
+                                                const kvcodec_tensor* values);
+
+/* Tokens stored (S_total). */
+KVCODEC_API kvcodec_status kvcodec_cache_offset(const kvcodec_cache* cache, int64_t* out);
+/* [B, H_kv, S_total, D] of what fetch gives (B = 0 before the first append). */
+KVCODEC_API kvcodec_status kvcodec_cache_shape(const kvcodec_cache* cache, int64_t shape[4]);
+/* Size query for fetch: bytes of ONE of the two tensors in dtype. */
+KVCODEC_API kvcodec_status kvcodec_cache_fetch_size(const kvcodec_cache* cache, int dtype, size_t* bytes);
+/* The reconstructed history [B, H_kv, S_total, D], contiguous, in dtype,
+ * into keys and values (capacity bytes each, at least fetch_size). Bits
+ * identical to the C++ KVCache::fetch(). */
+KVCODEC_API kvcodec_status kvcodec_cache_fetch(kvcodec_cache* cache, int dtype, void* keys, void* values,
+                                               size_t capacity);
+
+/* Called with the history in order, as f32 blocks [B, H_kv, n, D] (any
+ * strides) starting at token first_token; the tensors are valid during the
+ * call only. Return 0 to go on, anything else to stop (the visit then
+ * returns KVCODEC_OK). */
+typedef int (*kvcodec_block_visitor)(void* user, int64_t first_token, const kvcodec_tensor* keys,
+                                     const kvcodec_tensor* values);
+KVCODEC_API kvcodec_status kvcodec_cache_visit(kvcodec_cache* cache, kvcodec_block_visitor visit, void* user);
+
+/* Whether trim works for this cache (*out = 1 or 0). */
+KVCODEC_API kvcodec_status kvcodec_cache_is_trimmable(const kvcodec_cache* cache, int* out);
+/* Drops the n newest tokens (n >= 0), rolls every byte counter back;
+ * *dropped (may be NULL) = how many were dropped (at most offset). */
+KVCODEC_API kvcodec_status kvcodec_cache_trim(kvcodec_cache* cache, int64_t n, int64_t* dropped);
+
+/* Size query for save. The serialised state is kept in the handle until the
+ * next save, append, trim or free, so query + save serialise once. */
+KVCODEC_API kvcodec_status kvcodec_cache_save_size(kvcodec_cache* cache, size_t* bytes);
+/* The full compressed state (a checksummed container) into dst; *written
+ * (may be NULL) = its size. Fails with KVCODEC_ERROR_BUFFER_TOO_SMALL (and
+ * *written = the size needed) when capacity is too small. */
+KVCODEC_API kvcodec_status kvcodec_cache_save(kvcodec_cache* cache, void* dst, size_t capacity, size_t* written);
+
+/* Byte telemetry, K and V apart: everything stored is counted as serialised
+ * (payload, tables, basis, scales, raw tail). */
+typedef struct kvcodec_stats {
+  int64_t tokens;
+  uint64_t compressed_key_bytes;
+  uint64_t compressed_value_bytes;
+  uint64_t fp16_key_bytes; /* what f16 would cost for the tokens held */
+  uint64_t fp16_value_bytes;
+  /* What the process holds for this cache, and apart from it the bytes it
+   * shares with other caches (a calibration). 0 when the library was built
+   * from a cache core that does not report them yet. */
+  uint64_t resident_bytes;
+  uint64_t shared_bytes;
+  double compression_ratio; /* (fp16 K+V) / (compressed K+V); 0 when empty */
+} kvcodec_stats;
+
+KVCODEC_API kvcodec_status kvcodec_cache_stats(kvcodec_cache* cache, kvcodec_stats* out);
+
+/* Method extras ("key.n_survived.0", "calibration_bytes", ...), each passed
+ * to visit in name order; name is valid during the call only. Return 0 to go
+ * on, anything else to stop. */
+typedef int (*kvcodec_extra_visitor)(void* user, const char* name, double value);
+KVCODEC_API kvcodec_status kvcodec_cache_extras(kvcodec_cache* cache, kvcodec_extra_visitor visit, void* user);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVCODEC_H */
