@@ -92,7 +92,7 @@ KVCODEC_API size_t kvcodec_dtype_size(int dtype);
  * means contiguous (strides {H*S*D, S*D, D, 1}). */
 typedef struct kvcodec_tensor {
   const void* data;
-  kvcodec_dtype dtype;
+  int32_t dtype; /* a kvcodec_dtype (an int, so any number a caller puts here is checked, never UB) */
   int64_t shape[4];
   int64_t strides[4];
 } kvcodec_tensor;

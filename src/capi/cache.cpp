@@ -53,7 +53,7 @@ DType checked_dtype(int dtype, const char* name) {
   return static_cast<DType>(dtype);
 }
 
-kvcodec_dtype c_dtype(DType dtype) { return static_cast<kvcodec_dtype>(static_cast<int>(dtype)); }
+int32_t c_dtype(DType dtype) { return static_cast<int32_t>(dtype); }
 
 // A caller's tensor as a view, after checking what can be checked without
 // knowing the buffer's size: dtype, non-negative shape and strides whose
