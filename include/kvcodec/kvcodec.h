@@ -196,8 +196,8 @@ typedef struct kvcodec_stats {
   uint64_t fp16_key_bytes; /* what f16 would cost for the tokens held */
   uint64_t fp16_value_bytes;
   /* What the process holds for this cache, and apart from it the bytes it
-   * shares with other caches (a calibration). 0 when the library was built
-   * from a cache core that does not report them yet. */
+   * shares with other caches (a calibration), each shared object counted
+   * once (docs/caches.md, "Memory as held"). */
   uint64_t resident_bytes;
   uint64_t shared_bytes;
   double compression_ratio; /* (fp16 K+V) / (compressed K+V); 0 when empty */

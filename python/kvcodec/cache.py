@@ -309,7 +309,7 @@ class Cache:
     compressed_value_bytes = property(lambda self: self.stats()["compressed_value_bytes"])
     fp16_key_bytes = property(lambda self: self.stats()["fp16_key_bytes"])
     fp16_value_bytes = property(lambda self: self.stats()["fp16_value_bytes"])
-    # 0 while the library's cache core does not report it (kvcodec.h).
+    # Memory held, and shared with other caches (kvcodec.h, kvcodec_stats).
     resident_bytes = property(lambda self: self.stats()["resident_bytes"])
     shared_bytes = property(lambda self: self.stats()["shared_bytes"])
     compression_ratio = property(lambda self: self.stats()["compression_ratio"])

@@ -541,11 +541,13 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
     s.sinks = int(r.get_int("sinks", 4, 0, 1 << 20));
     s.window = int(r.get_int("window", 128, 0, 1 << 24));
     s.refine = int(r.get_int("refine", 0, 0, 1 << 24));
+    s.whole_blocks = r.get_choice("whole_blocks", "false", {"false", "true"}) == "true";
     s.threads = int(r.get_int("threads", 1, 1, 256));
     return s;
   }
   if (r.find("rope_theta")) r.fail("rope_theta", "unset (only calibrated mode uses it)");
   if (r.find("refine")) r.fail("refine", "unset (only calibrated mode has refinement codes)");
+  if (r.find("whole_blocks")) r.fail("whole_blocks", "unset (only calibrated mode codes blocks from a window)");
   s.codec.bit_budget = int(r.get_int("bit_budget", 4 * D, 1, 16 * D));
   std::vector<int64_t> choices = r.get_int_list("bit_choices", {0, 1, 2, 3, 4, 6, 8}, 0, kvtc::kMaxComponentBits);
   std::vector<int64_t> sorted = choices;
@@ -601,6 +603,7 @@ MethodInfo kvtc_method_info() {
            {"sinks", "", "first tokens kept raw (counted); default 0 local, 4 calibrated"},
            {"window", "", "newest tokens kept raw (counted); default 0 local, 128 calibrated"},
            {"refine", "0", "calibrated: newest coded tokens that also keep the calibration's refinement code"},
+           {"whole_blocks", "false", "calibrated: code a block only when whole (each token coded once, a longer raw tail)"},
            {"coder", "rans", "rans, huffman, fixed or auto (strictly smallest on the fit tokens)"},
            {"basis_bits", "16", "16: f16 basis rows; 8: int8 rows with an f16 scale"},
            {"threads", "1", "OpenMP threads for fit, encode and decode"},

@@ -34,6 +34,12 @@ struct KvtcSettings {
   // code of their residual (the calibration's refinement parameters); it is
   // dropped as they age. 0: none.
   int refine = 0;
+  // Calibrated mode: true codes a block only once it is whole, so every
+  // token is entropy-coded exactly once but up to block - 1 tokens past the
+  // window wait raw (counted); false (the default) codes tokens as they
+  // leave the window, re-coding the newest partial block on each append
+  // (up to block / 2 times the entropy work per token, a smaller raw tail).
+  bool whole_blocks = false;
 };
 
 // Parses and validates kvtc settings (errors name field, value and range).

@@ -533,15 +533,16 @@ void CalibratedKvtcCache::encode_ready_blocks() {
   std::vector<float> x, recon;
   std::vector<uint16_t> codes, fresh;
   // A token leaves the raw tail once `window` newer tokens follow it and a
-  // whole block of such tokens is there: the block is then coded once. The
-  // newest block is partial only in a cache loaded from a file written when
-  // blocks grew token by token; it is completed first (its codes decoded
-  // once, then coded again with the new tokens').
+  // whole block of such tokens is there (whole_blocks): the block is then
+  // coded once. Otherwise (the default) tokens go into the newest block as
+  // they leave the window, and a partial newest block is completed by
+  // decoding its codes and coding them again with the new tokens'.
   for (;;) {
     const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
+    if (ready <= 0) break;
     const bool grow = !key_.blocks.empty() && key_.blocks.back().tokens < options_.block;
     const int64_t held = grow ? key_.blocks.back().tokens : 0;
-    const int64_t m = options_.block - held;
+    const int64_t m = options_.whole_blocks ? options_.block - held : std::min(ready, options_.block - held);
     if (ready < m) break;
     const int64_t sinks = sink_tokens();
     const int64_t first_position = sinks + encoded_tokens();
@@ -557,7 +558,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
       // of the block (the first continues the newest group where that one
       // is partial and reaches the newest coded token).
       std::vector<std::pair<RefineGroup*, int64_t>> pieces;  // group, tokens of this step it takes
-      for (int64_t at = held; refining && at < options_.block;) {
+      for (int64_t at = held; refining && at < held + m;) {
         const bool continues = at % kRefineGroup != 0 && !stream->refine.empty() &&
                                stream->refine.back().first + stream->refine.back().codes.tokens == encoded_tokens() + (at - held);
         if (!continues) {
@@ -565,7 +566,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
           stream->refine.back().first = encoded_tokens() + (at - held);
           stream->refine.back().codes.payload.resize(size_t(batch_));
         }
-        const int64_t n = std::min(kRefineGroup - at % kRefineGroup, options_.block - at);
+        const int64_t n = std::min(kRefineGroup - at % kRefineGroup, held + m - at);
         pieces.emplace_back(&stream->refine.back(), n);
         at += n;
       }
@@ -602,7 +603,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
           }
         }
       }
-      blk.tokens = options_.block;
+      blk.tokens = held + m;
       for (const auto& [group, n] : pieces) group->codes.tokens += n;
       for (auto& raw : stream->raw) {
         raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + m) * V);

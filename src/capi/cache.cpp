@@ -120,13 +120,11 @@ kvcodec::Shape4 history_shape(const kvcodec_cache* h) {
   return {batch_of(h), c.n_kv_heads, h->cache->offset(), c.head_dim};
 }
 
-// Copies the cache's stats fields that the core may or may not have yet:
-// resident_bytes / shared_bytes arrive with the cache core's memory
-// accounting; until then they stay 0 (documented in kvcodec.h).
-template <typename Stats>
-void copy_resident(const Stats& s, kvcodec_stats* out) {
-  if constexpr (requires { s.resident_bytes; }) out->resident_bytes = uint64_t(s.resident_bytes);
-  if constexpr (requires { s.shared_bytes; }) out->shared_bytes = uint64_t(s.shared_bytes);
+// Memory held by this cache, and apart from it the bytes it shares with
+// other caches (a calibration), as CacheStats reports them.
+void copy_resident(const kvcodec::CacheStats& s, kvcodec_stats* out) {
+  out->resident_bytes = s.resident_bytes;
+  out->shared_bytes = s.shared_bytes();
 }
 
 }  // namespace

@@ -335,9 +335,9 @@ TEST(CalibratedCache, ReconstructsWithRopeReappliedAndCountsBytes) {
     const CacheStats st = cache->stats();
     EXPECT_EQ(st.tokens, 200);
     EXPECT_EQ(st.extras.at("key.side_bytes"), 0.0);
-    // 200 = 4 sinks + 176 coded (11 blocks of 16) + 12 waiting for their
-    // block + the window of 8: 24 raw tokens, all counted.
-    const double raw = 2.0 * 24 * kHeads * kDim * 2;
+    // 200 = 4 sinks + 188 coded (11 blocks of 16 + a partial block of 12) +
+    // the window of 8: only the sinks and the window stay raw, all counted.
+    const double raw = 2.0 * 12 * kHeads * kDim * 2;
     EXPECT_EQ(st.extras.at("key.raw_bytes"), raw);
     EXPECT_EQ(double(st.compressed_key_bytes), st.extras.at("key.payload_bytes") + raw);
     EXPECT_GT(st.compression_ratio(), 2.0);
@@ -404,27 +404,32 @@ TEST(CalibratedCache, TrimRollsBackAndReappendMatches) {
   cache->append(slice(seq.keys, 0, 200), slice(seq.values, 0, 200));
   const CacheStats before = cache->stats();
   const KVPair ref = cache->fetch(DType::kF32);
-  // 200 tokens = 4 sinks + 176 coded (11 blocks) + 12 waiting for their
-  // block + the window of 8. Three more push tokens 192..194 out of the
-  // window, still short of a block (15 of 16): nothing is coded, and
-  // trimming the three newest leaves the cache as it was.
+  // 200 tokens = 4 sinks + 188 coded (the newest block holds 12 of 16) + the
+  // window of 8. Three more push tokens 192..194 out of the window into the
+  // partial block; trimming the three newest cuts the raw window only: the
+  // coded tokens keep their reconstruction, the raw counters fall by 3
+  // tokens and the payload keeps the 3 newly coded ones.
   const double token_bytes = double(kHeads * kDim * 2);
-  EXPECT_EQ(before.extras.at("key.raw_bytes"), 24 * token_bytes);
+  EXPECT_EQ(before.extras.at("key.raw_bytes"), 12 * token_bytes);
   cache->append(slice(seq.keys, 200, 3), slice(seq.values, 200, 3));
   EXPECT_EQ(cache->trim(3), 3);
   EXPECT_EQ(cache->offset(), 200);
   const CacheStats after = cache->stats();
-  EXPECT_EQ(after.extras.at("key.raw_bytes"), 24 * token_bytes);
-  EXPECT_EQ(after.extras.at("key.payload_bytes"), before.extras.at("key.payload_bytes"));
-  EXPECT_EQ(double(after.compressed_key_bytes), after.extras.at("key.payload_bytes") + 24 * token_bytes);
+  EXPECT_EQ(after.extras.at("key.raw_bytes"), 9 * token_bytes);
+  EXPECT_GT(after.extras.at("key.payload_bytes"), before.extras.at("key.payload_bytes"));
+  EXPECT_EQ(double(after.compressed_key_bytes), after.extras.at("key.payload_bytes") + 9 * token_bytes);
   {
     const KVPair now = cache->fetch(DType::kF32);
-    // [1, H, 200, D]: every token as before.
+    // [1, H, 200, D]: the sinks, coded tokens 4..191 and the raw tokens
+    // 195..199 are as before; 192..194 are now coded (close, not equal).
     for (int64_t h = 0; h < kHeads; ++h)
       for (int64_t t = 0; t < 200; ++t)
         for (int64_t d = 0; d < kDim; ++d) {
           const size_t i = size_t((h * 200 + t) * kDim + d);
-          EXPECT_EQ(now.keys.data_as<float>()[i], ref.keys.data_as<float>()[i]) << "h=" << h << " t=" << t;
+          if (t >= 192 && t < 195)
+            EXPECT_NEAR(now.keys.data_as<float>()[i], ref.keys.data_as<float>()[i], 0.1) << t;  // coding error
+          else
+            EXPECT_EQ(now.keys.data_as<float>()[i], ref.keys.data_as<float>()[i]) << "h=" << h << " t=" << t;
         }
   }
   // Cutting into encoded blocks keeps the reconstruction of what is left.
@@ -520,10 +525,9 @@ TEST(CalibratedCache, WeightedCalibrationReconstructsAndStreams) {
 
 TEST(CalibratedCache, LoadsSavesWithoutTheNewestBlockField) {
   // Caches saved before partial blocks existed have a 25-byte state (batch,
-  // offset, dtype, blocks) and only full blocks: still loaded (now every
-  // saved block is full). A state that claims more coded tokens than it
-  // holds is refused.
-  for (const int64_t S : {int64_t(44), int64_t(45)}) {  // 4 sinks + 8 window + 32 coded (+ 1 waiting)
+  // offset, dtype, blocks) and only full blocks: still loaded. A state that
+  // claims more coded tokens than it holds is refused.
+  for (const int64_t S : {int64_t(44), int64_t(45)}) {  // 4 sinks + 8 window + 32 or 33 coded
     const Sequence seq = make_sequence(1, S, 1, 17);
     auto cache = make_cache("kvtc", layer_config(1), calibrated(4, 8));
     cache->append(seq.keys.view(), seq.values.view());
@@ -534,13 +538,13 @@ TEST(CalibratedCache, LoadsSavesWithoutTheNewestBlockField) {
     const auto old = with_section(saved, "state", std::vector<uint8_t>(state.begin(), state.begin() + 25),
                                   ContainerKind::kCache);
     auto loaded = make_cache("kvtc", layer_config(1), calibrated(4, 8));
-    loaded->load(old.data(), old.size());
-    EXPECT_TRUE(bit_equal(loaded->fetch(DType::kF32).keys, cache->fetch(DType::kF32).keys));
-    EXPECT_EQ(loaded->stats().compressed_bytes(), cache->stats().compressed_bytes());
-    std::vector<uint8_t> more(state.begin(), state.begin() + 25);
-    more[17] += 1;  // u64 block count at offset 17: one block more than the tokens allow
-    const auto bad = with_section(saved, "state", more, ContainerKind::kCache);
-    EXPECT_THROW(loaded->load(bad.data(), bad.size()), Error) << S;
+    if (S == 44) {
+      loaded->load(old.data(), old.size());
+      EXPECT_TRUE(bit_equal(loaded->fetch(DType::kF32).keys, cache->fetch(DType::kF32).keys));
+      EXPECT_EQ(loaded->stats().compressed_bytes(), cache->stats().compressed_bytes());
+    } else {
+      EXPECT_THROW(loaded->load(old.data(), old.size()), Error);
+    }
   }
 }
 
@@ -561,6 +565,12 @@ Settings refined(int refine, int window = 8, int block = 16) {
           {"window", std::to_string(window)},
           {"block", std::to_string(block)},
           {"refine", std::to_string(refine)}};
+}
+
+// The whole-block mode of settings s (each token coded once).
+Settings whole(Settings s) {
+  s["whole_blocks"] = "true";
+  return s;
 }
 
 // Squared error of token t (all heads) between [B, H, S, D] tensors, batch row b.
@@ -615,12 +625,12 @@ TEST(CalibratedCache, RefinementSharpensTheNewestCodedTokensOnly) {
   auto sharp = make_cache("kvtc", layer_config(1), refined(int(refine)));
   const KVPair a = plain->update_and_fetch(seq.keys.view(), seq.values.view());
   const KVPair b = sharp->update_and_fetch(seq.keys.view(), seq.values.view());
-  // 200 = 4 sinks + 176 coded + 12 waiting + window 8. Refinement groups of
-  // 32 tokens inside blocks of 16 are 16 tokens: the 40 newest coded tokens
-  // (136..175) lie in groups 128..175, so coded tokens 128..175 (positions
-  // 132..179) are refined, the older ones are the base code exactly.
+  // 200 = 4 sinks + 188 coded + window 8. Refinement groups of 32 tokens
+  // inside blocks of 16 are 16 tokens: the 40 newest coded tokens (148..187)
+  // lie in groups 144..191, so coded tokens 144..187 (positions 148..191)
+  // are refined, the older ones are the base code exactly.
   const CacheStats st = sharp->stats();
-  EXPECT_EQ(st.extras.at("key.refined_tokens"), 48.0);
+  EXPECT_EQ(st.extras.at("key.refined_tokens"), 44.0);
   EXPECT_GT(st.extras.at("key.refine_bytes"), 0.0);
   EXPECT_EQ(st.compressed_key_bytes, plain->stats().compressed_key_bytes + uint64_t(st.extras.at("key.refine_bytes")));
   EXPECT_EQ(st.compressed_value_bytes,
@@ -628,7 +638,7 @@ TEST(CalibratedCache, RefinementSharpensTheNewestCodedTokensOnly) {
   for (int64_t row = 0; row < 2; ++row) {
     double base_err = 0.0, refined_err = 0.0;
     for (int64_t t = 0; t < S; ++t) {
-      const bool in_refined = t >= 132 && t < 180;
+      const bool in_refined = t >= 148 && t < 192;
       for (const bool is_key : {true, false}) {
         const Tensor& orig = is_key ? seq.keys : seq.values;
         const double ea = token_error(orig, is_key ? a.keys : a.values, row, t);
@@ -760,14 +770,15 @@ TEST(CalibratedCache, MalformedRefinementSectionsAreRefused) {
   EXPECT_NO_THROW(fresh->load(saved.data(), saved.size()));
 }
 
-// Tokens are coded once (DESIGN 3): fed one at a time, a calibrated cache
-// entropy-codes each coded token's components exactly once (the coded-symbol
+// Tokens are coded once (DESIGN 3) with whole_blocks=true: fed one at a
+// time, a calibrated cache entropy-codes each coded token's components exactly once (the coded-symbol
 // counter), holds the tokens of its unfinished block raw, and ends in the
 // state of one call with every token: same saved bytes, same reconstruction.
 TEST(CalibratedCache, OneTokenAppendsCodeEachTokenOnce) {
   for (const bool refining : {false, true}) {
     const Sequence seq = make_sequence(2, 300, 1, 5151);
-    const Settings set = refining ? refined(40, 8, 64) : calibrated(4, 8, 64);
+    Settings set = refining ? refined(40, 8, 64) : calibrated(4, 8, 64);
+    set["whole_blocks"] = "true";
     auto whole = make_cache("kvtc", layer_config(1), set);
     whole->append(seq.keys.view(), seq.values.view());
     auto steps = make_cache("kvtc", layer_config(1), set);
@@ -790,6 +801,41 @@ TEST(CalibratedCache, OneTokenAppendsCodeEachTokenOnce) {
   }
 }
 
+// The default mode codes tokens as they leave the window (a raw tail of the
+// sinks and the window only) and re-codes the newest partial block; the
+// whole-block mode codes each token once and holds the partial block raw.
+// Both end in the state of one call, and at a whole block they agree.
+TEST(CalibratedCache, DefaultCodesPartialBlocksWholeBlocksWaits) {
+  const Sequence seq = make_sequence(1, 300, 1, 4242);
+  const double V = double(kHeads * kDim);
+  for (const bool whole_mode : {false, true}) {
+    Settings set = calibrated(4, 8, 64);
+    if (whole_mode) set["whole_blocks"] = "true";
+    auto steps = make_cache("kvtc", layer_config(1), set);
+    for (int64_t t = 0; t < 300; ++t) steps->append(slice(seq.keys, t, 1), slice(seq.values, t, 1));
+    auto once = make_cache("kvtc", layer_config(1), set);
+    once->append(seq.keys.view(), seq.values.view());
+    EXPECT_EQ(steps->save(), once->save()) << whole_mode;
+    const CacheStats st = steps->stats();
+    // 300 - 4 sinks - 8 window = 288 past the window: 4 blocks of 64 + 32.
+    EXPECT_EQ(st.extras.at("key.raw_bytes"), 2.0 * (4 + 8 + (whole_mode ? 32 : 0)) * V) << whole_mode;
+    const uint64_t once_per_token = uint64_t(st.extras.at("key.n_survived.0") + st.extras.at("value.n_survived.0"));
+    if (whole_mode)
+      EXPECT_EQ(st.coded_symbols, 256 * once_per_token);
+    else
+      EXPECT_GT(st.coded_symbols, 288 * once_per_token);  // the partial block coded again as it grew
+  }
+  // 4 + 8 + 256 tokens: every block whole, the two modes hold the same
+  // payload and reconstruction (the saved meta names the mode).
+  auto a = make_cache("kvtc", layer_config(1), calibrated(4, 8, 64));
+  auto b = make_cache("kvtc", layer_config(1), whole(calibrated(4, 8, 64)));
+  a->append(slice(seq.keys, 0, 268), slice(seq.values, 0, 268));
+  b->append(slice(seq.keys, 0, 268), slice(seq.values, 0, 268));
+  EXPECT_EQ(a->stats().compressed_bytes(), b->stats().compressed_bytes());
+  EXPECT_TRUE(bit_equal(a->fetch(DType::kF32).keys, b->fetch(DType::kF32).keys));
+  EXPECT_TRUE(bit_equal(a->fetch(DType::kF32).values, b->fetch(DType::kF32).values));
+}
+
 // The calibration and the RoPE table are held once for every cache using
 // them: in CacheStats::shared under one identity each, so summing the
 // stats of several layers' caches counts them once, not per layer.
@@ -809,16 +855,16 @@ TEST(CalibratedCache, SharedBytesCountOncePerCalibration) {
   EXPECT_EQ(sum.resident_bytes, one.resident_bytes + caches[1]->stats().resident_bytes);
 }
 
-// A file of the earlier layout, whose newest block is partial (blocks grew
+// whole_blocks=true: a file whose newest block is partial (blocks grew
 // token by token), still loads and reads back exactly; the next tokens
 // complete that block into the bytes of a cache that coded it whole.
 // Built here: the blocks and raw of a cache with block 12 (one block,
 // tokens 4..15) under the state of a block-16 cache holding 24 tokens.
 TEST(CalibratedCache, EarlierLayoutPartialBlockLoadsAndCompletes) {
   const Sequence seq = make_sequence(1, 28, 1, 606);
-  auto twelve = make_cache("kvtc", layer_config(1), calibrated(4, 8, 12));
+  auto twelve = make_cache("kvtc", layer_config(1), whole(calibrated(4, 8, 12)));
   twelve->append(slice(seq.keys, 0, 24), slice(seq.values, 0, 24));
-  auto sixteen = make_cache("kvtc", layer_config(1), calibrated(4, 8, 16));
+  auto sixteen = make_cache("kvtc", layer_config(1), whole(calibrated(4, 8, 16)));
   sixteen->append(slice(seq.keys, 0, 24), slice(seq.values, 0, 24));  // nothing coded yet
   const std::vector<uint8_t> a = twelve->save(), b = sixteen->save();
   const ContainerReader ra = ContainerReader::parse(a.data(), a.size());
@@ -834,7 +880,7 @@ TEST(CalibratedCache, EarlierLayoutPartialBlockLoadsAndCompletes) {
   state.u64(1);   // blocks
   state.u64(12);  // tokens of the newest (partial) block
   old = with_section(old, "state", state.take(), ContainerKind::kCache);
-  auto loaded = make_cache("kvtc", layer_config(1), calibrated(4, 8, 16));
+  auto loaded = make_cache("kvtc", layer_config(1), whole(calibrated(4, 8, 16)));
   loaded->load(old.data(), old.size());
   EXPECT_TRUE(bit_equal(loaded->fetch(DType::kF32).keys, twelve->fetch(DType::kF32).keys));
   EXPECT_TRUE(bit_equal(loaded->fetch(DType::kF32).values, twelve->fetch(DType::kF32).values));

@@ -123,7 +123,18 @@ static void round_trip(const char* method, const char* settings, const kvcodec_c
   }
   CHECK(err / ref < max_rel_mse, "key reconstruction error above the bound");
   CHECK(kvcodec_cache_stats(c, &s1) == KVCODEC_OK && kvcodec_cache_stats(loaded, &s2) == KVCODEC_OK, "stats");
-  CHECK(memcmp(&s1, &s2, sizeof s1) == 0, "loaded stats differ");
+  /* The stored bytes and counters are restored exactly; memory held is not:
+   * a loaded cache holds its vectors at their exact size, without the growth
+   * slack of the appends, so it holds at least what it stores and at most
+   * what the original holds. */
+  CHECK(s1.tokens == s2.tokens && s1.compressed_key_bytes == s2.compressed_key_bytes &&
+            s1.compressed_value_bytes == s2.compressed_value_bytes && s1.fp16_key_bytes == s2.fp16_key_bytes &&
+            s1.fp16_value_bytes == s2.fp16_value_bytes && s1.shared_bytes == s2.shared_bytes &&
+            s1.compression_ratio == s2.compression_ratio,
+        "loaded stats differ");
+  CHECK(s2.resident_bytes >= s2.compressed_key_bytes + s2.compressed_value_bytes &&
+            s2.resident_bytes <= s1.resident_bytes,
+        "loaded cache's resident bytes outside [stored, original's]");
   CHECK(s1.tokens == S && s1.fp16_key_bytes == (uint64_t)H * S * D * 2 && s1.compressed_key_bytes > 0, "stats values");
   saved2 = save(loaded, &saved2_n);
   CHECK(saved2 != NULL && saved2_n == saved_n && memcmp(saved, saved2, saved_n) == 0, "saved again differs");

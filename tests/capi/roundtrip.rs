@@ -111,8 +111,15 @@ fn round_trip(method: &str, settings: &str, cal: *const Calibration) -> Result<f
             let (mut a, mut b) = (Stats::default(), Stats::default());
             check(unsafe { kvcodec_cache_stats(c, &mut a) }, "stats")?;
             check(unsafe { kvcodec_cache_stats(loaded, &mut b) }, "stats")?;
-            if a != b || a.tokens != S || save(loaded)? != saved {
-                return Err(format!("loaded state differs: {:?} vs {:?}", a, b));
+            // Counters are restored exactly; memory held is not (a loaded
+            // cache holds its vectors at their exact size): at least what it
+            // stores, at most what the original holds.
+            let stored = b.compressed_key_bytes + b.compressed_value_bytes;
+            let held_ok = b.resident_bytes >= stored && b.resident_bytes <= a.resident_bytes;
+            let b_res = b.resident_bytes;
+            b.resident_bytes = a.resident_bytes;
+            if !held_ok || a != b || a.tokens != S || save(loaded)? != saved {
+                return Err(format!("loaded state differs: {:?} vs {:?} (held {})", a, b, b_res));
             }
             Ok(a.compression_ratio)
         })();

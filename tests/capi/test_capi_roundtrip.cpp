@@ -48,18 +48,21 @@ std::map<std::string, double> extras_of(kvcodec_cache* c) {
   return out;
 }
 
-// resident_bytes / shared_bytes: checked once the cache core reports them.
-template <typename Stats>
-void expect_resident_equal(const kvcodec_stats& s, const Stats& r) {
-  if constexpr (requires { r.resident_bytes; }) {
-    EXPECT_EQ(s.resident_bytes, uint64_t(r.resident_bytes));
+// Memory held: a cache built by the same appends as ref holds what ref
+// holds; a loaded one holds its vectors at their exact size (no growth
+// slack), so there only the bounds hold: at least the stored bytes, at most
+// what ref holds, and the same shared bytes.
+void expect_resident(const kvcodec_stats& s, const kvcodec::CacheStats& r, bool same_appends) {
+  if (same_appends) {
+    EXPECT_EQ(s.resident_bytes, r.resident_bytes);
+  } else {
+    EXPECT_GE(s.resident_bytes, s.compressed_key_bytes + s.compressed_value_bytes);
+    EXPECT_LE(s.resident_bytes, r.resident_bytes);
   }
-  if constexpr (requires { r.shared_bytes; }) {
-    EXPECT_EQ(s.shared_bytes, uint64_t(r.shared_bytes));
-  }
+  EXPECT_EQ(s.shared_bytes, r.shared_bytes());
 }
 
-void expect_stats_equal(kvcodec_cache* c, const kvcodec::KVCache& ref) {
+void expect_stats_equal(kvcodec_cache* c, const kvcodec::KVCache& ref, bool same_appends = true) {
   kvcodec_stats s{};
   ASSERT_EQ(kvcodec_cache_stats(c, &s), KVCODEC_OK) << kvcodec_last_error();
   const kvcodec::CacheStats r = ref.stats();
@@ -69,7 +72,7 @@ void expect_stats_equal(kvcodec_cache* c, const kvcodec::KVCache& ref) {
   EXPECT_EQ(s.fp16_key_bytes, r.fp16_key_bytes);
   EXPECT_EQ(s.fp16_value_bytes, r.fp16_value_bytes);
   EXPECT_DOUBLE_EQ(s.compression_ratio, r.compression_ratio());
-  expect_resident_equal(s, r);
+  expect_resident(s, r, same_appends);
   EXPECT_EQ(extras_of(c), r.extras);
 }
 
@@ -150,7 +153,7 @@ void round_trip(const MethodCase& m, kvcodec::DType dtype, const kvcodec_calibra
   KVC_OK(kvcodec_cache_load(saved.data(), saved.size(), &loaded_raw));
   CachePtr loaded(loaded_raw);
   expect_fetch_equal(loaded.get(), *ref);
-  expect_stats_equal(loaded.get(), *ref);
+  expect_stats_equal(loaded.get(), *ref, false);
   EXPECT_EQ(saved_bytes(loaded.get()), saved);
 
   int trimmable = -1;
@@ -161,7 +164,7 @@ void round_trip(const MethodCase& m, kvcodec::DType dtype, const kvcodec_calibra
     KVC_OK(kvcodec_cache_trim(loaded.get(), 37, &dropped));
     EXPECT_EQ(dropped, ref->trim(37));
     expect_fetch_equal(loaded.get(), *ref);
-    expect_stats_equal(loaded.get(), *ref);
+    expect_stats_equal(loaded.get(), *ref, false);
     EXPECT_EQ(saved_bytes(loaded.get()), ref->save());
   }
 }
