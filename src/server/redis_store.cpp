@@ -4,6 +4,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "kvcodec/cache.hpp"
@@ -57,6 +58,21 @@ std::vector<uint8_t> delta_encode(const std::vector<uint8_t>& base, const std::v
   check_zstd(n, "compress");
   out.resize(n);
   return out;
+}
+
+// The newest tokens a cache keeps uncompressed (kvtc's raw window and
+// partial block; its sinks too, which only makes the bound safe), from the
+// method's "key.raw_bytes" telemetry; 0 for methods that report none.
+int64_t raw_tail_tokens(const std::vector<std::unique_ptr<KVCache>>& caches) {
+  int64_t most = 0;
+  for (const auto& c : caches) {
+    const CacheStats st = c->stats();
+    const auto raw = st.extras.find("key.raw_bytes");
+    if (raw == st.extras.end() || st.tokens <= 0 || st.fp16_key_bytes == 0) continue;
+    const double f16_per_token = double(st.fp16_key_bytes) / double(st.tokens);
+    most = std::max(most, int64_t(std::ceil(raw->second / f16_per_token)));
+  }
+  return most;
 }
 
 }  // namespace
@@ -240,14 +256,17 @@ bool RedisPrefixStore::put(const PrefixEntry& entry) {
     // The chunks already there (and the state they rebuild, the base of the next).
     std::vector<std::vector<uint8_t>> run = read_run(keys, ids);
     const size_t first = run.size();
-    if (first == keys.size()) return false;
-    // States at every missing chunk end: each layer loaded once and trimmed
-    // back chunk by chunk, newest end first.
-    const size_t m = keys.size();
-    std::vector<PrefixEntry> states(m);
     int64_t held = int64_t(entry.tokens.size());
     std::vector<std::unique_ptr<KVCache>> caches;
     for (const auto& bytes : entry.layers) caches.push_back(load_cache(bytes.data(), bytes.size()));
+    // Chunks ending among the tokens the method still holds raw (a kvtc
+    // window) wait for a later, longer request, which writes them coded:
+    // stored now they would keep those tokens at f16 size for good.
+    const size_t m = std::min(keys.size(), size_t(std::max<int64_t>(0, held - raw_tail_tokens(caches)) / chunk_));
+    if (first >= m) return false;
+    // States at every missing chunk end: each layer loaded once and trimmed
+    // back chunk by chunk, newest end first.
+    std::vector<PrefixEntry> states(m);
     for (size_t k = m; k-- > first;) {
       const int64_t end = int64_t(k + 1) * chunk_;
       PrefixEntry& s = states[k];

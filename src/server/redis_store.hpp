@@ -22,6 +22,9 @@
 // tokens [0, (k+1)*C): the caches the request left, loaded and trimmed back
 // to the chunk's end (exactly what the memory store serves for that
 // prefix). A lookup rebuilds the states chunk by chunk and serves the last.
+// Chunks ending among the tokens a method still holds raw (kvtc's window,
+// reported as key.raw_bytes) are not written yet: the next, longer request
+// of the conversation writes them coded.
 //
 // Keys are written once (SET NX): concurrent writers of a chunk are
 // harmless, and a writer that finds a chunk taken stops (its next chunk

@@ -168,6 +168,34 @@ TEST_F(RedisStoreTest, LongestRunOfWholeChunksIsServedExactly) {
   EXPECT_EQ(st.failures(), 0u) << st.last_failure;
 }
 
+// Raw f16 tokens of a cache (kvtc's window and partial block), from its telemetry.
+int64_t raw_tokens_of(const PrefixEntry& e) {
+  int64_t most = 0;
+  for (const auto& l : e.layers) {
+    const CacheStats st = load_cache(l.data(), l.size())->stats();
+    most = std::max(most, int64_t(st.extras.at("key.raw_bytes") / (double(st.fp16_key_bytes) / double(st.tokens))));
+  }
+  return most;
+}
+
+TEST_F(RedisStoreTest, ChunksAmongAMethodsRawTokensWaitForALongerRequest) {
+  auto s = store("kvtc@m");
+  const auto t = seq(100);
+  const PrefixEntry e = make_entry("kvtc@m", t, "kvtc");
+  const int64_t raw = raw_tokens_of(e);
+  ASSERT_GT(raw, 0) << "the kvtc cache holds no raw tail: the test says nothing";
+  ASSERT_LT(raw, 100 - kChunk);
+  ASSERT_TRUE(s->put(e));
+  EXPECT_EQ(int64_t(redis_.keys().size()), (100 - raw) / kChunk) << "raw tail " << raw;
+  // Every stored chunk's state holds its tokens coded, as the full cache did.
+  auto m = s->lookup(t.data(), 100, 99);
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->matched_tokens, (100 - raw) / kChunk * kChunk);
+  const PrefixEntry longer = make_entry("kvtc@m", seq(200), "kvtc");
+  ASSERT_TRUE(s->put(longer));
+  EXPECT_EQ(int64_t(redis_.keys().size()), (200 - raw_tokens_of(longer)) / kChunk);
+}
+
 TEST_F(RedisStoreTest, CorruptTruncatedForeignAndEvictedChunksAreCountedMisses) {
   auto s = store();
   const auto t = seq(24);
