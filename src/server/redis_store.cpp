@@ -52,6 +52,10 @@ std::vector<uint8_t> delta_encode(const std::vector<uint8_t>& base, const std::v
   if (!c.p) throw Error(ErrorCode::kInternal, "redis chunk: out of memory for a zstd context");
   check_zstd(ZSTD_CCtx_setParameter(c.p, ZSTD_c_compressionLevel, 1), "level");
   check_zstd(ZSTD_CCtx_setParameter(c.p, ZSTD_c_windowLog, window_log_for(base.size() + state.size())), "window");
+  // Long-distance matching finds the previous state's bytes megabytes back
+  // (level 1's hash table alone keeps only recent positions: measured 2.6x
+  // the new tokens' bytes per chunk of a 3000-token state without it).
+  check_zstd(ZSTD_CCtx_setParameter(c.p, ZSTD_c_enableLongDistanceMatching, 1), "long-distance matching");
   if (!base.empty()) check_zstd(ZSTD_CCtx_refPrefix(c.p, base.data(), base.size()), "prefix");
   std::vector<uint8_t> out(ZSTD_compressBound(state.size()));
   const size_t n = ZSTD_compress2(c.p, out.data(), out.size(), state.data(), state.size());

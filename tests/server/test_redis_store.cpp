@@ -97,6 +97,18 @@ TEST(RedisChunk, RoundTripsAndRefusesAnotherBaseOrFlippedBytes) {
   EXPECT_THROW(decode_redis_chunk(v.data(), v.size() - 5), Error);
 }
 
+// A chunk of a long prefix costs about what its tokens add (zstd must find
+// the previous state's bytes megabytes back, not only the recent ones).
+TEST(RedisChunk, ALongPrefixsChunkCostsWhatItsTokensAdd) {
+  const auto ids = seq(3064);
+  const std::vector<uint8_t> base = encode_prefix_entry(make_entry("s", seq(3000)));
+  const std::vector<uint8_t> state = encode_prefix_entry(make_entry("s", ids));
+  const std::vector<uint8_t> v = encode_redis_chunk("s", 64, 47, ids.data() + 3000, base, state);
+  const double added = double(state.size() - base.size());
+  EXPECT_LT(double(v.size()), 1.1 * added + 2048) << "state " << state.size() << ", the chunk's tokens add " << added;
+  EXPECT_EQ(redis_chunk_state(decode_redis_chunk(v.data(), v.size()), base), state);
+}
+
 TEST(RedisChunk, KeysDependOnScopeChunkSizeAndEveryToken) {
   const auto t = seq(24);
   const auto a = redis_chunk_keys("s", 8, t.data(), 24);
