@@ -108,7 +108,8 @@ def multiturn_run(a, common):
     store = ["--prefix-store", f"redis://127.0.0.1:{redis.port}", "--prefix-chunk", str(a.chunk)]
     report = {"args": vars(a)}
     try:
-        for method, sets in [("fp16", [])] + ([(a.method, a.set)] if a.method != "fp16" else []):
+        methods = ([] if a.no_fp16 else [("fp16", [])]) + ([(a.method, a.set)] if a.method != "fp16" else [])
+        for method, sets in methods:
             redis.cli("FLUSHALL")
             empty = redis.used_memory()
             margs = common + ["--method", method] + sum((["--set", s] for s in sets), [])
@@ -228,6 +229,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--fault-prompts", type=int, default=24)
     ap.add_argument("--fault-lines", type=int, default=14)
+    ap.add_argument("--no-fp16", action="store_true", help="multiturn: only --method's memory figures (no TTFT run)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if shutil.which("redis-server") is None:
