@@ -136,6 +136,10 @@ def multiturn_run(a, common):
                    "b_reused_fraction": sum(r["kvcodec"]["reused_prompt_tokens"] for r in on_b) /
                                         sum(r["usage"]["prompt_tokens"] for r in on_b)}
             res["redis_vs_cache_ratio"] = res["f16_vs_redis"] / res["cache_ratio"] if res["cache_ratio"] else 0
+            # The chunk values' own bytes (the servers' accounting), apart from Redis's allocator and key overhead.
+            values = sa["prefix_store"]["bytes_stored"] + sb["prefix_store"]["bytes_stored"]
+            res["value_bytes"] = values
+            res["values_vs_cache_ratio"] = (fp16_b / values) / res["cache_ratio"] if values and res["cache_ratio"] else 0
             if method == "fp16":
                 pr, port_r = start(a.kvcodec, margs + ["--prefix-store-bytes", "0"])
                 try:
