@@ -54,6 +54,12 @@ namespace kvcodec::server {
 // the index for stats.
 struct PrefixBytes {
   uint64_t compressed_key = 0, compressed_value = 0, fp16_key = 0, fp16_value = 0;
+  void add(const CacheStats& st) {
+    compressed_key += st.compressed_key_bytes;
+    compressed_value += st.compressed_value_bytes;
+    fp16_key += st.fp16_key_bytes;
+    fp16_value += st.fp16_value_bytes;
+  }
 };
 
 // What an entry holds, decoded.

@@ -280,11 +280,7 @@ bool RedisPrefixStore::put(const PrefixEntry& entry) {
         if (c->trim(held - end) != held - end)
           throw Error(ErrorCode::kUnsupported, "redis store: a " + c->method() + " cache cannot be trimmed to a chunk end");
         s.layers.push_back(c->save());
-        const CacheStats st = c->stats();
-        s.bytes.compressed_key += st.compressed_key_bytes;
-        s.bytes.compressed_value += st.compressed_value_bytes;
-        s.bytes.fp16_key += st.fp16_key_bytes;
-        s.bytes.fp16_value += st.fp16_value_bytes;
+        s.bytes.add(c->stats());
       }
       held = end;
     }

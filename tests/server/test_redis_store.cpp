@@ -52,11 +52,7 @@ PrefixEntry make_entry(const std::string& scope, const std::vector<int32_t>& tok
         }
     cache->append(k.view(), v.view());
     e.layers.push_back(cache->save());
-    const CacheStats st = cache->stats();
-    e.bytes.compressed_key += st.compressed_key_bytes;
-    e.bytes.compressed_value += st.compressed_value_bytes;
-    e.bytes.fp16_key += st.fp16_key_bytes;
-    e.bytes.fp16_value += st.fp16_value_bytes;
+    e.bytes.add(cache->stats());
   }
   return e;
 }
