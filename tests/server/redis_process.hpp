@@ -1,6 +1,6 @@
 // A redis-server in a child process on a free loopback port, for the Redis
 // prefix-store tests: start() execs it (in its own temporary folder, so its
-// persistence files are the test's) and waits until it answers PING; kill()
+// persistence files are the test's) and waits until it answers PONG; kill()
 // stops it with SIGKILL; the same object can start again on the same port
 // and folder (a restart from persistence). Raw commands go through hiredis.
 #pragma once
@@ -74,7 +74,8 @@ struct RedisProcess {
       _exit(127);
     }
     for (int i = 0; i < 200; ++i) {
-      if (command({"PING"}).has_value()) return true;
+      // PONG, not just an answer: while it loads its AOF Redis answers -LOADING.
+      if (command({"PING"}) == std::optional<std::string>("PONG")) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     return false;

@@ -118,6 +118,22 @@ TEST(RedisChunk, KeysDependOnScopeChunkSizeAndEveryToken) {
   for (size_t i = 0; i < 3; ++i) EXPECT_NE(a[i], b[i]);
 }
 
+TEST(RedisUrl, ParsesHostAndPortAndNamesTheFlagOtherwise) {
+  EXPECT_EQ(parse_redis_url("redis://10.0.0.7:6380").host, "10.0.0.7");
+  EXPECT_EQ(parse_redis_url("redis://10.0.0.7:6380").port, 6380);
+  EXPECT_EQ(parse_redis_url("redis://cache/").port, 6379);
+  for (const char* bad : {"http://h:1", "redis://", "redis://h:0", "redis://h:65536", "redis://h:x", "redis://u@h:1",
+                          "redis://h:1/2"}) {
+    try {
+      parse_redis_url(bad);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kConfig) << bad;
+      EXPECT_NE(std::string(e.what()).find("--prefix-store"), std::string::npos) << e.what();
+    }
+  }
+}
+
 class RedisStoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
