@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -47,6 +48,38 @@ double median_ms(F&& fn, int reps) {
   CK(cudaEventDestroy(e1));
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// Medians over `reps` calls (after one warm-up) of fn's wall time until the
+// stream is done (host overhead included, as a caller waiting for it sees)
+// and of the GPU time between events recorded on the stream around it.
+struct StreamTimes {
+  double wall_ms, gpu_ms;
+};
+template <typename F>
+StreamTimes median_stream_ms(cudaStream_t s, F&& fn, int reps) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  fn();
+  CK(cudaDeviceSynchronize());
+  std::vector<double> wall, gpu;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CK(cudaEventRecord(e0, s));
+    fn();
+    CK(cudaEventRecord(e1, s));
+    CK(cudaStreamSynchronize(s));
+    wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    gpu.push_back(double(ms));
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  std::sort(wall.begin(), wall.end());
+  std::sort(gpu.begin(), gpu.end());
+  return {wall[wall.size() / 2], gpu[gpu.size() / 2]};
 }
 
 // Squared error of y against x over their squared norm (n bf16 values each).
