@@ -11,7 +11,7 @@
 //
 // Times (median of REPS, wall clock until the stream is done, and GPU time
 // between events): restore from the compressed host copy (TF32 and exact
-// reconstruction), its parts alone (the H2D copies of the compressed bytes;
+// reconstruction, 4 decode lanes; TF32 with 1 lane), its parts alone (the H2D copies of the compressed bytes;
 // the decodes from device-resident payloads), the restore from an
 // uncompressed pinned host copy (one cudaMemcpyAsync per layer), and a
 // device-to-device copy of the KV. Checks the last layer of the restore
@@ -92,6 +92,11 @@ bool run(const KvtcCalibration& cal, const SafetensorsFile& f, int64_t S, const 
   const size_t tc_viol = gpu::tf32_bound_violations(t, t.n_heads, host[size_t(cal_layers[size_t(last)])].data(), S,
                                                     y.data(), y_ref.data(), &tc_diff);
   const double rel_mse = bench::rel_mse(host[size_t(cal_layers[size_t(last)])].data(), y.data(), layer_elems);
+  // The same restore with one decode lane (layers strictly one after another).
+  tier.set_decode_lanes(1);
+  const bench::StreamTimes tc_1lane = bench::median_stream_ms(s, [&] { tier.restore(h, out, s); }, r.reps);
+  tier.check_errors(s);
+  tier.set_decode_lanes(4);
 
   // The parts alone: every layer's compressed block copied H2D into one
   // device buffer; the decodes (TF32) from device-resident blocks.
@@ -143,6 +148,7 @@ bool run(const KvtcCalibration& cal, const SafetensorsFile& f, int64_t S, const 
       "\"kv_bytes\": %llu, \"host_compressed_bytes\": %llu, \"ratio\": %.3f, \"rel_mse_last_layer\": %.4g, "
       "\"offload_wall_ms\": %.2f, "
       "\"restore_compressed_tf32_ms\": %.3f, \"restore_compressed_tf32_gpu_ms\": %.3f, "
+      "\"restore_compressed_tf32_1lane_ms\": %.3f, "
       "\"restore_compressed_exact_ms\": %.3f, \"restore_compressed_exact_gpu_ms\": %.3f, "
       "\"h2d_compressed_only_ms\": %.3f, \"decode_only_tf32_ms\": %.3f, "
       "\"restore_uncompressed_ms\": %.3f, \"restore_uncompressed_gpu_ms\": %.3f, \"h2d_gb_s\": %.1f, "
@@ -151,7 +157,7 @@ bool run(const KvtcCalibration& cal, const SafetensorsFile& f, int64_t S, const 
       "\"check_tf32_differ\": %zu, \"check_uncompressed_equal\": %s}\n",
       (long long)S, r.layers, r.rows, D, r.sinks, r.window, (unsigned long long)kv_bytes,
       (unsigned long long)host_total, double(kv_bytes) / double(host_total), rel_mse, offload_ms, tc.wall_ms, tc.gpu_ms,
-      exact.wall_ms, exact.gpu_ms, h2d_compressed.wall_ms, decode_only.wall_ms, uncompressed.wall_ms,
+      tc_1lane.wall_ms, exact.wall_ms, exact.gpu_ms, h2d_compressed.wall_ms, decode_only.wall_ms, uncompressed.wall_ms,
       uncompressed.gpu_ms, double(kv_bytes) * gb / uncompressed.gpu_ms, d2d.wall_ms, uncompressed.wall_ms / tc.wall_ms,
       double(kv_bytes) * gb / tc.wall_ms, exact_equal ? "true" : "false", tc_viol, layer_elems, tc_diff,
       raw_equal ? "true" : "false");

@@ -127,9 +127,9 @@ class KvtcGpuCodec {
 // Compressed KV offload tier (issue 20 item 3; docs/gpu.md): a sequence's KV
 // leaves GPU memory layer by layer as the calibrated format's payload in
 // pinned host memory, and comes back by host-to-device copies of those
-// compressed bytes overlapped with the GPU decode: layer l + 1 is copied on
-// an internal copy stream into one of two device staging buffers while the
-// caller's stream decodes layer l from the other.
+// compressed bytes overlapped with the GPU decode: later layers are copied
+// on an internal copy stream into device staging buffers while earlier ones
+// decode (set_decode_lanes).
 //
 // A model layer's KV on the device is one buffer [2, B, S, D] bf16 (keys
 // [B, S, D], then values [B, S, D]; 16-byte aligned), D = the calibration's
@@ -168,6 +168,10 @@ class KvOffloadTier {
   // Restore's reconstruction (KvtcGpuCodec::Reconstruction; kExactFp32 by
   // default: bit-identical to the CPU reference decode of the host bytes).
   void set_reconstruction(KvtcGpuCodec::Reconstruction r);
+  // Restore decodes on `lanes` internal streams (1..8, default 4; layers
+  // sharing a calibration layer stay on one), so short layers, each too
+  // small a launch to fill the GPU, decode side by side. Same outputs.
+  void set_decode_lanes(int lanes);
 
   struct Impl;
 

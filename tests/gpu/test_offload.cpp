@@ -1,6 +1,7 @@
 // The compressed KV offload tier (kvcodec/gpu.hpp: KvOffloadTier): the host
 // bytes are the CPU reference encoder's, and a restore (copies overlapped
-// with decoding, two staging buffers, codecs shared by layers) equals the CPU
+// with decoding on 1, 4 and 8 lanes, staging slots reused, codecs shared by
+// layers) equals the CPU
 // reference decode of those host bytes element by element. GPU tests skip
 // without a device; KVCODEC_GPU_TEST_SEED draws fresh inputs.
 #include <gtest/gtest.h>
@@ -104,11 +105,12 @@ TEST(KvOffloadTier, RestoreEqualsTheCpuReferenceDecodeOfTheHostBytes) {
   std::printf("seed %u\n", seed);
   const int64_t max_tokens = 4 + 64 * 6 + 8;
   const Synthetic a = synthetic(2, max_tokens, seed), b = synthetic(2, max_tokens, seed + 1000);
-  // Five layers over two calibration layers: both staging buffers reused,
-  // each codec decoding several layers of one restore.
-  const Model m = model(a, b, {0, 1, 1, 0, 1});
+  // Eleven layers over two calibration layers: the staging slots (2 per
+  // decode lane) reused within a restore, each codec decoding several layers.
+  const Model m = model(a, b, {0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 1});
+  const int L = int(m.cal_layers.size());
   KvOffloadTier tier(a.cal, m.cal_layers, kBatch, max_tokens, kSinks, kWindow);
-  ASSERT_EQ(tier.n_layers(), 5);
+  ASSERT_EQ(tier.n_layers(), L);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   // A ragged sequence (17 tokens in the last stream), then one only a stream long.
@@ -125,12 +127,12 @@ TEST(KvOffloadTier, RestoreEqualsTheCpuReferenceDecodeOfTheHostBytes) {
       xs.push_back(std::move(x));
     }
     const OffloadedKv h = tier.offload(m.in(), S, stream);
-    ASSERT_EQ(h.n_layers(), 5);
+    ASSERT_EQ(h.n_layers(), L);
     ASSERT_EQ(h.tokens(), S);
     uint64_t held = 0;
     std::vector<std::vector<uint16_t>> y_ref;
     std::vector<FlatKvtcTables> tables;
-    for (int l = 0; l < 5; ++l) {
+    for (int l = 0; l < L; ++l) {
       tables.push_back(flatten_calibration(a.cal, {m.cal_layers[size_t(l)]}, kBatch, max_tokens, kSinks, kWindow));
       const EncodedBatch ref = encode_batch_reference(tables.back(), xs[size_t(l)].data(), S, 64);
       ASSERT_EQ(h.payload_size(l), ref.payload.size()) << "layer " << l;
@@ -144,28 +146,33 @@ TEST(KvOffloadTier, RestoreEqualsTheCpuReferenceDecodeOfTheHostBytes) {
                              y_ref.back().data());
     }
     EXPECT_EQ(h.host_bytes(), held);
-    EXPECT_LT(h.host_bytes(), 5 * tier.layer_bytes(S));
+    EXPECT_LT(h.host_bytes(), uint64_t(L) * tier.layer_bytes(S));
     std::printf("S = %lld: %llu host bytes for %llu of bf16 KV\n", (long long)S, (unsigned long long)h.host_bytes(),
-                (unsigned long long)(5 * tier.layer_bytes(S)));
+                (unsigned long long)(uint64_t(L) * tier.layer_bytes(S)));
 
     auto restore_and_fetch = [&](int times) {
       for (const auto& d : m.dy) EXPECT_EQ(cudaMemset(d->p, 0xff, xs[0].size() * 2), cudaSuccess);  // NaN
       for (int i = 0; i < times; ++i) tier.restore(h, m.out(), stream);  // back to back: staging reuse
       tier.check_errors(stream);
       std::vector<std::vector<uint16_t>> y;
-      for (int l = 0; l < 5; ++l) y.push_back(fetch(m.dy[size_t(l)]->p, xs[size_t(l)].size()));
+      for (int l = 0; l < L; ++l) y.push_back(fetch(m.dy[size_t(l)]->p, xs[size_t(l)].size()));
       return y;
     };
     tier.set_reconstruction(KvtcGpuCodec::Reconstruction::kExactFp32);
-    const auto y = restore_and_fetch(1);
-    for (int l = 0; l < 5; ++l) {
-      size_t bad = 0;
-      for (size_t i = 0; i < y[size_t(l)].size(); ++i) bad += y[size_t(l)][i] != y_ref[size_t(l)][i];
-      EXPECT_EQ(bad, 0u) << "layer " << l << ", of " << y[size_t(l)].size() << " exact-path outputs";
+    for (const int lanes : {1, 4, 8}) {
+      tier.set_decode_lanes(lanes);
+      const auto y = restore_and_fetch(1);
+      for (int l = 0; l < L; ++l) {
+        size_t bad = 0;
+        for (size_t i = 0; i < y[size_t(l)].size(); ++i) bad += y[size_t(l)][i] != y_ref[size_t(l)][i];
+        EXPECT_EQ(bad, 0u) << "layer " << l << ", lanes " << lanes << ", of " << y[size_t(l)].size()
+                           << " exact-path outputs";
+      }
     }
     tier.set_reconstruction(KvtcGpuCodec::Reconstruction::kTf32TensorCores);
+    tier.set_decode_lanes(4);
     const auto y_tc = restore_and_fetch(2);
-    for (int l = 0; l < 5; ++l) {
+    for (int l = 0; l < L; ++l) {
       size_t n_diff = 0;
       EXPECT_EQ(tf32_bound_violations(tables[size_t(l)], tables[size_t(l)].n_heads, xs[size_t(l)].data(), S,
                                       y_tc[size_t(l)].data(), y_ref[size_t(l)].data(), &n_diff),
@@ -185,6 +192,8 @@ TEST(KvOffloadTier, RefusesWhatItCannotRestore) {
   expect_error(ErrorCode::kInvalidArgument, [&] { KvOffloadTier t(a.cal, {}, kBatch, S); }, "no layers");
   expect_error(ErrorCode::kInvalidArgument, [&] { KvOffloadTier t(a.cal, {0}, 0, S); }, "batch 0");
   KvOffloadTier tier(a.cal, m.cal_layers, kBatch, S, kSinks, kWindow);
+  expect_error(ErrorCode::kInvalidArgument, [&] { tier.set_decode_lanes(0); }, "0 decode lanes");
+  expect_error(ErrorCode::kInvalidArgument, [&] { tier.set_decode_lanes(9); }, "9 decode lanes");
   expect_error(ErrorCode::kInvalidArgument, [&] { (void)tier.offload(m.in(), S + 1, nullptr); }, "tokens > max");
   expect_error(ErrorCode::kInvalidArgument, [&] { (void)tier.offload(m.in(), 0, nullptr); }, "0 tokens");
   auto two = m.in();

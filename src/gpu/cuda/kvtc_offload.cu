@@ -4,14 +4,19 @@
 // wait for the payload size), then the offsets and payload copied into one
 // pinned host block of exactly that size.
 //
-// restore, double-buffered on two CUDA streams:
-//   copy stream:    H2D block 0 -> stage[0], H2D block 1 -> stage[1], then
-//                   block l + 2 -> stage[l % 2] once layer l's decode freed it
-//   caller's stream: wait copied[l % 2], decode layer l from stage[l % 2]
-//                   into the caller's buffer, record freed[l % 2]
-// so the copy of layer l + 1 runs while layer l decodes. Copies of layers
-// l + 1 are queued before decode l, so even a decode call that waited on the
-// host would not hold them back.
+// restore, on a copy stream and `lanes` decode streams, with 2 x lanes
+// device staging buffers (slots) used round robin:
+//   copy stream: H2D block l -> slot l % slots, once the decode of layer
+//                l - slots has freed it (copies in layer order)
+//   lane of l:   wait copied[slot], decode layer l from the slot into the
+//                caller's buffer, record freed[slot]
+// so copies run while earlier layers decode, and at short sequences (a
+// layer's launch too small to fill the GPU) layers of different codecs
+// decode side by side. Layers sharing a codec share its scratch, so a
+// codec's layers always go to the same lane (codec index % lanes). The
+// caller's stream is forked at the start and joined at the end. Copies of
+// the first `slots` layers are queued before any decode, so a decode call
+// that waited on the host would not hold them back.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,20 +40,31 @@ struct KvOffloadTier::Impl {
   int64_t max_offsets = 0;
   uint8_t* enc_out = nullptr;
   uint64_t* enc_off = nullptr;
-  uint8_t* stage[2] = {nullptr, nullptr};
+  static constexpr int kMaxLanes = 8, kMaxSlots = 2 * kMaxLanes;
+  int lanes = 4;
+  uint8_t* stage[kMaxSlots] = {};
+  int stage_count = 0;  // slots allocated, each stage_bytes
   uint64_t stage_bytes = 0;
-  cudaStream_t copy = nullptr;
-  cudaEvent_t begin = nullptr, copied[2] = {nullptr, nullptr}, freed[2] = {nullptr, nullptr};
+  cudaStream_t copy = nullptr, lane[kMaxLanes] = {};
+  cudaEvent_t begin = nullptr, copied[kMaxSlots] = {}, freed[kMaxSlots] = {}, lane_done[kMaxLanes] = {};
 
   ~Impl() {
     if (copy) cudaStreamSynchronize(copy);
-    for (cudaEvent_t e : freed)
-      if (e) cudaEventSynchronize(e);  // a restore still reading the staging buffers
-    for (void* p : {static_cast<void*>(enc_out), static_cast<void*>(enc_off), static_cast<void*>(stage[0]),
-                    static_cast<void*>(stage[1])})
+    for (cudaStream_t l : lane)
+      if (l) cudaStreamSynchronize(l);  // a restore still reading the staging buffers
+    for (void* p : {static_cast<void*>(enc_out), static_cast<void*>(enc_off)})
       if (p) cudaFree(p);
-    for (cudaEvent_t e : {begin, copied[0], copied[1], freed[0], freed[1]})
+    for (uint8_t* p : stage)
+      if (p) cudaFree(p);
+    for (cudaEvent_t e : copied)
       if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : freed)
+      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : lane_done)
+      if (e) cudaEventDestroy(e);
+    if (begin) cudaEventDestroy(begin);
+    for (cudaStream_t l : lane)
+      if (l) cudaStreamDestroy(l);
     if (copy) cudaStreamDestroy(copy);
   }
 
@@ -95,16 +111,19 @@ struct KvOffloadTier::Impl {
     }
   }
 
-  void grow_staging(uint64_t bytes) {
-    if (bytes <= stage_bytes) return;
-    for (int s = 0; s < 2; ++s) {
+  // At least `slots` staging buffers of at least `bytes` each.
+  void grow_staging(uint64_t bytes, int slots) {
+    if (bytes <= stage_bytes && slots <= stage_count) return;
+    const int n = std::max(slots, stage_count);
+    for (int s = 0; s < stage_count; ++s) {
       check_cuda(cudaEventSynchronize(freed[s]), "staging release");
-      if (stage[s]) check_cuda(cudaFree(stage[s]), "cudaFree (staging)");
+      check_cuda(cudaFree(stage[s]), "cudaFree (staging)");
       stage[s] = nullptr;
     }
-    stage_bytes = 0;
-    for (int s = 0; s < 2; ++s) check_cuda(cudaMalloc(&stage[s], bytes), "cudaMalloc (staging)");
-    stage_bytes = bytes;
+    stage_count = 0;
+    stage_bytes = std::max(stage_bytes, bytes);
+    for (; stage_count < n; ++stage_count)
+      check_cuda(cudaMalloc(&stage[stage_count], stage_bytes), "cudaMalloc (staging)");
   }
 };
 
@@ -137,11 +156,22 @@ KvOffloadTier::KvOffloadTier(const KvtcCalibration& cal, const std::vector<int>&
   check_cuda(cudaMalloc(&m.enc_off, size_t(m.max_offsets) * 8), "cudaMalloc (offload offsets)");
   check_cuda(cudaStreamCreateWithFlags(&m.copy, cudaStreamNonBlocking), "copy stream");
   check_cuda(cudaEventCreateWithFlags(&m.begin, cudaEventDisableTiming), "event");
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 0; s < Impl::kMaxSlots; ++s) {
     check_cuda(cudaEventCreateWithFlags(&m.copied[s], cudaEventDisableTiming), "event");
     check_cuda(cudaEventCreateWithFlags(&m.freed[s], cudaEventDisableTiming), "event");
     check_cuda(cudaEventRecord(m.freed[s], m.copy), "event");  // the staging buffers start free
   }
+  for (int i = 0; i < Impl::kMaxLanes; ++i) {
+    check_cuda(cudaStreamCreateWithFlags(&m.lane[i], cudaStreamNonBlocking), "decode lane");
+    check_cuda(cudaEventCreateWithFlags(&m.lane_done[i], cudaEventDisableTiming), "event");
+  }
+}
+
+void KvOffloadTier::set_decode_lanes(int lanes) {
+  if (lanes < 1 || lanes > Impl::kMaxLanes)
+    throw Error(ErrorCode::kInvalidArgument, "kv offload: decode lanes = " + std::to_string(lanes) + " (allowed 1.." +
+                                                 std::to_string(Impl::kMaxLanes) + ")");
+  impl_->lanes = lanes;
 }
 
 KvOffloadTier::~KvOffloadTier() = default;
@@ -193,29 +223,36 @@ void KvOffloadTier::restore(const OffloadedKv& kv, const std::vector<uint16_t*>&
   m.check_handle(h);
   uint64_t most = 0;
   for (const auto& b : h.blocks) most = std::max(most, b.bytes);
-  m.grow_staging(most);
+  const int lanes = m.lanes, slots = 2 * lanes;
+  m.grow_staging(most, slots);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  // The copies start after the caller's earlier work on the stream (and
-  // after an earlier restore's decodes released the staging buffers).
+  // Everything starts after the caller's earlier work on the stream (and
+  // the copies after an earlier restore's decodes released the slots).
   check_cuda(cudaEventRecord(m.begin, stream), "event");
   check_cuda(cudaStreamWaitEvent(m.copy, m.begin, 0), "wait");
+  for (int i = 0; i < lanes; ++i) check_cuda(cudaStreamWaitEvent(m.lane[i], m.begin, 0), "wait");
   auto issue_copy = [&](size_t l) {
-    const int s = int(l % 2);
+    const int s = int(l % size_t(slots));
     check_cuda(cudaStreamWaitEvent(m.copy, m.freed[s], 0), "wait");
     const auto& b = h.blocks[l];
     check_cuda(cudaMemcpyAsync(m.stage[s], b.mem.get(), b.bytes, cudaMemcpyHostToDevice, m.copy), "restore H2D");
     check_cuda(cudaEventRecord(m.copied[s], m.copy), "event");
   };
   const size_t L = h.blocks.size();
-  for (size_t l = 0; l < std::min<size_t>(2, L); ++l) issue_copy(l);
+  for (size_t l = 0; l < std::min<size_t>(size_t(slots), L); ++l) issue_copy(l);
   for (size_t l = 0; l < L; ++l) {
-    const int s = int(l % 2);
+    const int s = int(l % size_t(slots));
+    cudaStream_t lane = m.lane[m.codec_of[l] % lanes];
     const auto& b = h.blocks[l];
-    check_cuda(cudaStreamWaitEvent(stream, m.copied[s], 0), "wait");
+    check_cuda(cudaStreamWaitEvent(lane, m.copied[s], 0), "wait");
     m.codec(int(l)).decode(m.stage[s] + b.payload_at, b.payload_size, reinterpret_cast<const uint64_t*>(m.stage[s]),
-                           h.tokens, layers[l], stream);
-    check_cuda(cudaEventRecord(m.freed[s], stream), "event");
-    if (l + 2 < L) issue_copy(l + 2);
+                           h.tokens, layers[l], lane);
+    check_cuda(cudaEventRecord(m.freed[s], lane), "event");
+    if (l + size_t(slots) < L) issue_copy(l + size_t(slots));
+  }
+  for (int i = 0; i < lanes; ++i) {
+    check_cuda(cudaEventRecord(m.lane_done[i], m.lane[i]), "event");
+    check_cuda(cudaStreamWaitEvent(stream, m.lane_done[i], 0), "join");
   }
 }
 

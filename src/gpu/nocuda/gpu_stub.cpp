@@ -42,6 +42,7 @@ OffloadedKv KvOffloadTier::offload(const std::vector<const uint16_t*>&, int64_t,
 void KvOffloadTier::restore(const OffloadedKv&, const std::vector<uint16_t*>&, void*) { absent(); }
 void KvOffloadTier::check_errors(void*) { absent(); }
 void KvOffloadTier::set_reconstruction(KvtcGpuCodec::Reconstruction) { absent(); }
+void KvOffloadTier::set_decode_lanes(int) { absent(); }
 
 struct PaluGpuCodec::Impl {};
 PaluGpuCodec::PaluGpuCodec(const palu::Projection&, int, int, int64_t) { absent(); }
