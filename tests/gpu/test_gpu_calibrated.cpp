@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 
 #include "cache/kvtc_calibrated.hpp"
@@ -216,6 +217,48 @@ TEST(KvtcCalibratedGpu, MatchesCpuReference) {
   const Synthetic s = synthetic(2, S, seed);
   calibrated_gpu_matches_cpu(s.cal, batch_of(s), S, 1, 4, 32);
   calibrated_gpu_matches_cpu(s.cal, batch_of(s), S, 1, 0, 0);  // everything coded
+#endif
+}
+
+// Codecs whose tables need different shared memory, alive side by side
+// (the kernels' limit is one setting per process: a later codec with
+// smaller tables must not lower it under an earlier one's): each still
+// codes the reference's bytes and decodes them back exactly.
+TEST(KvtcCalibratedGpu, CodecsWithDifferentTablesLiveSideBySide) {
+  const int64_t S = 4 + 64 * 3 + 8;
+  const Synthetic s = synthetic(2, S, test_seed(11));
+  // Layer 1 is fitted at half layer 0's bit budget: fewer components kept.
+  ASSERT_NE(flatten_calibration(s.cal, {0}, 1, S, 4, 8).k_pad, flatten_calibration(s.cal, {1}, 1, S, 4, 8).k_pad);
+  if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+#ifdef KVCODEC_HAVE_CUDA
+  const std::vector<int> order = {0, 1, 0};  // one of the two pairs has the larger tables first
+  std::vector<std::unique_ptr<KvtcGpuCodec>> codecs;
+  for (const int l : order) codecs.push_back(std::make_unique<KvtcGpuCodec>(s.cal, CalibratedLayout{{l}, 1, S, 4, 8}));
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int l = order[i];
+    std::vector<uint16_t> x = s.keys[size_t(l)];
+    x.insert(x.end(), s.values[size_t(l)].begin(), s.values[size_t(l)].end());
+    const FlatKvtcTables t = flatten_calibration(s.cal, {l}, 1, S, 4, 8);
+    const EncodedBatch ref = encode_batch_reference(t, x.data(), S, 64);
+    std::vector<uint16_t> y_ref(x.size());
+    decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), S, 64, y_ref.data());
+    KvtcGpuCodec& c = *codecs[i];
+    const uint64_t cap = c.max_encoded_bytes(S);
+    DevBuf<uint16_t> dx(x.size()), dy(x.size());
+    DevBuf<uint8_t> dout(cap);
+    DevBuf<uint64_t> doff(ref.offsets.size());
+    ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    const uint64_t total = c.encode(dx.p, S, dout.p, cap, doff.p);
+    std::vector<uint8_t> got(total);
+    ASSERT_EQ(cudaMemcpy(got.data(), dout.p, total, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(got == ref.payload) << "codec " << i;
+    c.decode(dout.p, total, doff.p, S, dy.p);
+    c.check_errors();
+    std::vector<uint16_t> y(x.size());
+    ASSERT_EQ(cudaMemcpy(y.data(), dy.p, y.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(y == y_ref) << "codec " << i;
+  }
 #endif
 }
 

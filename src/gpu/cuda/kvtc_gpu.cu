@@ -435,15 +435,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   const int rec_smem = int(rec_smem_bytes(f.k_pad, f.dim));
   const int tc_smem = int(tc_smem_bytes(f.k_pad, f.dim));
   const int fused8 = int(m.fused_smem(1)), fused16 = int(m.fused_smem(2));
-  // The limit belongs to the kernel, for the whole process: only ever raise
-  // it, or a codec with smaller tables would break the launches of a live
-  // one with larger tables (several codecs: the offload tier's layers).
-  auto attr = [](const void* fn, int bytes) {
-    cudaFuncAttributes a{};
-    check_cuda(cudaFuncGetAttributes(&a, fn), "kernel attributes");
-    if (bytes > a.maxDynamicSharedSizeBytes)
-      check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
-  };
+  const auto attr = raise_dynamic_smem_limit;
   if (f.dim == 64) {
     attr(reinterpret_cast<const void*>(project_kernel<64, uint8_t>), proj_smem);
     attr(reinterpret_cast<const void*>(project_kernel<64, uint16_t>), proj_smem);
