@@ -161,8 +161,9 @@ class KvOffloadTier {
   // the stream (the caller's work before it on the stream comes first; the
   // handle and the buffers must live until the stream reaches this point).
   // Throws Error(kInvalidArgument) for a handle of another shape or a wrong
-  // buffer count. Malformed streams: check_errors() (as KvtcGpuCodec's;
-  // waits for the stream, names the first bad layer).
+  // buffer count. Malformed streams: check_errors() (as KvtcGpuCodec's:
+  // waits for the stream, throws Error(kFormat) naming the calibration
+  // layer and stream of the first one).
   void restore(const OffloadedKv& kv, const std::vector<uint16_t*>& layers, void* stream = nullptr);
   void check_errors(void* stream = nullptr);
   // Restore's reconstruction (KvtcGpuCodec::Reconstruction; kExactFp32 by
