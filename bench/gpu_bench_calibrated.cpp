@@ -14,6 +14,7 @@
 
 #include "cache/kvtc_calibrated.hpp"
 #include "gpu/kvtc_variant.hpp"
+#include "gpu_bench_dump.hpp"
 #include "gpu_bench_util.hpp"
 #include "kvcodec/gpu.hpp"
 #include "kvcodec/safetensors.hpp"
@@ -31,37 +32,17 @@ int main(int argc, char** argv) {
   const int B = argc > 3 ? std::atoi(argv[3]) : 21;
   const int64_t S = argc > 4 ? std::atoll(argv[4]) : 16384;
   const int sinks = argc > 5 ? std::atoi(argv[5]) : 4, window = argc > 6 ? std::atoi(argv[6]) : 128;
-  const int L = cal.n_layers, H = cal.n_kv_heads, Dh = cal.head_dim, D = cal.vector_dim();
+  const int L = cal.n_layers, D = cal.vector_dim();
   if (bench::dump_layers(f) < L) {
     std::fprintf(stderr, "the dump has %d layers, the calibration %d\n", bench::dump_layers(f), L);
     return 1;
   }
-  const auto rope = RopeTable::get(Dh, cal.rope_theta, S + 4096);
   const int NH = L * 2 * B;
   const size_t elems = size_t(NH) * size_t(S) * size_t(D), bytes = elems * 2;
   std::vector<uint16_t> x(elems);
   for (int l = 0; l < L; ++l)
-    for (const bool is_key : {true, false}) {
-      const Tensor t = f.tensor("layers." + std::to_string(l) + (is_key ? ".key" : ".value"), DType::kF32);
-      const Shape4 s = t.shape();  // [1, H, T, Dh]
-      const int64_t T = s[2];
-      std::vector<float> base(size_t(T) * size_t(D));  // [T, H * Dh], RoPE removed
-      for (int64_t i = 0; i < T; ++i)
-        for (int h = 0; h < H; ++h)
-          for (int d = 0; d < Dh; ++d)
-            base[size_t(i) * size_t(D) + size_t(h * Dh + d)] = t.data_as<float>()[(h * T + i) * Dh + d];
-      if (is_key) rope->rotate(base.data(), T, D, H, 0, /*inverse=*/true);
-      std::vector<float> row(static_cast<size_t>(D));
-      for (int b = 0; b < B; ++b) {
-        uint16_t* xh = x.data() + size_t((l * 2 + (is_key ? 0 : 1)) * B + b) * size_t(S) * size_t(D);
-        for (int64_t p = 0; p < S; ++p) {
-          const float* src = base.data() + size_t((p + 131 * b) % T) * size_t(D);
-          std::copy(src, src + D, row.begin());
-          if (is_key) rope->rotate(row.data(), 1, D, H, p, /*inverse=*/false);
-          for (int d = 0; d < D; ++d) xh[size_t(p) * size_t(D) + size_t(d)] = gpu::f32_to_bf16_rne(row[size_t(d)]);
-        }
-      }
-    }
+    for (const bool is_key : {true, false})
+      bench::tiled_dump_rows(f, cal, l, is_key, B, S, x.data() + size_t((l * 2 + (is_key ? 0 : 1)) * B) * size_t(S) * size_t(D));
   std::vector<int> layers;
   for (int l = 0; l < L; ++l) layers.push_back(l);
   gpu::KvtcGpuCodec codec(cal, gpu::CalibratedLayout{layers, B, S, sinks, window});

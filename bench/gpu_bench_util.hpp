@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -24,29 +25,43 @@
 
 namespace kvcodec::bench {
 
-// Median of `reps` timed calls of fn (each between two events on the
-// default stream), after one warm-up call.
+// Medians over `reps` calls (after one warm-up) of fn's wall time until the
+// stream is done (host overhead included, as a caller waiting for it sees)
+// and of the GPU time between events recorded on the stream around it.
+struct StreamTimes {
+  double wall_ms, gpu_ms;
+};
 template <typename F>
-double median_ms(F&& fn, int reps) {
+StreamTimes median_stream_ms(cudaStream_t s, F&& fn, int reps) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   fn();
   CK(cudaDeviceSynchronize());
-  std::vector<double> t;
+  std::vector<double> wall, gpu;
   for (int r = 0; r < reps; ++r) {
-    CK(cudaEventRecord(e0));
+    const auto t0 = std::chrono::steady_clock::now();
+    CK(cudaEventRecord(e0, s));
     fn();
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaStreamSynchronize(s));
+    wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(double(ms));
+    gpu.push_back(double(ms));
   }
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  std::sort(wall.begin(), wall.end());
+  std::sort(gpu.begin(), gpu.end());
+  return {wall[wall.size() / 2], gpu[gpu.size() / 2]};
+}
+
+// Median of `reps` timed calls of fn (each between two events on the
+// default stream), after one warm-up call.
+template <typename F>
+double median_ms(F&& fn, int reps) {
+  return median_stream_ms(nullptr, fn, reps).gpu_ms;
 }
 
 // Squared error of y against x over their squared norm (n bf16 values each).

@@ -81,7 +81,8 @@ class KvtcGpuCodec {
   // Inverse of encode, asynchronous on the stream: in (in_size bytes) and
   // offsets as encode wrote them, y: device [NH, tokens, D] bf16 (16-byte
   // aligned). Malformed streams are flagged on the device: check_errors()
-  // waits for the stream and throws Error(kFormat) naming the first bad one.
+  // waits for the stream and throws Error(kFormat) naming the first bad one
+  // of the decodes since the last check_errors() (the flags are sticky).
   void decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
               void* stream = nullptr);
   void check_errors(void* stream = nullptr);
@@ -121,6 +122,87 @@ class KvtcGpuCodec {
 
  private:
   std::unique_ptr<Impl> impl_;
+};
+
+// Compressed KV offload tier (issue 20 item 3; docs/gpu.md): a sequence's KV
+// leaves GPU memory layer by layer as the calibrated format's payload in
+// pinned host memory, and comes back by host-to-device copies of those
+// compressed bytes overlapped with the GPU decode: later layers are copied
+// on an internal copy stream into device staging buffers while earlier ones
+// decode (set_decode_lanes).
+//
+// A model layer's KV on the device is one buffer [2, B, S, D] bf16 (keys
+// [B, S, D], then values [B, S, D]; 16-byte aligned), D = the calibration's
+// n_kv_heads * head_dim: KvtcGpuCodec's calibrated layout with one
+// calibration layer and `batch` = B rows. Model layer l is coded with
+// calibration layer calibration_layers[l] (layers may share one).
+class OffloadedKv;
+
+class KvOffloadTier {
+ public:
+  // Throws Error(kInvalidArgument) for an empty layer list, a layer the
+  // calibration lacks, batch < 1 or max_tokens < 1; Error(kUnsupported)
+  // without CUDA or for a D the kernels cannot code.
+  KvOffloadTier(const KvtcCalibration& cal, const std::vector<int>& calibration_layers, int batch,
+                int64_t max_tokens, int sinks = 4, int window = 8);
+  ~KvOffloadTier();
+  KvOffloadTier(const KvOffloadTier&) = delete;
+  KvOffloadTier& operator=(const KvOffloadTier&) = delete;
+
+  int n_layers() const;
+  // bf16 bytes of one layer's buffer [2, B, tokens, D].
+  uint64_t layer_bytes(int64_t tokens) const;
+
+  // Codes every layer (device buffers, one per model layer, each holding
+  // `tokens` tokens) into pinned host memory. Runs on the stream and waits
+  // for it: the handle is complete on return.
+  OffloadedKv offload(const std::vector<const uint16_t*>& layers, int64_t tokens, void* stream = nullptr);
+  // Decodes the handle into the layers' device buffers, asynchronously on
+  // the stream (the caller's work before it on the stream comes first; the
+  // handle and the buffers must live until the stream reaches this point).
+  // Throws Error(kInvalidArgument) for a handle of another shape or a wrong
+  // buffer count. Malformed streams: check_errors() (as KvtcGpuCodec's:
+  // waits for the stream, throws Error(kFormat) naming the calibration
+  // layer and stream of the first one).
+  void restore(const OffloadedKv& kv, const std::vector<uint16_t*>& layers, void* stream = nullptr);
+  void check_errors(void* stream = nullptr);
+  // Restore's reconstruction (KvtcGpuCodec::Reconstruction; kExactFp32 by
+  // default: bit-identical to the CPU reference decode of the host bytes).
+  void set_reconstruction(KvtcGpuCodec::Reconstruction r);
+  // Restore decodes on `lanes` internal streams (1..8, default 4; layers
+  // sharing a calibration layer stay on one), so short layers, each too
+  // small a launch to fill the GPU, decode side by side. Same outputs.
+  void set_decode_lanes(int lanes);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The host handle: per layer one pinned block, the stream offsets
+// ([n_streams + 1] u64) then, 256-byte aligned, the payload, exactly as
+// KvtcGpuCodec::encode wrote them. host_bytes() counts every pinned byte.
+class OffloadedKv {
+ public:
+  OffloadedKv();
+  ~OffloadedKv();
+  OffloadedKv(OffloadedKv&&) noexcept;
+  OffloadedKv& operator=(OffloadedKv&&) noexcept;
+
+  int64_t tokens() const;
+  int n_layers() const;
+  uint64_t host_bytes() const;
+  const uint8_t* payload(int layer) const;
+  uint64_t payload_size(int layer) const;
+  const uint64_t* offsets(int layer) const;
+  int64_t n_offsets(int layer) const;
+
+  struct Layers;
+
+ private:
+  friend class KvOffloadTier;
+  std::unique_ptr<Layers> layers_;
 };
 
 // PALU latents of one head group on the GPU, byte-exact with the CPU cache

@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 
 #include "cache/kvtc_calibrated.hpp"
+#include "gpu/calibrated_test_support.hpp"
 #include "gpu/gpu_test_support.hpp"
 #include "gpu/kvtc_variant.hpp"
 #include "kvcodec/error.hpp"
@@ -20,58 +22,6 @@
 
 namespace kvcodec::gpu {
 namespace {
-
-constexpr int kHeads = 2, kHeadDim = 64, kDim = kHeads * kHeadDim;
-
-// A calibration of `layers` layers fitted on synthetic RoPE-free vectors
-// (weighted by random per-dimension scales), and KV rows for it: per layer
-// keys (RoPE applied at the token's position) and values, [S, H * D] bf16.
-struct Synthetic {
-  KvtcCalibration cal;
-  std::vector<std::vector<uint16_t>> keys, values;  // [layers][S * kDim]
-};
-
-Synthetic synthetic(int layers, int64_t S, uint32_t seed) {
-  Synthetic out;
-  KvtcCalibration& c = out.cal;
-  c.n_layers = layers;
-  c.n_kv_heads = kHeads;
-  c.head_dim = kHeadDim;
-  c.rope_theta = 10000.0;
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(0.5f, 2.0f);
-  const std::vector<double> inv_freq = rope_inv_freq(kHeadDim, c.rope_theta);
-  for (int l = 0; l < layers; ++l)
-    for (const bool is_key : {true, false}) {
-      const std::vector<uint16_t> z = synth_bf16(S, kDim, seed + uint32_t(2 * l + (is_key ? 0 : 1)));
-      std::vector<float> w(kDim);
-      for (float& v : w) v = u(rng);
-      std::vector<uint16_t> zw(z.size());
-      for (size_t i = 0; i < z.size(); ++i) zw[i] = f32_to_bf16_rne(bf16_bits_to_f32(z[i]) * w[i % kDim]);
-      (is_key ? c.keys : c.values).push_back(fit(zw.data(), S, kDim, l % 2 ? 2 * kDim : 0));
-      (is_key ? c.key_scale : c.value_scale).push_back(w);
-      std::vector<float> x = to_f32(z.data(), z.size());
-      if (is_key) rope_rotate_tokens(x.data(), S, kHeads, kHeadDim, 0, inv_freq, /*inverse=*/false);
-      std::vector<uint16_t> xb(x.size());
-      for (size_t i = 0; i < x.size(); ++i) xb[i] = f32_to_bf16_rne(x[i]);
-      (is_key ? out.keys : out.values).push_back(std::move(xb));
-    }
-  return out;
-}
-
-// The batch [layer][key, value][batch row = 1] as the GPU codec takes it.
-std::vector<uint16_t> batch_of(const Synthetic& s) {
-  std::vector<uint16_t> x;
-  for (int l = 0; l < s.cal.n_layers; ++l)
-    for (const auto* t : {&s.keys[size_t(l)], &s.values[size_t(l)]}) x.insert(x.end(), t->begin(), t->end());
-  return x;
-}
-
-std::vector<int> all_layers(int n) {
-  std::vector<int> v(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) v[size_t(i)] = i;
-  return v;
-}
 
 TEST(KvtcCalibratedVariant, HeadsCarryTheLayersTransforms) {
   const Synthetic s = synthetic(2, 256, 5);
@@ -267,6 +217,48 @@ TEST(KvtcCalibratedGpu, MatchesCpuReference) {
   const Synthetic s = synthetic(2, S, seed);
   calibrated_gpu_matches_cpu(s.cal, batch_of(s), S, 1, 4, 32);
   calibrated_gpu_matches_cpu(s.cal, batch_of(s), S, 1, 0, 0);  // everything coded
+#endif
+}
+
+// Codecs whose tables need different shared memory, alive side by side
+// (the kernels' limit is one setting per process: a later codec with
+// smaller tables must not lower it under an earlier one's): each still
+// codes the reference's bytes and decodes them back exactly.
+TEST(KvtcCalibratedGpu, CodecsWithDifferentTablesLiveSideBySide) {
+  const int64_t S = 4 + 64 * 3 + 8;
+  const Synthetic s = synthetic(2, S, test_seed(11));
+  // Layer 1 is fitted at half layer 0's bit budget: fewer components kept.
+  ASSERT_NE(flatten_calibration(s.cal, {0}, 1, S, 4, 8).k_pad, flatten_calibration(s.cal, {1}, 1, S, 4, 8).k_pad);
+  if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+#ifdef KVCODEC_HAVE_CUDA
+  const std::vector<int> order = {0, 1, 0};  // one of the two pairs has the larger tables first
+  std::vector<std::unique_ptr<KvtcGpuCodec>> codecs;
+  for (const int l : order) codecs.push_back(std::make_unique<KvtcGpuCodec>(s.cal, CalibratedLayout{{l}, 1, S, 4, 8}));
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int l = order[i];
+    std::vector<uint16_t> x = s.keys[size_t(l)];
+    x.insert(x.end(), s.values[size_t(l)].begin(), s.values[size_t(l)].end());
+    const FlatKvtcTables t = flatten_calibration(s.cal, {l}, 1, S, 4, 8);
+    const EncodedBatch ref = encode_batch_reference(t, x.data(), S, 64);
+    std::vector<uint16_t> y_ref(x.size());
+    decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), S, 64, y_ref.data());
+    KvtcGpuCodec& c = *codecs[i];
+    const uint64_t cap = c.max_encoded_bytes(S);
+    DevBuf<uint16_t> dx(x.size()), dy(x.size());
+    DevBuf<uint8_t> dout(cap);
+    DevBuf<uint64_t> doff(ref.offsets.size());
+    ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    const uint64_t total = c.encode(dx.p, S, dout.p, cap, doff.p);
+    std::vector<uint8_t> got(total);
+    ASSERT_EQ(cudaMemcpy(got.data(), dout.p, total, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(got == ref.payload) << "codec " << i;
+    c.decode(dout.p, total, doff.p, S, dy.p);
+    c.check_errors();
+    std::vector<uint16_t> y(x.size());
+    ASSERT_EQ(cudaMemcpy(y.data(), dy.p, y.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(y == y_ref) << "codec " << i;
+  }
 #endif
 }
 

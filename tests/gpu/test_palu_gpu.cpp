@@ -94,6 +94,9 @@ void palu_gpu_matches_cpu(int rows, int64_t tokens, int dim, int rank, int hi, i
   palu_decode_reference(p, ref.data(), ref.size(), rows, tokens, gs, yref.data());
 
   PaluGpuCodec codec(p, rows, gs, tokens);
+  // A codec with smaller tables made after it must not lower the kernels'
+  // shared-memory limit (one setting per process) under this one's.
+  const PaluGpuCodec smaller(p, rows, 32, tokens);
   ASSERT_EQ(codec.group_bytes() * uint64_t(tokens / gs), ref.size());
   uint16_t *dx = nullptr, *dy = nullptr;
   uint8_t* dblob = nullptr;

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "gpu/cuda/cuda_check.cuh"
 #include "gpu/kvtc_variant.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/gpu.hpp"
@@ -22,11 +23,6 @@ constexpr int kRansWarps = 4;
 // the scan after the look-up is usually empty.
 constexpr uint32_t kGuideMaxBits = 10;
 constexpr int kTilePad = kTile + 4;  // row stride of transposed tiles (16-byte aligned rows)
-
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw Error(ErrorCode::kInternal, std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
-}
 
 struct DeviceTables {
   int n_heads, dim, k_pad;

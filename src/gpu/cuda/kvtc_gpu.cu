@@ -57,6 +57,9 @@
 namespace kvcodec::gpu {
 namespace {
 
+// The device error record {flag, first bad stream} with nothing reported.
+constexpr int kNoErrors[2] = {0, 0x7fffffff};
+
 template <typename T>
 T* upload(const std::vector<T>& v, std::vector<void*>& owned) {
   void* p = nullptr;
@@ -424,6 +427,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   check_cuda(cub::DeviceScan::InclusiveSum(nullptr, m.cub_temp_bytes, m.sizes, m.scan_out + 1, int(ns)), "cub size");
   m.cub_temp = alloc(m.cub_temp_bytes, "cudaMalloc (scan)");
   m.err = static_cast<int*>(alloc(8, "cudaMalloc (errors)"));
+  check_cuda(cudaMemcpy(m.err, kNoErrors, 8, cudaMemcpyHostToDevice), "reset errors");
   void* p = nullptr;
   check_cuda(cudaMallocHost(&p, 8), "cudaMallocHost");
   m.total_host = static_cast<uint64_t*>(p);
@@ -431,9 +435,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   const int rec_smem = int(rec_smem_bytes(f.k_pad, f.dim));
   const int tc_smem = int(tc_smem_bytes(f.k_pad, f.dim));
   const int fused8 = int(m.fused_smem(1)), fused16 = int(m.fused_smem(2));
-  auto attr = [](const void* fn, int bytes) {
-    check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
-  };
+  const auto attr = raise_dynamic_smem_limit;
   if (f.dim == 64) {
     attr(reinterpret_cast<const void*>(project_kernel<64, uint8_t>), proj_smem);
     attr(reinterpret_cast<const void*>(project_kernel<64, uint16_t>), proj_smem);
@@ -596,8 +598,6 @@ void KvtcGpuCodec::decode(const uint8_t* in, uint64_t in_size, const uint64_t* o
     throw Error(ErrorCode::kFormat, "kvtc-gpu decode: " + std::to_string(in_size) + " bytes cannot hold the " +
                                         std::to_string(raw) + " bytes of raw sinks and window (16-byte aligned)");
   const uint64_t streams_size = in_size - raw;  // the streams end at or before the raw tokens
-  const int init[2] = {0, 0x7fffffff};
-  check_cuda(cudaMemcpyAsync(m.err, init, 8, cudaMemcpyHostToDevice, stream), "reset errors");
   m.dev.seq = tokens;
   m.dev.tok0 = std::min<int64_t>(tokens, m.flat.sinks);
   const int64_t coded = coded_tokens(m.flat, tokens);
@@ -615,7 +615,11 @@ void KvtcGpuCodec::check_errors(void* stream_ptr) {
   int h[2] = {0, 0};
   check_cuda(cudaMemcpyAsync(h, impl_->err, 8, cudaMemcpyDeviceToHost, stream), "read errors");
   check_cuda(cudaStreamSynchronize(stream), "decode");
-  if (h[0]) throw Error(ErrorCode::kFormat, "kvtc-gpu decode: stream " + std::to_string(h[1]) + " is malformed");
+  if (!h[0]) return;
+  // The flags are sticky across decodes (a codec shared by several layers
+  // of one restore loses none) until reported here.
+  check_cuda(cudaMemcpy(impl_->err, kNoErrors, 8, cudaMemcpyHostToDevice), "reset errors");
+  throw Error(ErrorCode::kFormat, "kvtc-gpu decode: stream " + std::to_string(h[1]) + " is malformed");
 }
 
 }  // namespace kvcodec::gpu

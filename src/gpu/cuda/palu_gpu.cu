@@ -20,6 +20,7 @@
 
 #include <string>
 
+#include "gpu/cuda/cuda_check.cuh"
 #include "kvcodec/error.hpp"
 #include "kvcodec/gpu.hpp"
 #include "palu/projection.hpp"
@@ -29,11 +30,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw Error(ErrorCode::kInternal, std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
-}
 
 // The CPU's f32 -> f16 (core/tensor.cpp f32_to_f16), bit for bit, including
 // its NaN payload handling.
@@ -212,9 +208,9 @@ struct PaluGpuCodec::Impl {
   template <typename T>
   T* upload(const std::vector<T>& v) {
     void* p = nullptr;
-    check(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)), "cudaMalloc (palu tables)");
+    check_cuda(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)), "cudaMalloc (palu tables)");
     owned.push_back(p);
-    check(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload (palu tables)");
+    check_cuda(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload (palu tables)");
     return static_cast<T*>(p);
   }
 };
@@ -241,8 +237,8 @@ PaluGpuCodec::PaluGpuCodec(const palu::Projection& p, int rows, int group_size, 
   m.enc_smem = size_t(group_size) * size_t(p.dim + 1) * 4 + size_t(kWarps) * size_t(group_size) * 2;
   m.dec_smem = size_t(group_size) * size_t(p.rank + 1) * 4;
   int dev = 0, limit = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "shared memory limit");
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "shared memory limit");
   if (m.enc_smem > size_t(limit) || m.dec_smem > size_t(limit))
     throw Error(ErrorCode::kUnsupported, who + "group_size " + std::to_string(group_size) + " x dim " +
                                              std::to_string(p.dim) + " needs " + std::to_string(m.enc_smem) +
@@ -259,10 +255,8 @@ PaluGpuCodec::PaluGpuCodec(const palu::Projection& p, int rows, int group_size, 
   m.dev.basis_t = m.upload(p.basis_t);
   m.dev.bits = m.upload(p.bits);
   m.dev.cprefix = m.upload(cprefix);
-  check(cudaFuncSetAttribute(palu_encode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(m.enc_smem)),
-        "smem attribute");
-  check(cudaFuncSetAttribute(palu_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(m.dec_smem)),
-        "smem attribute");
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(palu_encode_kernel), int(m.enc_smem));
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(palu_decode_kernel), int(m.dec_smem));
 }
 
 PaluGpuCodec::~PaluGpuCodec() = default;
@@ -285,7 +279,7 @@ void PaluGpuCodec::encode(const uint16_t* x, int64_t tokens, uint8_t* out, void*
   check_palu_call(tokens, m.dev.gs, m.max_tokens, x, out);
   const unsigned grid = unsigned((tokens / m.dev.gs) * m.dev.rows);
   palu_encode_kernel<<<grid, kThreads, m.enc_smem, static_cast<cudaStream_t>(stream)>>>(m.dev, x, tokens, out);
-  check(cudaGetLastError(), "palu_encode_kernel launch");
+  check_cuda(cudaGetLastError(), "palu_encode_kernel launch");
 }
 
 void PaluGpuCodec::decode(const uint8_t* in, int64_t tokens, uint16_t* y, void* stream) {
@@ -293,7 +287,7 @@ void PaluGpuCodec::decode(const uint8_t* in, int64_t tokens, uint16_t* y, void* 
   check_palu_call(tokens, m.dev.gs, m.max_tokens, in, y);
   const unsigned grid = unsigned((tokens / m.dev.gs) * m.dev.rows);
   palu_decode_kernel<<<grid, kThreads, m.dec_smem, static_cast<cudaStream_t>(stream)>>>(m.dev, in, tokens, y);
-  check(cudaGetLastError(), "palu_decode_kernel launch");
+  check_cuda(cudaGetLastError(), "palu_decode_kernel launch");
 }
 
 }  // namespace kvcodec::gpu

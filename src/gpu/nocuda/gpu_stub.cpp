@@ -33,6 +33,17 @@ void KvtcGpuCodec::set_pipeline_chunks(int) { absent(); }
 void KvtcGpuCodec::set_reconstruction(Reconstruction) { absent(); }
 std::vector<double> KvtcGpuCodec::last_phase_ms() const { absent(); }
 
+struct KvOffloadTier::Impl {};
+KvOffloadTier::KvOffloadTier(const KvtcCalibration&, const std::vector<int>&, int, int64_t, int, int) { absent(); }
+KvOffloadTier::~KvOffloadTier() = default;
+int KvOffloadTier::n_layers() const { absent(); }
+uint64_t KvOffloadTier::layer_bytes(int64_t) const { absent(); }
+OffloadedKv KvOffloadTier::offload(const std::vector<const uint16_t*>&, int64_t, void*) { absent(); }
+void KvOffloadTier::restore(const OffloadedKv&, const std::vector<uint16_t*>&, void*) { absent(); }
+void KvOffloadTier::check_errors(void*) { absent(); }
+void KvOffloadTier::set_reconstruction(KvtcGpuCodec::Reconstruction) { absent(); }
+void KvOffloadTier::set_decode_lanes(int) { absent(); }
+
 struct PaluGpuCodec::Impl {};
 PaluGpuCodec::PaluGpuCodec(const palu::Projection&, int, int, int64_t) { absent(); }
 PaluGpuCodec::~PaluGpuCodec() = default;
