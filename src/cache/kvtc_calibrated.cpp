@@ -1,5 +1,7 @@
-#include "cache/saved_meta.hpp"
 #include "cache/kvtc_calibrated.hpp"
+
+#include "cache/append_coder.hpp"
+#include "cache/saved_meta.hpp"
 
 #include <xxhash.h>
 
@@ -364,14 +366,13 @@ using cache_impl::append_varint;
 using cache_impl::varint_size;
 
 // One block of `block` tokens: one payload per batch row (all heads of the
-// layer coded together as one vector per token). Tokens that left the window
-// wait raw until a whole block of them is there, then are coded once (never
-// decoded and re-coded as the block fills): the raw part is the sinks, up to
-// block - 1 waiting tokens and the window. Only a cache loaded from a file
-// of the earlier layout, whose blocks grew token by token, may hold a
-// partial newest block; it is completed by the next block's worth of tokens.
+// layer coded together as one vector per token). Tokens go into the newest
+// block as they leave the window: its payloads grow at their end while it
+// fills (open) and are coded into the codec's bytes once it is whole
+// (cache/append_coder.hpp); only the newest block may be partial.
 struct Block {
   int64_t tokens = 0;
+  bool open = false;  // still filling (payloads stacked): the partial newest block or group
   std::vector<std::vector<uint8_t>> payload;  // [B]
   size_t serialized_size() const {
     size_t n = 0;
@@ -383,17 +384,19 @@ struct Block {
 // Refinement codes (kvtc.refine = N) of a run of consecutive coded tokens:
 // the residual after the base code, coded with the calibration's refinement
 // parameters. Groups of up to kRefineGroup tokens, never across a base
-// block boundary, coded with their block (a partial newest one only after
-// loading a file of the earlier layout). A group is dropped once all its tokens are older than the N newest
-// coded tokens.
+// block boundary, grown with their block. A group is dropped once all its
+// tokens are older than the N newest coded tokens.
 struct RefineGroup {
   int64_t first = 0;  // coded-token index (position - sinks) of its first token
   Block codes;
 };
 constexpr int64_t kRefineGroup = 32;
 // Meta "layout" of the saved sections (docs/format.md); files without the
-// key are version 1 (the same bytes).
-constexpr int kLayoutVersion = 1;
+// key are version 1. Version 2: the open payloads (a partial newest block,
+// a partial group in it) of rANS parameters are stacked rANS
+// (cache/append_coder.hpp); version 1 held kvtc::encode_codes bytes there,
+// converted at load.
+constexpr int kLayoutVersion = 2;
 
 struct Stream {
   std::vector<Block> blocks;
@@ -446,7 +449,7 @@ class CalibratedKvtcCache final : public KVCache {
   const kvtc::HeadParams& refine_params(bool is_key) const {
     return (is_key ? calibration_->key_refine : calibration_->value_refine)[size_t(config_.layer)];
   }
-  void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m);
+  void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m, bool closes);
   void drop_aged_refinement();
   const float* inverse_scale(bool is_key) const {
     return inverse_scale_[is_key ? 0 : 1].empty() ? nullptr : inverse_scale_[is_key ? 0 : 1].data();
@@ -531,12 +534,11 @@ void CalibratedKvtcCache::encode_ready_blocks() {
   const int64_t V = vdim();
   const bool refining = options_.refine > 0;
   std::vector<float> x, recon;
-  std::vector<uint16_t> codes, fresh;
-  // A token leaves the raw tail once `window` newer tokens follow it and a
-  // whole block of such tokens is there (whole_blocks): the block is then
-  // coded once. Otherwise (the default) tokens go into the newest block as
-  // they leave the window, and a partial newest block is completed by
-  // decoding its codes and coding them again with the new tokens'.
+  std::vector<uint16_t> fresh;
+  // A token leaves the raw tail once `window` newer tokens follow it (and,
+  // with whole_blocks, a whole block of such tokens is there), into the
+  // newest block: its codes are appended to the block's payload, so no
+  // coded token is coded again.
   for (;;) {
     const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
     if (ready <= 0) break;
@@ -550,24 +552,39 @@ void CalibratedKvtcCache::encode_ready_blocks() {
       const bool is_key = stream == &key_;
       const kvtc::HeadParams& p = params(is_key);
       const size_t K = size_t(p.n_kept());
+      const bool block_closes = held + m == options_.block;
+      // An open payload grows by appends (its vector doubling): room for
+      // what the previous one of its kind holds keeps it near its size.
+      const auto open_payloads = [&](std::vector<std::vector<uint8_t>>& payload, const Block* previous) {
+        payload.resize(size_t(batch_));
+        for (int64_t b = 0; previous && b < batch_; ++b)
+          payload[size_t(b)].reserve(previous->payload[size_t(b)].size() + 64);
+      };
       if (!grow) {
         stream->blocks.emplace_back();
-        stream->blocks.back().payload.resize(size_t(batch_));
+        open_payloads(stream->blocks.back().payload,
+                      block_closes || stream->blocks.size() < 2 ? nullptr : &stream->blocks[stream->blocks.size() - 2]);
       }
       // The refinement groups this step fills: one per kRefineGroup-th token
       // of the block (the first continues the newest group where that one
       // is partial and reaches the newest coded token).
-      std::vector<std::pair<RefineGroup*, int64_t>> pieces;  // group, tokens of this step it takes
+      struct Piece {
+        RefineGroup* group;
+        int64_t tokens;  // of this step that the group takes
+        bool closes;     // the group is whole after them
+      };
+      std::vector<Piece> pieces;
       for (int64_t at = held; refining && at < held + m;) {
         const bool continues = at % kRefineGroup != 0 && !stream->refine.empty() &&
                                stream->refine.back().first + stream->refine.back().codes.tokens == encoded_tokens() + (at - held);
         if (!continues) {
+          const Block* previous = stream->refine.empty() ? nullptr : &stream->refine.back().codes;
           stream->refine.emplace_back();  // a deque: references to older groups stay valid
           stream->refine.back().first = encoded_tokens() + (at - held);
-          stream->refine.back().codes.payload.resize(size_t(batch_));
+          open_payloads(stream->refine.back().codes.payload, previous);
         }
         const int64_t n = std::min(kRefineGroup - at % kRefineGroup, held + m - at);
-        pieces.emplace_back(&stream->refine.back(), n);
+        pieces.push_back({&stream->refine.back(), n, (at + n) % kRefineGroup == 0 || block_closes});
         at += n;
       }
       Block& blk = stream->blocks.back();
@@ -581,30 +598,30 @@ void CalibratedKvtcCache::encode_ready_blocks() {
             for (int64_t d = 0; d < V; ++d) x[size_t(t * V + d)] *= w[d];
         fresh.resize(size_t(m) * K);
         kvtc::quantize_block(p, x.data(), m, fresh.data());
-        auto& payload = blk.payload[size_t(b)];
-        if (held == 0) {
-          payload = kvtc::encode_codes(p, fresh.data(), m);
-        } else {
-          codes.resize(size_t(held + m) * K);
-          kvtc::decode_codes(p, payload.data(), payload.size(), held, codes.data());
-          std::copy(fresh.begin(), fresh.end(), codes.begin() + int64_t(held) * int64_t(K));
-          payload = kvtc::encode_codes(p, codes.data(), held + m);
-        }
-        coded_symbols_ += uint64_t(held + m) * K;
+        coded_symbols_ += cache_impl::grow_block_payload(p, blk.payload[size_t(b)], held, fresh.data(), m, block_closes);
         if (refining) {
           // The residual after the base reconstruction the reader will see.
           recon.resize(x.size());
           kvtc::dequantize_block(p, fresh.data(), m, recon.data());
           for (size_t i = 0; i < x.size(); ++i) x[i] -= recon[i];
           int64_t at = 0;
-          for (const auto& [group, n] : pieces) {
-            append_refinement(*group, is_key, b, x.data() + at * V, n);
-            at += n;
+          for (const Piece& piece : pieces) {
+            append_refinement(*piece.group, is_key, b, x.data() + at * V, piece.tokens, piece.closes);
+            at += piece.tokens;
           }
         }
       }
-      blk.tokens = held + m;
-      for (const auto& [group, n] : pieces) group->codes.tokens += n;
+      // A payload grows by appends, so its vector holds up to twice its
+      // bytes; once the block (or group) is whole it is coded again and
+      // held at its size (resident_bytes counts capacity).
+      const auto settle = [](Block& codes, int64_t added, bool closes) {
+        codes.tokens += added;
+        codes.open = !closes;
+        if (closes)
+          for (auto& p : codes.payload) p.shrink_to_fit();
+      };
+      settle(blk, m, block_closes);
+      for (const Piece& piece : pieces) settle(piece.group->codes, piece.tokens, piece.closes);
       for (auto& raw : stream->raw) {
         raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + m) * V);
         shrink_if_oversized(raw, size_t(sinks + options_.block + options_.window) * size_t(V));
@@ -618,16 +635,12 @@ void CalibratedKvtcCache::encode_ready_blocks() {
 // Appends m tokens' refinement codes of residual [m, V] to batch row b of
 // group g (whose token count the caller advances after every row).
 void CalibratedKvtcCache::append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual,
-                                            int64_t m) {
+                                            int64_t m, bool closes) {
   const kvtc::HeadParams& rp = refine_params(is_key);
-  const size_t K = size_t(rp.n_kept());
-  const int64_t held = g.codes.tokens;
-  std::vector<uint16_t> codes(size_t(held + m) * K);
-  auto& payload = g.codes.payload[size_t(b)];
-  if (held > 0) kvtc::decode_codes(rp, payload.data(), payload.size(), held, codes.data());
-  kvtc::quantize_block(rp, residual, m, codes.data() + size_t(held) * K);
-  payload = kvtc::encode_codes(rp, codes.data(), held + m);
-  coded_symbols_ += uint64_t(held + m) * K;
+  std::vector<uint16_t> codes(size_t(m) * size_t(rp.n_kept()));
+  kvtc::quantize_block(rp, residual, m, codes.data());
+  coded_symbols_ +=
+      cache_impl::grow_block_payload(rp, g.codes.payload[size_t(b)], g.codes.tokens, codes.data(), m, closes);
 }
 
 // Drops the refinement groups all of whose tokens are older than the
@@ -643,7 +656,7 @@ void CalibratedKvtcCache::drop_aged_refinement() {
 // refinement codes added where its tokens have them.
 void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const {
   const auto& p = blk.payload[size_t(b)];
-  kvtc::decode_block(params(is_key), p.data(), p.size(), blk.tokens, out);
+  cache_impl::decode_block_payload(params(is_key), p.data(), p.size(), blk.tokens, blk.open, out);
   const Stream& stream = is_key ? key_ : value_;
   if (!stream.refine.empty() && stream.refine.back().first + stream.refine.back().codes.tokens > first_coded) {
     // Groups lie inside one block: those starting in this block's range.
@@ -652,7 +665,8 @@ void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_co
       if (g.first < first_coded || g.first >= first_coded + blk.tokens) continue;
       const auto& rp = g.codes.payload[size_t(b)];
       fine.resize(size_t(g.codes.tokens * vdim()));
-      kvtc::decode_block(refine_params(is_key), rp.data(), rp.size(), g.codes.tokens, fine.data());
+      cache_impl::decode_block_payload(refine_params(is_key), rp.data(), rp.size(), g.codes.tokens, g.codes.open,
+                                       fine.data());
       float* dst = out + (g.first - first_coded) * vdim();
       for (size_t i = 0; i < fine.size(); ++i) dst[i] += fine[i];
     }
@@ -899,7 +913,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   const ContainerReader r = ContainerReader::parse(data, size, {}, "saved kvtc cache");
   if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
     throw Error(ErrorCode::kFormat, "kvtc calibrated: not a saved kvtc cache");
-  cache_impl::read_layout_version(r, kLayoutVersion, who);
+  const int layout_version = cache_impl::read_layout_version(r, kLayoutVersion, who);
   if (!r.meta().count("calibration.params_hash"))
     throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache is not a calibrated kvtc cache");
   if (r.meta_or_throw("calibration.params_hash") != params_hash(*calibration_, config_.layer))
@@ -958,7 +972,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
     auto payloads = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, batch,
                                                     "kvtc " + prefix + "blocks");
     for (uint64_t j = 0; j < n_blocks; ++j)
-      s->blocks.push_back(Block{j + 1 == n_blocks ? int64_t(last_tokens) : options_.block, std::move(payloads[j])});
+      s->blocks.push_back(Block{j + 1 == n_blocks ? int64_t(last_tokens) : options_.block, false, std::move(payloads[j])});
     if (r.has(prefix + "refine")) {
       if (!calibration_->refined())
         throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache holds refinement codes but " +
@@ -996,15 +1010,34 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   }
   // Sized only now: offset is bounded by the bytes that hold its tokens.
   fresh.cover_positions(int64_t(offset));
+  // Open (still filling): a partial newest block, and a partial group in
+  // it. Layout 1 held the codec's forward bytes for those too: the same
+  // codes, stacked now.
+  for (Stream* s : {&fresh.key_, &fresh.value_}) {
+    const bool is_key = s == &fresh.key_;
+    if (s->blocks.empty() || s->blocks.back().tokens == options_.block) continue;
+    Block& newest = s->blocks.back();
+    newest.open = true;
+    const int64_t newest_first = encoded - newest.tokens;
+    for (auto& g : s->refine) g.codes.open = g.first >= newest_first && g.codes.tokens < kRefineGroup;
+    if (layout_version > 1) continue;
+    for (auto& p : newest.payload) p = cache_impl::open_payload_from_layout1(fresh.params(is_key), p, newest.tokens);
+    for (auto& g : s->refine)
+      if (g.codes.open)
+        for (auto& p : g.codes.payload)
+          p = cache_impl::open_payload_from_layout1(fresh.refine_params(is_key), p, g.codes.tokens);
+  }
   // Every payload must decode: a corrupted block is refused now, not at fetch.
   std::vector<float> x(size_t(options_.block * V));
   for (const Stream* s : {&fresh.key_, &fresh.value_}) {
     for (const auto& blk : s->blocks)
       for (const auto& p : blk.payload)
-        kvtc::decode_block(fresh.params(s == &fresh.key_), p.data(), p.size(), blk.tokens, x.data());
+        cache_impl::decode_block_payload(fresh.params(s == &fresh.key_), p.data(), p.size(), blk.tokens, blk.open,
+                                         x.data());
     for (const auto& g : s->refine)
       for (const auto& p : g.codes.payload)
-        kvtc::decode_block(fresh.refine_params(s == &fresh.key_), p.data(), p.size(), g.codes.tokens, x.data());
+        cache_impl::decode_block_payload(fresh.refine_params(s == &fresh.key_), p.data(), p.size(), g.codes.tokens,
+                                         g.codes.open, x.data());
   }
   if (fresh.key_.refine.size() != fresh.value_.refine.size() ||
       (!fresh.key_.refine.empty() && fresh.key_.refine.front().first != fresh.value_.refine.front().first))
