@@ -1,4 +1,5 @@
 #include "cache/kvtc_cache.hpp"
+#include "cache/append_checks.hpp"
 #include "cache/kvtc_calibrated.hpp"
 
 #include <algorithm>
@@ -118,23 +119,12 @@ void KvtcCache::raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int6
 }
 
 void KvtcCache::append(const TensorView& keys, const TensorView& values) {
-  if (keys.shape != values.shape)
-    throw Error(ErrorCode::kShapeMismatch, "kvtc: keys " + shape_string(keys.shape) + " and values " +
-                                               shape_string(values.shape) + " differ");
-  if (keys.shape[1] != config_.n_kv_heads || keys.shape[3] != config_.head_dim)
-    throw Error(ErrorCode::kShapeMismatch, "kvtc: got " + shape_string(keys.shape) + ", cache holds H_kv=" +
-                                               std::to_string(config_.n_kv_heads) +
-                                               ", D=" + std::to_string(config_.head_dim));
+  cache_impl::check_append(keys, values, config_, offset_ == 0 ? 0 : batch_, "kvtc");
   if (offset_ == 0) {
-    if (keys.shape[0] < 1) throw Error(ErrorCode::kShapeMismatch, "kvtc: batch must be >= 1");
     batch_ = keys.shape[0];
-    // bf16 stays bf16 (never through f16, which overflows past 65504).
-    raw_dtype_ = keys.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    raw_dtype_ = cache_impl::raw_dtype_for(keys.dtype);
     key_.raw.assign(size_t(heads_total()), {});
     value_.raw.assign(size_t(heads_total()), {});
-  } else if (keys.shape[0] != batch_) {
-    throw Error(ErrorCode::kShapeMismatch, "kvtc: batch " + std::to_string(keys.shape[0]) +
-                                               " appended to a cache of batch " + std::to_string(batch_));
   }
   const int64_t S = keys.shape[2];
   if (S == 0) return;

@@ -1,5 +1,6 @@
 #include "cache/kvtc_calibrated.hpp"
 
+#include "cache/append_checks.hpp"
 #include "cache/append_coder.hpp"
 #include "cache/saved_meta.hpp"
 
@@ -486,22 +487,12 @@ class CalibratedKvtcCache final : public KVCache {
 };
 
 void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& values) {
-  if (keys.shape != values.shape || keys.dtype != values.dtype)
-    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: keys " + shape_string(keys.shape) + " and values " +
-                                               shape_string(values.shape) + " differ");
-  if (keys.shape[1] != config_.n_kv_heads || keys.shape[3] != config_.head_dim)
-    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: got " + shape_string(keys.shape) +
-                                               ", cache holds H_kv=" + std::to_string(config_.n_kv_heads) +
-                                               ", D=" + std::to_string(config_.head_dim));
+  cache_impl::check_append(keys, values, config_, offset_ == 0 ? 0 : batch_, "kvtc calibrated");
   if (offset_ == 0) {
-    if (keys.shape[0] < 1) throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: batch must be >= 1");
     batch_ = keys.shape[0];
-    raw_dtype_ = keys.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    raw_dtype_ = cache_impl::raw_dtype_for(keys.dtype);
     key_.raw.assign(size_t(batch_), {});
     value_.raw.assign(size_t(batch_), {});
-  } else if (keys.shape[0] != batch_) {
-    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: batch " + std::to_string(keys.shape[0]) +
-                                               " appended to a cache of batch " + std::to_string(batch_));
   }
   const int64_t S = keys.shape[2];
   if (S == 0) return;
