@@ -398,12 +398,7 @@ std::vector<uint8_t> KvtcCache::save() const {
   w.set_meta("config.n_layers", std::to_string(config_.n_layers));
   w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
   w.set_meta("config.head_dim", std::to_string(config_.head_dim));
-  {
-    std::ostringstream theta;
-    theta.precision(17);
-    theta << config_.rope_theta;
-    w.set_meta("config.rope_theta", theta.str());
-  }
+  w.set_meta("config.rope_theta", cache_impl::double_text(config_.rope_theta));
   cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
   state.u64(uint64_t(batch_));

@@ -32,11 +32,6 @@ namespace {
 constexpr int64_t kBlockTokens = 256;
 constexpr int64_t kMaxTokens = int64_t(1) << 40;
 
-std::string double_text(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
 
 class StreamCache final : public KVCache {
  public:
