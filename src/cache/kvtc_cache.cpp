@@ -426,21 +426,9 @@ std::vector<uint8_t> KvtcCache::save() const {
 void KvtcCache::load(const uint8_t* data, size_t size) {
   const std::string who = "kvtc (local mode) load";
   const ContainerReader r = ContainerReader::parse(data, size, {}, "saved kvtc cache");
-  if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
-    throw Error(ErrorCode::kFormat, who + ": not a saved kvtc cache");
-  if (r.meta().count("calibration.params_hash"))
-    throw Error(ErrorCode::kFormat, who + ": the saved cache is a calibrated kvtc cache, this one is local mode");
-  cache_impl::read_layout_version(r, kLayoutVersion, who);
-  auto expect = [&](const char* key, int value) {
-    if (r.meta_or_throw(key) != std::to_string(value))
-      throw Error(ErrorCode::kShapeMismatch, std::string("kvtc: saved cache has ") + key + " = " +
-                                                 r.meta_or_throw(key) + ", this cache " + std::to_string(value));
-  };
-  expect("config.n_kv_heads", config_.n_kv_heads);
-  expect("config.head_dim", config_.head_dim);
-  const KvtcSettings saved = parse_kvtc_settings(decode_settings(r.meta_or_throw("settings")), config_);
-  cache_impl::expect_same_token_layout(saved.block, saved.sinks, saved.window, options_.block, options_.sinks,
-                                       options_.window, who);
+  check_saved_kvtc_meta(r, /*calibrated=*/false, kLayoutVersion,
+                        {{"config.n_kv_heads", config_.n_kv_heads}, {"config.head_dim", config_.head_dim}}, config_,
+                        options_, who);
   ByteReader state(r.section("state"), "kvtc state");
   const uint64_t batch = state.u64();
   const uint64_t offset = state.u64();
@@ -594,6 +582,26 @@ MethodInfo kvtc_method_info() {
            {"threads", "1", "OpenMP threads for fit, encode and decode"},
            {"calibration", "", "calibration file from kvcodec calibrate (implies mode=calibrated)"},
            {"rope_theta", "", "RoPE base for calibrated mode (default: the model's)"}}};
+}
+
+int check_saved_kvtc_meta(const ContainerReader& r, bool calibrated, int newest,
+                          const std::vector<std::pair<const char*, int>>& same, const CacheConfig& config,
+                          const KvtcSettings& options, const std::string& who) {
+  if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
+    throw Error(ErrorCode::kFormat, who + ": not a saved kvtc cache");
+  if (r.meta().count("calibration.params_hash") != (calibrated ? 1u : 0u))
+    throw Error(ErrorCode::kFormat, who + (calibrated ? ": the saved cache is not a calibrated kvtc cache"
+                                                      : ": the saved cache is a calibrated kvtc cache, this one "
+                                                        "is local mode"));
+  const int version = cache_impl::read_layout_version(r, newest, who);
+  for (const auto& [key, value] : same)
+    if (r.meta_or_throw(key) != std::to_string(value))
+      throw Error(ErrorCode::kShapeMismatch, who + ": saved cache has " + key + " = " + r.meta_or_throw(key) +
+                                                 ", this cache " + std::to_string(value));
+  const KvtcSettings saved = parse_kvtc_settings(decode_settings(r.meta_or_throw("settings")), config);
+  cache_impl::expect_same_token_layout(saved.block, saved.sinks, saved.window, options.block, options.sinks,
+                                       options.window, who);
+  return version;
 }
 
 std::unique_ptr<KVCache> make_kvtc_cache(const CacheConfig& config, const Settings& settings) {

@@ -568,23 +568,13 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
 void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   const std::string who = "kvtc calibrated load";
   const ContainerReader r = ContainerReader::parse(data, size, {}, "saved kvtc cache");
-  if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
-    throw Error(ErrorCode::kFormat, "kvtc calibrated: not a saved kvtc cache");
-  const int layout_version = cache_impl::read_layout_version(r, kLayoutVersion, who);
-  if (!r.meta().count("calibration.params_hash"))
-    throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache is not a calibrated kvtc cache");
+  const int layout_version = check_saved_kvtc_meta(
+      r, /*calibrated=*/true, kLayoutVersion,
+      {{"config.layer", config_.layer}, {"config.n_kv_heads", config_.n_kv_heads}, {"config.head_dim", config_.head_dim}},
+      config_, options_, who);
   if (r.meta_or_throw("calibration.params_hash") != params_hash(*calibration_, config_.layer))
     throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache was written with other calibration "
                                     "parameters than those of " + options_.calibration);
-  for (const auto& [key, value] : {std::pair<const char*, int>{"config.layer", config_.layer},
-                                   {"config.n_kv_heads", config_.n_kv_heads},
-                                   {"config.head_dim", config_.head_dim}})
-    if (r.meta_or_throw(key) != std::to_string(value))
-      throw Error(ErrorCode::kShapeMismatch, std::string("kvtc calibrated: saved cache has ") + key + " = " +
-                                                 r.meta_or_throw(key) + ", this cache " + std::to_string(value));
-  const KvtcSettings saved = parse_kvtc_settings(decode_settings(r.meta_or_throw("settings")), config_);
-  cache_impl::expect_same_token_layout(saved.block, saved.sinks, saved.window, options_.block, options_.sinks,
-                                       options_.window, who);
   ByteReader state(r.section("state"), "kvtc state");
   const uint64_t batch = state.u64();
   const uint64_t offset = state.u64();
