@@ -1,4 +1,5 @@
 #include "cache/kvtc_cache.hpp"
+#include "cache/append_checks.hpp"
 #include "cache/kvtc_calibrated.hpp"
 
 #include <algorithm>
@@ -118,23 +119,12 @@ void KvtcCache::raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int6
 }
 
 void KvtcCache::append(const TensorView& keys, const TensorView& values) {
-  if (keys.shape != values.shape)
-    throw Error(ErrorCode::kShapeMismatch, "kvtc: keys " + shape_string(keys.shape) + " and values " +
-                                               shape_string(values.shape) + " differ");
-  if (keys.shape[1] != config_.n_kv_heads || keys.shape[3] != config_.head_dim)
-    throw Error(ErrorCode::kShapeMismatch, "kvtc: got " + shape_string(keys.shape) + ", cache holds H_kv=" +
-                                               std::to_string(config_.n_kv_heads) +
-                                               ", D=" + std::to_string(config_.head_dim));
+  cache_impl::check_append(keys, values, config_, offset_ == 0 ? 0 : batch_, "kvtc");
   if (offset_ == 0) {
-    if (keys.shape[0] < 1) throw Error(ErrorCode::kShapeMismatch, "kvtc: batch must be >= 1");
     batch_ = keys.shape[0];
-    // bf16 stays bf16 (never through f16, which overflows past 65504).
-    raw_dtype_ = keys.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    raw_dtype_ = cache_impl::raw_dtype_for(keys.dtype);
     key_.raw.assign(size_t(heads_total()), {});
     value_.raw.assign(size_t(heads_total()), {});
-  } else if (keys.shape[0] != batch_) {
-    throw Error(ErrorCode::kShapeMismatch, "kvtc: batch " + std::to_string(keys.shape[0]) +
-                                               " appended to a cache of batch " + std::to_string(batch_));
   }
   const int64_t S = keys.shape[2];
   if (S == 0) return;
@@ -408,12 +398,7 @@ std::vector<uint8_t> KvtcCache::save() const {
   w.set_meta("config.n_layers", std::to_string(config_.n_layers));
   w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
   w.set_meta("config.head_dim", std::to_string(config_.head_dim));
-  {
-    std::ostringstream theta;
-    theta.precision(17);
-    theta << config_.rope_theta;
-    w.set_meta("config.rope_theta", theta.str());
-  }
+  w.set_meta("config.rope_theta", cache_impl::double_text(config_.rope_theta));
   cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
   state.u64(uint64_t(batch_));
@@ -441,21 +426,9 @@ std::vector<uint8_t> KvtcCache::save() const {
 void KvtcCache::load(const uint8_t* data, size_t size) {
   const std::string who = "kvtc (local mode) load";
   const ContainerReader r = ContainerReader::parse(data, size, {}, "saved kvtc cache");
-  if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
-    throw Error(ErrorCode::kFormat, who + ": not a saved kvtc cache");
-  if (r.meta().count("calibration.params_hash"))
-    throw Error(ErrorCode::kFormat, who + ": the saved cache is a calibrated kvtc cache, this one is local mode");
-  cache_impl::read_layout_version(r, kLayoutVersion, who);
-  auto expect = [&](const char* key, int value) {
-    if (r.meta_or_throw(key) != std::to_string(value))
-      throw Error(ErrorCode::kShapeMismatch, std::string("kvtc: saved cache has ") + key + " = " +
-                                                 r.meta_or_throw(key) + ", this cache " + std::to_string(value));
-  };
-  expect("config.n_kv_heads", config_.n_kv_heads);
-  expect("config.head_dim", config_.head_dim);
-  const KvtcSettings saved = parse_kvtc_settings(decode_settings(r.meta_or_throw("settings")), config_);
-  cache_impl::expect_same_token_layout(saved.block, saved.sinks, saved.window, options_.block, options_.sinks,
-                                       options_.window, who);
+  check_saved_kvtc_meta(r, /*calibrated=*/false, kLayoutVersion,
+                        {{"config.n_kv_heads", config_.n_kv_heads}, {"config.head_dim", config_.head_dim}}, config_,
+                        options_, who);
   ByteReader state(r.section("state"), "kvtc state");
   const uint64_t batch = state.u64();
   const uint64_t offset = state.u64();
@@ -609,6 +582,26 @@ MethodInfo kvtc_method_info() {
            {"threads", "1", "OpenMP threads for fit, encode and decode"},
            {"calibration", "", "calibration file from kvcodec calibrate (implies mode=calibrated)"},
            {"rope_theta", "", "RoPE base for calibrated mode (default: the model's)"}}};
+}
+
+int check_saved_kvtc_meta(const ContainerReader& r, bool calibrated, int newest,
+                          const std::vector<std::pair<const char*, int>>& same, const CacheConfig& config,
+                          const KvtcSettings& options, const std::string& who) {
+  if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
+    throw Error(ErrorCode::kFormat, who + ": not a saved kvtc cache");
+  if (r.meta().count("calibration.params_hash") != (calibrated ? 1u : 0u))
+    throw Error(ErrorCode::kFormat, who + (calibrated ? ": the saved cache is not a calibrated kvtc cache"
+                                                      : ": the saved cache is a calibrated kvtc cache, this one "
+                                                        "is local mode"));
+  const int version = cache_impl::read_layout_version(r, newest, who);
+  for (const auto& [key, value] : same)
+    if (r.meta_or_throw(key) != std::to_string(value))
+      throw Error(ErrorCode::kShapeMismatch, who + ": saved cache has " + key + " = " + r.meta_or_throw(key) +
+                                                 ", this cache " + std::to_string(value));
+  const KvtcSettings saved = parse_kvtc_settings(decode_settings(r.meta_or_throw("settings")), config);
+  cache_impl::expect_same_token_layout(saved.block, saved.sinks, saved.window, options.block, options.sinks,
+                                       options.window, who);
+  return version;
 }
 
 std::unique_ptr<KVCache> make_kvtc_cache(const CacheConfig& config, const Settings& settings) {

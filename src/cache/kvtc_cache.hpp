@@ -9,8 +9,12 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "kvcodec/cache.hpp"
+#include "kvcodec/container.hpp"
 #include "kvtc/codec.hpp"
 
 namespace kvcodec {
@@ -48,5 +52,14 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
 MethodInfo kvtc_method_info();
 
 std::unique_ptr<KVCache> make_kvtc_cache(const CacheConfig& config, const Settings& settings);
+
+// What both kvtc modes check of a saved cache's meta before its sections: a
+// saved kvtc cache of this mode (a calibrated one names
+// calibration.params_hash), a layout version up to `newest` (returned),
+// the config fields in `same` equal to these values, and the saved
+// settings placing tokens as `options` does. Errors name `who`.
+int check_saved_kvtc_meta(const ContainerReader& r, bool calibrated, int newest,
+                          const std::vector<std::pair<const char*, int>>& same, const CacheConfig& config,
+                          const KvtcSettings& options, const std::string& who);
 
 }  // namespace kvcodec

@@ -1,17 +1,14 @@
-#include "cache/saved_meta.hpp"
+// The calibrated KVTC cache (DESIGN 4): tokens of one layer coded against a
+// calibration's parameters as they leave the raw window; its save and load.
 #include "cache/kvtc_calibrated.hpp"
 
-#include <xxhash.h>
-
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <exception>
-#include <filesystem>
 #include <deque>
-#include <mutex>
-#include <sstream>
 
+#include "cache/append_checks.hpp"
+#include "cache/append_coder.hpp"
+#include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "core/first_exception.hpp"
 #include "core/held_bytes.hpp"
@@ -21,16 +18,9 @@
 
 namespace kvcodec {
 
-// --- calibration file ----------------------------------------------------------
+// --- the cache -------------------------------------------------------------------
 
 namespace {
-
-std::string format_double(double v) {
-  std::ostringstream s;
-  s.precision(17);
-  s << v;
-  return s.str();
-}
 
 // A shared object's identity in CacheStats::shared (its address).
 std::string address_text(const void* p) {
@@ -39,339 +29,17 @@ std::string address_text(const void* p) {
   return buf;
 }
 
-}  // namespace
-
-std::string hash_hex(const void* data, size_t size) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH3_64bits(data, size));
-  return buf;
-}
-
-std::string KvtcCalibration::shape_string() const {
-  return "n_layers=" + std::to_string(n_layers) + ", n_kv_heads=" + std::to_string(n_kv_heads) +
-         ", head_dim=" + std::to_string(head_dim) + ", rope_theta=" + format_double(rope_theta);
-}
-
-std::vector<uint8_t> KvtcCalibration::serialize() const {
-  if (int(keys.size()) != n_layers || int(values.size()) != n_layers)
-    throw Error(ErrorCode::kInternal, "calibration: params for " + std::to_string(keys.size()) + "/" +
-                                          std::to_string(values.size()) + " layers, expected " +
-                                          std::to_string(n_layers));
-  const auto scales_ok = [&](const std::vector<std::vector<float>>& sc) {
-    if (sc.empty()) return !weighted();
-    if (int(sc.size()) != n_layers) return false;
-    for (const auto& v : sc) {
-      if (int(v.size()) != vector_dim()) return false;
-      for (float x : v)
-        if (!(x > 0.0f) || !std::isfinite(x)) return false;
-    }
-    return true;
-  };
-  if (refined() && (int(key_refine.size()) != n_layers || int(value_refine.size()) != n_layers))
-    throw Error(ErrorCode::kInternal, "calibration: refinement params for " + std::to_string(key_refine.size()) +
-                                          "/" + std::to_string(value_refine.size()) + " layers, expected " +
-                                          std::to_string(n_layers));
-  if (!scales_ok(key_scale) || !scales_ok(value_scale))
-    throw Error(ErrorCode::kInternal, "calibration: key/value scales must both be empty or hold " +
-                                          std::to_string(n_layers) + " x " + std::to_string(vector_dim()) +
-                                          " finite positive weights");
-  ContainerWriter w(ContainerKind::kCalibration);
-  w.set_meta("format", "kvtc-calibration");
-  w.set_meta("n_layers", std::to_string(n_layers));
-  w.set_meta("n_kv_heads", std::to_string(n_kv_heads));
-  w.set_meta("head_dim", std::to_string(head_dim));
-  w.set_meta("rope_theta", format_double(rope_theta));
-  w.set_meta("config_hash", config_hash);
-  for (const auto& [k, v] : info) w.set_meta("fit." + k, v);
-  for (int l = 0; l < n_layers; ++l) {
-    for (const bool is_key : {true, false}) {
-      ByteWriter b;
-      (is_key ? keys : values)[size_t(l)].serialize(b);
-      w.add_section("layer." + std::to_string(l) + (is_key ? ".key" : ".value"), b.take());
-    }
-    if (weighted()) {
-      for (const bool is_key : {true, false}) {
-        const auto& scale = (is_key ? key_scale : value_scale)[size_t(l)];
-        ByteWriter b;
-        b.f32s(scale.data(), scale.size());
-        w.add_section("layer." + std::to_string(l) + (is_key ? ".key_scale" : ".value_scale"), b.take());
-      }
-    }
-    if (refined()) {
-      for (const bool is_key : {true, false}) {
-        ByteWriter b;
-        (is_key ? key_refine : value_refine)[size_t(l)].serialize(b);
-        w.add_section("layer." + std::to_string(l) + (is_key ? ".key_refine" : ".value_refine"), b.take());
-      }
-    }
-  }
-  return w.finish();
-}
-
-void KvtcCalibration::write_file(const std::string& path) const {
-  // Through the container writer for its atomic temporary-file + rename.
-  const std::vector<uint8_t> bytes = serialize();
-  const ContainerReader r = ContainerReader::parse(bytes.data(), bytes.size());
-  ContainerWriter w(ContainerKind::kCalibration);
-  for (const auto& [k, v] : r.meta()) w.set_meta(k, v);
-  for (const auto& name : r.section_names()) {
-    const auto s = r.section(name);
-    w.add_section(name, std::vector<uint8_t>(s.begin(), s.end()));
-  }
-  w.write_file(path);
-}
-
-KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const std::string& label) {
-  const ContainerReader r = ContainerReader::parse(data, size, {}, label);
-  r.expect_kind(ContainerKind::kCalibration);
-  if (r.meta_or_throw("format") != "kvtc-calibration")
-    throw Error(ErrorCode::kFormat, "calibration " + label + ": format '" + r.meta_or_throw("format") +
-                                        "', expected 'kvtc-calibration'");
-  KvtcCalibration c;
-  c.n_layers = int(cache_impl::meta_int(r, "n_layers", 1, 4096));
-  c.n_kv_heads = int(cache_impl::meta_int(r, "n_kv_heads", 1, 4096));
-  c.head_dim = int(cache_impl::meta_int(r, "head_dim", 2, 4096));
-  if (int64_t(c.n_kv_heads) * c.head_dim > 65535)
-    throw Error(ErrorCode::kFormat, "calibration " + label + ": n_kv_heads * head_dim = " +
-                                        std::to_string(int64_t(c.n_kv_heads) * c.head_dim) + " exceeds 65535");
-  {
-    const std::string& v = r.meta_or_throw("rope_theta");
-    char* end = nullptr;
-    c.rope_theta = std::strtod(v.c_str(), &end);
-    if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(c.rope_theta) || c.rope_theta <= 0)
-      throw Error(ErrorCode::kFormat, "calibration " + label + ": rope_theta '" + v + "' is not a positive number");
-  }
-  c.config_hash = r.meta_or_throw("config_hash");
-  for (const auto& [k, v] : r.meta())
-    if (k.rfind("fit.", 0) == 0) c.info[k.substr(4)] = v;
-  const int dim = c.vector_dim();
-  // One serialised HeadParams section (base or refinement), the file and
-  // section named in any error.
-  const auto read_params = [&](const std::string& name) {
-    ByteReader in(r.section(name), "calibration " + name);
-    kvtc::HeadParams p;
-    try {
-      p = kvtc::HeadParams::deserialize(in, dim);
-    } catch (const Error& e) {
-      throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
-    }
-    if (!in.at_end()) throw Error(ErrorCode::kFormat, "calibration " + label + ": trailing bytes in " + name);
-    return p;
-  };
-  for (int l = 0; l < c.n_layers; ++l)
-    for (const bool is_key : {true, false})
-      (is_key ? c.keys : c.values)
-          .push_back(read_params("layer." + std::to_string(l) + (is_key ? ".key" : ".value")));
-  // Optional weights: all layers or none, each dim finite positive f32.
-  const bool weighted = r.has("layer.0.key_scale") || r.has("layer.0.value_scale");
-  for (int l = 0; weighted && l < c.n_layers; ++l)
-    for (const bool is_key : {true, false}) {
-      const std::string name = "layer." + std::to_string(l) + (is_key ? ".key_scale" : ".value_scale");
-      if (!r.has(name))
-        throw Error(ErrorCode::kFormat, "calibration " + label + ": weighted calibration without section " + name);
-      const auto bytes = r.section(name);
-      if (bytes.size() != size_t(dim) * 4)
-        throw Error(ErrorCode::kFormat, "calibration " + label + ": " + name + " holds " +
-                                            std::to_string(bytes.size()) + " bytes, expected " +
-                                            std::to_string(size_t(dim) * 4) + " (" + std::to_string(dim) + " f32)");
-      ByteReader in(bytes, "calibration " + name);
-      std::vector<float> scale = in.f32s(size_t(dim));
-      for (int d = 0; d < dim; ++d)
-        if (!(scale[size_t(d)] > 0.0f) || !std::isfinite(scale[size_t(d)]))
-          throw Error(ErrorCode::kFormat, "calibration " + label + ": " + name + "[" + std::to_string(d) +
-                                              "] = " + std::to_string(scale[size_t(d)]) +
-                                              " is not a finite positive weight");
-      (is_key ? c.key_scale : c.value_scale).push_back(std::move(scale));
-    }
-  // Optional refinement parameters: all layers or none.
-  const bool refined = r.has("layer.0.key_refine") || r.has("layer.0.value_refine");
-  for (int l = 0; refined && l < c.n_layers; ++l)
-    for (const bool is_key : {true, false}) {
-      const std::string name = "layer." + std::to_string(l) + (is_key ? ".key_refine" : ".value_refine");
-      if (!r.has(name))
-        throw Error(ErrorCode::kFormat, "calibration " + label + ": refined calibration without section " + name);
-      (is_key ? c.key_refine : c.value_refine).push_back(read_params(name));
-    }
-  return c;
-}
-
-KvtcCalibration KvtcCalibration::read_file(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) throw Error(ErrorCode::kIo, "calibration: cannot open " + path);
-  std::fseek(f, 0, SEEK_END);
-  const long n = std::ftell(f);
-  std::fseek(f, 0, SEEK_SET);
-  // Calibration files are a few MB; refuse anything absurd before allocating.
-  if (n < 0 || n > (1l << 31)) {
-    std::fclose(f);
-    throw Error(ErrorCode::kFormat, "calibration: " + path + " has an unreadable or implausible size (" +
-                                        std::to_string(n) + " bytes)");
-  }
-  std::vector<uint8_t> bytes(static_cast<size_t>(n));
-  const size_t got = std::fread(bytes.data(), 1, bytes.size(), f);
-  std::fclose(f);
-  if (got != bytes.size()) throw Error(ErrorCode::kIo, "calibration: short read of " + path);
-  return parse(bytes.data(), bytes.size(), path);
-}
-
-std::shared_ptr<const KvtcCalibration> KvtcCalibration::load_shared(const std::string& path) {
-  // One parsed copy per file for the whole process: a model has one cache per
-  // layer per sequence, and each must not re-read and re-build the tables.
-  static std::mutex mutex;
-  static std::map<std::string, std::pair<std::string, std::shared_ptr<const KvtcCalibration>>> loaded;
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) throw Error(ErrorCode::kNotFound, "calibration file " + path + ": " + ec.message());
-  const auto mtime = std::filesystem::last_write_time(path, ec).time_since_epoch().count();
-  const std::string stamp = std::to_string(size) + ":" + std::to_string(mtime);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = loaded.find(path);
-  if (it != loaded.end() && it->second.first == stamp) return it->second.second;
-  auto cal = std::make_shared<const KvtcCalibration>(read_file(path));
-  loaded[path] = {stamp, cal};
-  return cal;
-}
-
-uint64_t KvtcCalibration::held_bytes() const {
-  uint64_t n = sizeof(*this) + kvcodec::held_bytes(key_scale) + kvcodec::held_bytes(value_scale);
-  for (const auto* list : {&keys, &values, &key_refine, &value_refine}) {
-    n += uint64_t(list->capacity()) * sizeof(kvtc::HeadParams);
-    for (const auto& p : *list) n += p.params_held_bytes() + p.derived_held_bytes();
-  }
-  return n;
-}
-
-uint64_t KvtcCalibration::params_bytes() const {
-  uint64_t n = 0;
-  for (const auto& p : keys) n += p.serialized_size();
-  for (const auto& p : values) n += p.serialized_size();
-  for (const auto& p : key_refine) n += p.serialized_size();
-  for (const auto& p : value_refine) n += p.serialized_size();
-  return n;
-}
-
-void check_calibration_matches(const KvtcCalibration& cal, const CacheConfig& config, double rope_theta,
-                               const std::string& path) {
-  const bool same = cal.n_layers == config.n_layers && cal.n_kv_heads == config.n_kv_heads &&
-                    cal.head_dim == config.head_dim && cal.rope_theta == rope_theta;
-  if (!same) {
-    KvtcCalibration model;
-    model.n_layers = config.n_layers;
-    model.n_kv_heads = config.n_kv_heads;
-    model.head_dim = config.head_dim;
-    model.rope_theta = rope_theta;
-    throw Error(ErrorCode::kShapeMismatch, "kvtc calibration " + path + " was fitted for a model with " +
-                                               cal.shape_string() + "; this cache has " + model.shape_string());
-  }
-}
-
-// --- RoPE --------------------------------------------------------------------------
-
-std::vector<double> rope_inv_freq(int head_dim, double theta) {
-  std::vector<double> f(static_cast<size_t>(head_dim / 2));
-  for (int i = 0; i < head_dim / 2; ++i) f[size_t(i)] = std::pow(theta, -2.0 * i / head_dim);
-  return f;
-}
-
-void rope_rotate_tokens(float* x, int64_t n, int n_heads, int head_dim, int64_t first_position,
-                        const std::vector<double>& inv_freq, bool inverse) {
-  const int half = head_dim / 2;
-  std::vector<double> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
-  for (int64_t t = 0; t < n; ++t) {
-    const double pos = double(first_position + t);
-    for (int i = 0; i < half; ++i) {
-      // The model rounds cos/sin to f32 before rotating (llama.cpp, HF); do
-      // the same so the removal is the exact inverse of what it applied.
-      const double a = pos * inv_freq[size_t(i)];
-      c[size_t(i)] = double(float(std::cos(a)));
-      s[size_t(i)] = double(float(std::sin(a))) * (inverse ? -1.0 : 1.0);
-    }
-    for (int h = 0; h < n_heads; ++h) {
-      float* v = x + (t * n_heads + h) * head_dim;
-      for (int i = 0; i < half; ++i) {
-        const double a = v[i], b = v[i + half];
-        v[i] = float(a * c[size_t(i)] - b * s[size_t(i)]);
-        v[i + half] = float(b * c[size_t(i)] + a * s[size_t(i)]);
-      }
-    }
-  }
-}
-
-std::shared_ptr<const RopeTable> RopeTable::get(int head_dim, double theta, int64_t positions) {
-  // One table per (head_dim, theta) for the process, shared by every cache of
-  // every layer and sequence. When a longer one is needed it is rebuilt at
-  // the next power of two (>= 4096 positions) and replaces the registry's
-  // entry; caches holding the old one keep it alive until they move on.
-  static std::mutex mutex;
-  static std::map<std::pair<int, double>, std::shared_ptr<const RopeTable>> tables;
-  if (head_dim < 2 || head_dim % 2 != 0 || positions < 0 || positions > (int64_t(1) << 30))
-    throw Error(ErrorCode::kInvalidArgument, "RoPE table: head_dim " + std::to_string(head_dim) + ", positions " +
-                                                 std::to_string(positions));
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& slot = tables[{head_dim, theta}];
-  if (slot && slot->positions() >= positions) return slot;
-  int64_t n = 4096;
-  while (n < positions) n *= 2;
-  auto t = std::make_shared<RopeTable>();
-  t->half_ = head_dim / 2;
-  t->positions_ = n;
-  t->cos_.resize(size_t(n * t->half_));
-  t->sin_.resize(size_t(n * t->half_));
-  const std::vector<double> inv_freq = rope_inv_freq(head_dim, theta);
-  for (int64_t pos = 0; pos < n; ++pos)
-    for (int i = 0; i < t->half_; ++i) {
-      // Same f32 rounding of cos/sin as the model (and rope_rotate_tokens).
-      const double a = double(pos) * inv_freq[size_t(i)];
-      t->cos_[size_t(pos * t->half_ + i)] = float(std::cos(a));
-      t->sin_[size_t(pos * t->half_ + i)] = float(std::sin(a));
-    }
-  slot = t;
-  return slot;
-}
-
-void RopeTable::rotate(float* x, int64_t n, int64_t token_stride, int n_heads, int64_t first_position,
-                       bool inverse) const {
-  if (first_position < 0 || first_position + n > positions_)
-    throw Error(ErrorCode::kInternal, "RoPE table covers " + std::to_string(positions_) + " positions, asked for " +
-                                          std::to_string(first_position) + "+" + std::to_string(n));
-  const int half = half_, head_dim = 2 * half_;
-  const double sign = inverse ? -1.0 : 1.0;
-  for (int64_t t = 0; t < n; ++t) {
-    const float* c = cos_.data() + (first_position + t) * half;
-    const float* s = sin_.data() + (first_position + t) * half;
-    for (int h = 0; h < n_heads; ++h) {
-      float* v = x + t * token_stride + int64_t(h) * head_dim;
-      // Same double arithmetic as rope_rotate_tokens, so both give the same bits.
-      for (int i = 0; i < half; ++i) {
-        const double a = v[i], b = v[i + half];
-        const double ci = c[i], si = double(s[i]) * sign;
-        v[i] = float(a * ci - b * si);
-        v[i + half] = float(b * ci + a * si);
-      }
-    }
-  }
-}
-
-void rope_rotate_token(float* x, int n_heads, int head_dim, int64_t position, double theta, bool inverse) {
-  rope_rotate_tokens(x, 1, n_heads, head_dim, position, rope_inv_freq(head_dim, theta), inverse);
-}
-
-// --- the cache -------------------------------------------------------------------
-
-namespace {
-
 using cache_impl::append_varint;
 using cache_impl::varint_size;
 
 // One block of `block` tokens: one payload per batch row (all heads of the
-// layer coded together as one vector per token). Tokens that left the window
-// wait raw until a whole block of them is there, then are coded once (never
-// decoded and re-coded as the block fills): the raw part is the sinks, up to
-// block - 1 waiting tokens and the window. Only a cache loaded from a file
-// of the earlier layout, whose blocks grew token by token, may hold a
-// partial newest block; it is completed by the next block's worth of tokens.
+// layer coded together as one vector per token). Tokens go into the newest
+// block as they leave the window: its payloads grow at their end while it
+// fills (open) and are coded into the codec's bytes once it is whole
+// (cache/append_coder.hpp); only the newest block may be partial.
 struct Block {
   int64_t tokens = 0;
+  bool open = false;  // still filling (payloads stacked): the partial newest block or group
   std::vector<std::vector<uint8_t>> payload;  // [B]
   size_t serialized_size() const {
     size_t n = 0;
@@ -383,17 +51,19 @@ struct Block {
 // Refinement codes (kvtc.refine = N) of a run of consecutive coded tokens:
 // the residual after the base code, coded with the calibration's refinement
 // parameters. Groups of up to kRefineGroup tokens, never across a base
-// block boundary, coded with their block (a partial newest one only after
-// loading a file of the earlier layout). A group is dropped once all its tokens are older than the N newest
-// coded tokens.
+// block boundary, grown with their block. A group is dropped once all its
+// tokens are older than the N newest coded tokens.
 struct RefineGroup {
   int64_t first = 0;  // coded-token index (position - sinks) of its first token
   Block codes;
 };
 constexpr int64_t kRefineGroup = 32;
 // Meta "layout" of the saved sections (docs/format.md); files without the
-// key are version 1 (the same bytes).
-constexpr int kLayoutVersion = 1;
+// key are version 1. Version 2: the open payloads (a partial newest block,
+// a partial group in it) of rANS parameters are stacked rANS
+// (cache/append_coder.hpp); version 1 held kvtc::encode_codes bytes there,
+// converted at load.
+constexpr int kLayoutVersion = 2;
 
 struct Stream {
   std::vector<Block> blocks;
@@ -446,7 +116,7 @@ class CalibratedKvtcCache final : public KVCache {
   const kvtc::HeadParams& refine_params(bool is_key) const {
     return (is_key ? calibration_->key_refine : calibration_->value_refine)[size_t(config_.layer)];
   }
-  void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m);
+  void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m, bool closes);
   void drop_aged_refinement();
   const float* inverse_scale(bool is_key) const {
     return inverse_scale_[is_key ? 0 : 1].empty() ? nullptr : inverse_scale_[is_key ? 0 : 1].data();
@@ -483,22 +153,12 @@ class CalibratedKvtcCache final : public KVCache {
 };
 
 void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& values) {
-  if (keys.shape != values.shape || keys.dtype != values.dtype)
-    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: keys " + shape_string(keys.shape) + " and values " +
-                                               shape_string(values.shape) + " differ");
-  if (keys.shape[1] != config_.n_kv_heads || keys.shape[3] != config_.head_dim)
-    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: got " + shape_string(keys.shape) +
-                                               ", cache holds H_kv=" + std::to_string(config_.n_kv_heads) +
-                                               ", D=" + std::to_string(config_.head_dim));
+  cache_impl::check_append(keys, values, config_, offset_ == 0 ? 0 : batch_, "kvtc calibrated");
   if (offset_ == 0) {
-    if (keys.shape[0] < 1) throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: batch must be >= 1");
     batch_ = keys.shape[0];
-    raw_dtype_ = keys.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    raw_dtype_ = cache_impl::raw_dtype_for(keys.dtype);
     key_.raw.assign(size_t(batch_), {});
     value_.raw.assign(size_t(batch_), {});
-  } else if (keys.shape[0] != batch_) {
-    throw Error(ErrorCode::kShapeMismatch, "kvtc calibrated: batch " + std::to_string(keys.shape[0]) +
-                                               " appended to a cache of batch " + std::to_string(batch_));
   }
   const int64_t S = keys.shape[2];
   if (S == 0) return;
@@ -531,12 +191,11 @@ void CalibratedKvtcCache::encode_ready_blocks() {
   const int64_t V = vdim();
   const bool refining = options_.refine > 0;
   std::vector<float> x, recon;
-  std::vector<uint16_t> codes, fresh;
-  // A token leaves the raw tail once `window` newer tokens follow it and a
-  // whole block of such tokens is there (whole_blocks): the block is then
-  // coded once. Otherwise (the default) tokens go into the newest block as
-  // they leave the window, and a partial newest block is completed by
-  // decoding its codes and coding them again with the new tokens'.
+  std::vector<uint16_t> fresh;
+  // A token leaves the raw tail once `window` newer tokens follow it (and,
+  // with whole_blocks, a whole block of such tokens is there), into the
+  // newest block: its codes are appended to the block's payload, so no
+  // coded token is coded again.
   for (;;) {
     const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
     if (ready <= 0) break;
@@ -550,24 +209,39 @@ void CalibratedKvtcCache::encode_ready_blocks() {
       const bool is_key = stream == &key_;
       const kvtc::HeadParams& p = params(is_key);
       const size_t K = size_t(p.n_kept());
+      const bool block_closes = held + m == options_.block;
+      // An open payload grows by appends (its vector doubling): room for
+      // what the previous one of its kind holds keeps it near its size.
+      const auto open_payloads = [&](std::vector<std::vector<uint8_t>>& payload, const Block* previous) {
+        payload.resize(size_t(batch_));
+        for (int64_t b = 0; previous && b < batch_; ++b)
+          payload[size_t(b)].reserve(previous->payload[size_t(b)].size() + 64);
+      };
       if (!grow) {
         stream->blocks.emplace_back();
-        stream->blocks.back().payload.resize(size_t(batch_));
+        open_payloads(stream->blocks.back().payload,
+                      block_closes || stream->blocks.size() < 2 ? nullptr : &stream->blocks[stream->blocks.size() - 2]);
       }
       // The refinement groups this step fills: one per kRefineGroup-th token
       // of the block (the first continues the newest group where that one
       // is partial and reaches the newest coded token).
-      std::vector<std::pair<RefineGroup*, int64_t>> pieces;  // group, tokens of this step it takes
+      struct Piece {
+        RefineGroup* group;
+        int64_t tokens;  // of this step that the group takes
+        bool closes;     // the group is whole after them
+      };
+      std::vector<Piece> pieces;
       for (int64_t at = held; refining && at < held + m;) {
         const bool continues = at % kRefineGroup != 0 && !stream->refine.empty() &&
                                stream->refine.back().first + stream->refine.back().codes.tokens == encoded_tokens() + (at - held);
         if (!continues) {
+          const Block* previous = stream->refine.empty() ? nullptr : &stream->refine.back().codes;
           stream->refine.emplace_back();  // a deque: references to older groups stay valid
           stream->refine.back().first = encoded_tokens() + (at - held);
-          stream->refine.back().codes.payload.resize(size_t(batch_));
+          open_payloads(stream->refine.back().codes.payload, previous);
         }
         const int64_t n = std::min(kRefineGroup - at % kRefineGroup, held + m - at);
-        pieces.emplace_back(&stream->refine.back(), n);
+        pieces.push_back({&stream->refine.back(), n, (at + n) % kRefineGroup == 0 || block_closes});
         at += n;
       }
       Block& blk = stream->blocks.back();
@@ -581,30 +255,30 @@ void CalibratedKvtcCache::encode_ready_blocks() {
             for (int64_t d = 0; d < V; ++d) x[size_t(t * V + d)] *= w[d];
         fresh.resize(size_t(m) * K);
         kvtc::quantize_block(p, x.data(), m, fresh.data());
-        auto& payload = blk.payload[size_t(b)];
-        if (held == 0) {
-          payload = kvtc::encode_codes(p, fresh.data(), m);
-        } else {
-          codes.resize(size_t(held + m) * K);
-          kvtc::decode_codes(p, payload.data(), payload.size(), held, codes.data());
-          std::copy(fresh.begin(), fresh.end(), codes.begin() + int64_t(held) * int64_t(K));
-          payload = kvtc::encode_codes(p, codes.data(), held + m);
-        }
-        coded_symbols_ += uint64_t(held + m) * K;
+        coded_symbols_ += cache_impl::grow_block_payload(p, blk.payload[size_t(b)], held, fresh.data(), m, block_closes);
         if (refining) {
           // The residual after the base reconstruction the reader will see.
           recon.resize(x.size());
           kvtc::dequantize_block(p, fresh.data(), m, recon.data());
           for (size_t i = 0; i < x.size(); ++i) x[i] -= recon[i];
           int64_t at = 0;
-          for (const auto& [group, n] : pieces) {
-            append_refinement(*group, is_key, b, x.data() + at * V, n);
-            at += n;
+          for (const Piece& piece : pieces) {
+            append_refinement(*piece.group, is_key, b, x.data() + at * V, piece.tokens, piece.closes);
+            at += piece.tokens;
           }
         }
       }
-      blk.tokens = held + m;
-      for (const auto& [group, n] : pieces) group->codes.tokens += n;
+      // A payload grows by appends, so its vector holds up to twice its
+      // bytes; once the block (or group) is whole it is coded again and
+      // held at its size (resident_bytes counts capacity).
+      const auto settle = [](Block& codes, int64_t added, bool closes) {
+        codes.tokens += added;
+        codes.open = !closes;
+        if (closes)
+          for (auto& p : codes.payload) p.shrink_to_fit();
+      };
+      settle(blk, m, block_closes);
+      for (const Piece& piece : pieces) settle(piece.group->codes, piece.tokens, piece.closes);
       for (auto& raw : stream->raw) {
         raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + m) * V);
         shrink_if_oversized(raw, size_t(sinks + options_.block + options_.window) * size_t(V));
@@ -618,16 +292,12 @@ void CalibratedKvtcCache::encode_ready_blocks() {
 // Appends m tokens' refinement codes of residual [m, V] to batch row b of
 // group g (whose token count the caller advances after every row).
 void CalibratedKvtcCache::append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual,
-                                            int64_t m) {
+                                            int64_t m, bool closes) {
   const kvtc::HeadParams& rp = refine_params(is_key);
-  const size_t K = size_t(rp.n_kept());
-  const int64_t held = g.codes.tokens;
-  std::vector<uint16_t> codes(size_t(held + m) * K);
-  auto& payload = g.codes.payload[size_t(b)];
-  if (held > 0) kvtc::decode_codes(rp, payload.data(), payload.size(), held, codes.data());
-  kvtc::quantize_block(rp, residual, m, codes.data() + size_t(held) * K);
-  payload = kvtc::encode_codes(rp, codes.data(), held + m);
-  coded_symbols_ += uint64_t(held + m) * K;
+  std::vector<uint16_t> codes(size_t(m) * size_t(rp.n_kept()));
+  kvtc::quantize_block(rp, residual, m, codes.data());
+  coded_symbols_ +=
+      cache_impl::grow_block_payload(rp, g.codes.payload[size_t(b)], g.codes.tokens, codes.data(), m, closes);
 }
 
 // Drops the refinement groups all of whose tokens are older than the
@@ -643,7 +313,7 @@ void CalibratedKvtcCache::drop_aged_refinement() {
 // refinement codes added where its tokens have them.
 void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const {
   const auto& p = blk.payload[size_t(b)];
-  kvtc::decode_block(params(is_key), p.data(), p.size(), blk.tokens, out);
+  cache_impl::decode_block_payload(params(is_key), p.data(), p.size(), blk.tokens, blk.open, out);
   const Stream& stream = is_key ? key_ : value_;
   if (!stream.refine.empty() && stream.refine.back().first + stream.refine.back().codes.tokens > first_coded) {
     // Groups lie inside one block: those starting in this block's range.
@@ -652,7 +322,8 @@ void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_co
       if (g.first < first_coded || g.first >= first_coded + blk.tokens) continue;
       const auto& rp = g.codes.payload[size_t(b)];
       fine.resize(size_t(g.codes.tokens * vdim()));
-      kvtc::decode_block(refine_params(is_key), rp.data(), rp.size(), g.codes.tokens, fine.data());
+      cache_impl::decode_block_payload(refine_params(is_key), rp.data(), rp.size(), g.codes.tokens, g.codes.open,
+                                       fine.data());
       float* dst = out + (g.first - first_coded) * vdim();
       for (size_t i = 0; i < fine.size(); ++i) dst[i] += fine[i];
     }
@@ -855,7 +526,7 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
   w.set_meta("config.n_layers", std::to_string(config_.n_layers));
   w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
   w.set_meta("config.head_dim", std::to_string(config_.head_dim));
-  w.set_meta("config.rope_theta", format_double(config_.rope_theta));
+  w.set_meta("config.rope_theta", cache_impl::double_text(config_.rope_theta));
   w.set_meta("calibration.params_hash", params_hash(*calibration_, config_.layer));
   cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
@@ -897,23 +568,13 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
 void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   const std::string who = "kvtc calibrated load";
   const ContainerReader r = ContainerReader::parse(data, size, {}, "saved kvtc cache");
-  if (r.kind() != ContainerKind::kCache || r.meta_or_throw("method") != "kvtc")
-    throw Error(ErrorCode::kFormat, "kvtc calibrated: not a saved kvtc cache");
-  cache_impl::read_layout_version(r, kLayoutVersion, who);
-  if (!r.meta().count("calibration.params_hash"))
-    throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache is not a calibrated kvtc cache");
+  const int layout_version = check_saved_kvtc_meta(
+      r, /*calibrated=*/true, kLayoutVersion,
+      {{"config.layer", config_.layer}, {"config.n_kv_heads", config_.n_kv_heads}, {"config.head_dim", config_.head_dim}},
+      config_, options_, who);
   if (r.meta_or_throw("calibration.params_hash") != params_hash(*calibration_, config_.layer))
     throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache was written with other calibration "
                                     "parameters than those of " + options_.calibration);
-  for (const auto& [key, value] : {std::pair<const char*, int>{"config.layer", config_.layer},
-                                   {"config.n_kv_heads", config_.n_kv_heads},
-                                   {"config.head_dim", config_.head_dim}})
-    if (r.meta_or_throw(key) != std::to_string(value))
-      throw Error(ErrorCode::kShapeMismatch, std::string("kvtc calibrated: saved cache has ") + key + " = " +
-                                                 r.meta_or_throw(key) + ", this cache " + std::to_string(value));
-  const KvtcSettings saved = parse_kvtc_settings(decode_settings(r.meta_or_throw("settings")), config_);
-  cache_impl::expect_same_token_layout(saved.block, saved.sinks, saved.window, options_.block, options_.sinks,
-                                       options_.window, who);
   ByteReader state(r.section("state"), "kvtc state");
   const uint64_t batch = state.u64();
   const uint64_t offset = state.u64();
@@ -958,7 +619,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
     auto payloads = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, batch,
                                                     "kvtc " + prefix + "blocks");
     for (uint64_t j = 0; j < n_blocks; ++j)
-      s->blocks.push_back(Block{j + 1 == n_blocks ? int64_t(last_tokens) : options_.block, std::move(payloads[j])});
+      s->blocks.push_back(Block{j + 1 == n_blocks ? int64_t(last_tokens) : options_.block, false, std::move(payloads[j])});
     if (r.has(prefix + "refine")) {
       if (!calibration_->refined())
         throw Error(ErrorCode::kFormat, "kvtc calibrated: the saved cache holds refinement codes but " +
@@ -996,15 +657,34 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
   }
   // Sized only now: offset is bounded by the bytes that hold its tokens.
   fresh.cover_positions(int64_t(offset));
+  // Open (still filling): a partial newest block, and a partial group in
+  // it. Layout 1 held the codec's forward bytes for those too: the same
+  // codes, stacked now.
+  for (Stream* s : {&fresh.key_, &fresh.value_}) {
+    const bool is_key = s == &fresh.key_;
+    if (s->blocks.empty() || s->blocks.back().tokens == options_.block) continue;
+    Block& newest = s->blocks.back();
+    newest.open = true;
+    const int64_t newest_first = encoded - newest.tokens;
+    for (auto& g : s->refine) g.codes.open = g.first >= newest_first && g.codes.tokens < kRefineGroup;
+    if (layout_version > 1) continue;
+    for (auto& p : newest.payload) p = cache_impl::open_payload_from_layout1(fresh.params(is_key), p, newest.tokens);
+    for (auto& g : s->refine)
+      if (g.codes.open)
+        for (auto& p : g.codes.payload)
+          p = cache_impl::open_payload_from_layout1(fresh.refine_params(is_key), p, g.codes.tokens);
+  }
   // Every payload must decode: a corrupted block is refused now, not at fetch.
   std::vector<float> x(size_t(options_.block * V));
   for (const Stream* s : {&fresh.key_, &fresh.value_}) {
     for (const auto& blk : s->blocks)
       for (const auto& p : blk.payload)
-        kvtc::decode_block(fresh.params(s == &fresh.key_), p.data(), p.size(), blk.tokens, x.data());
+        cache_impl::decode_block_payload(fresh.params(s == &fresh.key_), p.data(), p.size(), blk.tokens, blk.open,
+                                         x.data());
     for (const auto& g : s->refine)
       for (const auto& p : g.codes.payload)
-        kvtc::decode_block(fresh.refine_params(s == &fresh.key_), p.data(), p.size(), g.codes.tokens, x.data());
+        cache_impl::decode_block_payload(fresh.refine_params(s == &fresh.key_), p.data(), p.size(), g.codes.tokens,
+                                         g.codes.open, x.data());
   }
   if (fresh.key_.refine.size() != fresh.value_.refine.size() ||
       (!fresh.key_.refine.empty() && fresh.key_.refine.front().first != fresh.value_.refine.front().first))

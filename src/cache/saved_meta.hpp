@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <span>
 #include <string>
@@ -26,6 +27,13 @@ inline int64_t meta_int(const ContainerReader& c, const std::string& key, int64_
     throw Error(ErrorCode::kFormat, c.label() + ": meta " + key + " = '" + v + "' is not an integer in [" +
                                         std::to_string(lo) + ", " + std::to_string(hi) + "]");
   return x;
+}
+
+// A double as meta text that reads back as the same double (17 digits).
+inline std::string double_text(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
 }
 
 inline void append_varint(std::vector<uint8_t>& out, uint64_t v) {

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "cache/append_checks.hpp"
 #include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "cache/streams.hpp"
@@ -29,14 +30,8 @@ namespace kvcodec::cache_impl {
 namespace {
 
 constexpr int64_t kBlockTokens = 256;
-constexpr int64_t kMaxBatch = 1 << 20;
 constexpr int64_t kMaxTokens = int64_t(1) << 40;
 
-std::string double_text(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
 
 class StreamCache final : public KVCache {
  public:
@@ -48,24 +43,11 @@ class StreamCache final : public KVCache {
   const CacheConfig& config() const override { return cfg_; }
 
   void append(const TensorView& keys, const TensorView& values) override {
-    if (keys.shape != values.shape)
-      throw Error(ErrorCode::kShapeMismatch, method_ + " cache: keys " + shape_string(keys.shape) +
-                                                 " and values " + shape_string(values.shape) + " differ in shape");
+    cache_impl::check_append(keys, values, cfg_, shaped_ ? batch_ : 0, method_ + " cache");
     const Shape4& s = keys.shape;
-    if (s[0] < 1 || s[0] > kMaxBatch || s[2] < 0 || s[1] != cfg_.n_kv_heads || s[3] != cfg_.head_dim)
-      throw Error(ErrorCode::kShapeMismatch,
-                  method_ + " cache (layer " + std::to_string(cfg_.layer) + "): got " + shape_string(s) +
-                      ", expected [B >= 1, " + std::to_string(cfg_.n_kv_heads) + ", S, " +
-                      std::to_string(cfg_.head_dim) + "]");
-    if (shaped_ && s[0] != batch_)
-      throw Error(ErrorCode::kShapeMismatch, method_ + " cache holds " +
-                                                 shape_string({batch_, cfg_.n_kv_heads, tokens_, cfg_.head_dim}) +
-                                                 " but was given " + shape_string(s) + " (batch differs)");
-    if (s[2] > 0 && (keys.data == nullptr || values.data == nullptr))
-      throw Error(ErrorCode::kInvalidArgument, method_ + " cache: null tensor data");
     if (!shaped_) {
       batch_ = s[0];
-      storage_ = keys.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+      storage_ = cache_impl::raw_dtype_for(keys.dtype);
       start_streams();
     }
     if (s[2] == 0) return;

@@ -468,6 +468,14 @@ TEST_P(Contract, ShapeMismatchIsReported) {
     EXPECT_EQ(e.code(), ErrorCode::kShapeMismatch);
   }
   EXPECT_THROW(c->append(d.k(10, 4), d.v(10, 5)), Error);  // keys and values differ
+  // Keys and values in different dtypes (every method: one check, cache/append_checks.hpp).
+  const Data f16 = make_data(batch(), 20, DType::kF16);
+  try {
+    c->append(d.k(10, 4), f16.v(10, 4));
+    FAIL() << "keys bf16 with values f16 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kShapeMismatch) << e.what();
+  }
   Tensor wrong(DType::kBF16, {batch(), kHeads, 3, kDim / 2});
   EXPECT_THROW(c->append(wrong.view(), wrong.view()), Error);
   EXPECT_EQ(c->offset(), 10);

@@ -1,0 +1,171 @@
+#include "cache/append_coder.hpp"
+
+#include <algorithm>
+#include <array>
+#include <string>
+
+#include "entropy/entropy.hpp"
+#include "kvtc/block_codes.hpp"
+#include "kvcodec/error.hpp"
+
+namespace kvcodec::cache_impl {
+namespace {
+
+using entropy::kRansLanes;
+using entropy::kRansLow;
+using States = std::array<uint32_t, kRansLanes>;
+
+size_t lanes_used(int64_t n, size_t kept) {
+  return size_t(std::min<uint64_t>(uint64_t(n) * kept, kRansLanes));
+}
+
+// Payloads of these parameters are stacked rANS.
+bool stacked(const kvtc::HeadParams& p) {
+  return p.coder == kvtc::CoderChoice::kRans && p.rans_tables.size() == size_t(p.n_kept());
+}
+
+void require_rans(const kvtc::HeadParams& p, const char* who) {
+  if (!stacked(p))
+    throw Error(ErrorCode::kInvalidArgument, std::string(who) + ": parameters are not rANS-coded");
+}
+
+// The stored states of a payload's used lanes (the rest at the initial state).
+States read_states(const uint8_t* data, size_t size, size_t lanes, const char* who) {
+  States x;
+  x.fill(kRansLow);
+  if (size < 4 * lanes)
+    throw Error(ErrorCode::kFormat, std::string(who) + ": " + std::to_string(size) + " bytes cannot hold " +
+                                        std::to_string(lanes) + " lane states");
+  const uint8_t* s = data + size - 4 * lanes;
+  for (size_t j = 0; j < lanes; ++j) {
+    x[j] = uint32_t(s[4 * j]) | uint32_t(s[4 * j + 1]) << 8 | uint32_t(s[4 * j + 2]) << 16 |
+           uint32_t(s[4 * j + 3]) << 24;
+    if (x[j] < kRansLow || x[j] >= (kRansLow << 8))
+      throw Error(ErrorCode::kFormat, std::string(who) + ": lane state outside [2^23, 2^31)");
+  }
+  return x;
+}
+
+}  // namespace
+
+void append_stacked_codes(const kvtc::HeadParams& p, std::vector<uint8_t>& payload, int64_t held,
+                          const uint16_t* codes, int64_t m) {
+  require_rans(p, "append_stacked_codes");
+  const size_t kept = size_t(p.n_kept());
+  if (held < 0 || m < 0) throw Error(ErrorCode::kInvalidArgument, "append_stacked_codes: negative token count");
+  for (int64_t t = 0; t < m; ++t)
+    for (size_t k = 0; k < kept; ++k)
+      if (codes[size_t(t) * kept + k] >= std::min<uint32_t>(p.quant[k].levels, p.rans_tables[k].alphabet_size))
+        throw Error(ErrorCode::kInvalidArgument, "append_stacked_codes: code " +
+                                                     std::to_string(codes[size_t(t) * kept + k]) + " of component " +
+                                                     std::to_string(k) + " is outside its alphabet");
+  if (m == 0 || kept == 0) return;
+  const size_t old_lanes = lanes_used(held, kept);
+  States x = read_states(payload.data(), payload.size(), old_lanes, "append_stacked_codes");
+  payload.resize(payload.size() - 4 * old_lanes);
+  uint64_t i = uint64_t(held) * kept;  // index of the next symbol of the run
+  for (int64_t t = 0; t < m; ++t)
+    for (size_t k = 0; k < kept; ++k, ++i) {
+      const entropy::FrequencyTable& table = p.rans_tables[k];
+      const uint16_t s = codes[size_t(t) * kept + k];
+      const uint32_t freq = table.freq[s], scale = table.scale_bits;
+      uint32_t& state = x[i % kRansLanes];
+      // Renormalise so the step below stays in [2^23, 2^31) (ryg_rans).
+      const uint32_t x_max = ((kRansLow >> scale) << 8) * freq;
+      while (state >= x_max) {
+        payload.push_back(uint8_t(state & 0xff));
+        state >>= 8;
+      }
+      state = ((state / freq) << scale) + state % freq + table.cum[s];
+    }
+  for (size_t j = 0; j < lanes_used(held + m, kept); ++j)
+    for (int b = 0; b < 4; ++b) payload.push_back(uint8_t(x[j] >> (8 * b)));
+}
+
+void decode_stacked_codes(const kvtc::HeadParams& p, const uint8_t* data, size_t size, int64_t n,
+                          uint16_t* codes) {
+  require_rans(p, "decode_stacked_codes");
+  const size_t kept = size_t(p.n_kept());
+  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "decode_stacked_codes: n = " + std::to_string(n));
+  if (n == 0 || kept == 0) {
+    if (size != 0) throw Error(ErrorCode::kFormat, "kvtc block: bytes where no symbols are coded");
+    return;
+  }
+  // The decoder's slot tables, built once with the parameters (or here
+  // for parameters assembled by hand).
+  thread_local std::vector<entropy::RansDecodeTable> built;
+  const std::vector<entropy::RansDecodeTable>* tables = &p.rans_decode;
+  if (p.rans_decode.size() != kept) {
+    built.clear();
+    for (const auto& t : p.rans_tables) built.emplace_back(t);
+    tables = &built;
+  }
+  const size_t lanes = lanes_used(n, kept);
+  States x = read_states(data, size, lanes, "kvtc block");
+  size_t pos = size - 4 * lanes;  // renormalisation bytes left, read backwards
+  for (uint64_t i = uint64_t(n) * kept; i-- > 0;) {
+    const size_t k = size_t(i % kept);
+    const entropy::RansDecodeTable& table = (*tables)[k];
+    uint32_t& state = x[i % kRansLanes];
+    const uint32_t slot = state & ((1u << table.scale_bits) - 1);
+    uint32_t s = 0;
+    if (!table.slot_symbol.empty()) {
+      s = table.slot_symbol[slot];
+    } else {
+      // Small alphabets: the symbol is the count of cum[1..] entries <= slot.
+      for (const uint16_t c : table.search) s += c <= slot;
+    }
+    state = table.syms[s].freq * (state >> table.scale_bits) + slot - table.syms[s].cum;
+    while (state < kRansLow) {
+      if (pos == 0) throw Error(ErrorCode::kFormat, "kvtc block: truncated stream");
+      state = state << 8 | data[--pos];
+    }
+    if (s >= p.quant[k].levels) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
+    codes[i] = uint16_t(s);
+  }
+  if (pos != 0) throw Error(ErrorCode::kFormat, "kvtc block: trailing bytes");
+  for (size_t j = 0; j < lanes; ++j)
+    if (x[j] != kRansLow) throw Error(ErrorCode::kFormat, "kvtc block: a lane does not end in its initial state");
+}
+
+uint64_t grow_block_payload(const kvtc::HeadParams& p, std::vector<uint8_t>& payload, int64_t held,
+                            const uint16_t* codes, int64_t m, bool close) {
+  const size_t kept = size_t(p.n_kept());
+  if (stacked(p) && !close) {
+    append_stacked_codes(p, payload, held, codes, m);
+    return uint64_t(m) * kept;
+  }
+  if (held == 0) {
+    payload = kvtc::encode_codes(p, codes, m);
+    return uint64_t(m) * kept;
+  }
+  std::vector<uint16_t> run(size_t(held + m) * kept);
+  if (stacked(p))
+    decode_stacked_codes(p, payload.data(), payload.size(), held, run.data());
+  else
+    kvtc::decode_codes(p, payload.data(), payload.size(), held, run.data());
+  std::copy(codes, codes + size_t(m) * kept, run.begin() + std::ptrdiff_t(size_t(held) * kept));
+  payload = kvtc::encode_codes(p, run.data(), held + m);
+  return uint64_t(held + m) * kept;
+}
+
+void decode_block_payload(const kvtc::HeadParams& p, const uint8_t* data, size_t size, int64_t n, bool open,
+                          float* out) {
+  if (!open || !stacked(p)) return kvtc::decode_block(p, data, size, n, out);
+  thread_local std::vector<uint16_t> codes;
+  codes.resize(size_t(n) * size_t(p.n_kept()));
+  decode_stacked_codes(p, data, size, n, codes.data());
+  kvtc::dequantize_block(p, codes.data(), n, out);
+}
+
+std::vector<uint8_t> open_payload_from_layout1(const kvtc::HeadParams& p, const std::vector<uint8_t>& old,
+                                               int64_t n) {
+  if (!stacked(p)) return old;
+  std::vector<uint16_t> codes(size_t(n) * size_t(p.n_kept()));
+  kvtc::decode_codes(p, old.data(), old.size(), n, codes.data());
+  std::vector<uint8_t> payload;
+  append_stacked_codes(p, payload, 0, codes.data(), n);
+  return payload;
+}
+
+}  // namespace kvcodec::cache_impl

@@ -1,0 +1,247 @@
+// Calibrated KVTC appends (DESIGN 3: a token is coded once): the golden
+// files of every saved layout, and the entropy work per appended token.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "cache/append_coder.hpp"
+#include "cache/calibrated_fixture.hpp"
+#include "kvtc/block_codes.hpp"
+#include "kvcodec/cache.hpp"
+#include "kvcodec/container.hpp"
+#include "kvcodec/error.hpp"
+
+namespace kvcodec {
+namespace {
+
+using namespace calibrated_fixture;
+
+// rANS parameters of the fixture's layer-1 keys (V = 32 dims) and the
+// codes of n of its tokens [n, K].
+struct Coded {
+  kvtc::HeadParams params;
+  std::vector<uint16_t> codes;
+  int64_t n = 0;
+  size_t kept() const { return size_t(params.n_kept()); }
+};
+Coded coded_tokens(int64_t n, uint32_t seed) {
+  const int V = kHeads * kDim;
+  const auto fit = synthetic_vectors(1024, 5, 1, true);
+  const auto pca = linalg::fit_pca(fit.data(), 1024, V);
+  kvtc::CodecOptions o;
+  o.bit_budget = 3 * V;
+  Coded c;
+  c.params = kvtc::fit_head(fit.data(), 1024, V, pca.mean, pca.components, pca.eigenvalues, o);
+  c.n = n;
+  c.codes.resize(size_t(n) * c.kept());
+  const auto x = synthetic_vectors(n, seed, 1, true);
+  kvtc::quantize_block(c.params, x.data(), n, c.codes.data());
+  return c;
+}
+
+// Appending tokens in pieces gives the bytes of one append of them all, the
+// decoder gives the codes back, and the rate is that of the codec's forward
+// rANS payload (the plain reference: same models) to the flush bytes.
+TEST(StackedCodes, PiecesEqualOneRunAndMatchTheForwardCoderRate) {
+  const Coded c = coded_tokens(200, 31);
+  ASSERT_EQ(c.params.coder, kvtc::CoderChoice::kRans);
+  ASSERT_GT(c.kept(), 8u);
+  for (const int64_t n : {int64_t(0), int64_t(1), int64_t(3), int64_t(64), int64_t(200)}) {
+    std::vector<uint8_t> whole;
+    cache_impl::append_stacked_codes(c.params, whole, 0, c.codes.data(), n);
+    std::mt19937 rng{uint32_t(n)};
+    std::vector<uint8_t> pieces;
+    for (int64_t held = 0; held < n;) {
+      const int64_t m = std::min<int64_t>(n - held, 1 + int64_t(rng() % 5));
+      cache_impl::append_stacked_codes(c.params, pieces, held, c.codes.data() + size_t(held) * c.kept(), m);
+      held += m;
+    }
+    EXPECT_EQ(pieces, whole) << n;
+    std::vector<uint16_t> back(size_t(n) * c.kept(), 0xffff);
+    cache_impl::decode_stacked_codes(c.params, whole.data(), whole.size(), n, back.data());
+    EXPECT_TRUE(std::equal(back.begin(), back.end(), c.codes.begin())) << n;
+    const std::vector<uint8_t> forward = kvtc::encode_codes(c.params, c.codes.data(), n);
+    EXPECT_LE(whole.size(), forward.size() + 8) << n;
+    EXPECT_GE(whole.size() + 8, forward.size()) << n;
+  }
+}
+
+// Bad bytes end in Error(kFormat), never a crash or a read out of bounds:
+// every truncation, a trailing byte, and every single flipped byte (which
+// must either be refused or decode to codes inside every alphabet).
+TEST(StackedCodes, BadBytesAreRefused) {
+  const Coded c = coded_tokens(40, 32);
+  std::vector<uint8_t> good;
+  cache_impl::append_stacked_codes(c.params, good, 0, c.codes.data(), c.n);
+  std::vector<uint16_t> out(size_t(c.n) * c.kept());
+  for (size_t cut = 0; cut < good.size(); ++cut)
+    EXPECT_THROW(cache_impl::decode_stacked_codes(c.params, good.data(), cut, c.n, out.data()), Error) << cut;
+  std::vector<uint8_t> longer = good;
+  longer.insert(longer.begin(), 0x5a);
+  EXPECT_THROW(cache_impl::decode_stacked_codes(c.params, longer.data(), longer.size(), c.n, out.data()), Error);
+  size_t refused = 0;
+  for (size_t i = 0; i < good.size(); ++i) {
+    std::vector<uint8_t> bad = good;
+    bad[i] ^= 0x24;
+    try {
+      cache_impl::decode_stacked_codes(c.params, bad.data(), bad.size(), c.n, out.data());
+      for (size_t j = 0; j < out.size(); ++j) ASSERT_LT(out[j], c.params.quant[j % c.kept()].levels);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kFormat);
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, good.size() / 2);  // the final-state check catches most flips
+  // Codes outside their alphabet are refused before anything is written.
+  std::vector<uint16_t> wrong(c.kept(), 0xffff);
+  std::vector<uint8_t> payload = good;
+  EXPECT_THROW(cache_impl::append_stacked_codes(c.params, payload, c.n, wrong.data(), 1), Error);
+  EXPECT_EQ(payload, good);
+}
+
+// The default mode codes a token as it leaves the window, appending to the
+// partial block's payload, and once more when its block (or refinement
+// group) is whole: two codings per token, never the held tokens on every
+// append. Only the sinks and the window stay raw; one token at a time ends
+// in the state of one call (which codes whole blocks once).
+TEST(CalibratedAppend, OneTokenAppendsCodeEachTokenOnceWithoutWaiting) {
+  for (const bool refining : {false, true}) {
+    const Sequence seq = make_sequence(2, 300, 1, 5150);
+    const Settings set = refining ? refined(40, 8, 64) : calibrated(4, 8, 64);
+    auto steps = make_cache("kvtc", layer_config(1), set);
+    for (int64_t t = 0; t < 300; ++t) steps->append(slice(seq.keys, t, 1), slice(seq.values, t, 1));
+    auto once = make_cache("kvtc", layer_config(1), set);
+    once->append(seq.keys.view(), seq.values.view());
+    EXPECT_EQ(steps->save(), once->save()) << refining;
+    const CacheStats st = steps->stats();
+    const double V = double(kHeads * kDim);
+    EXPECT_EQ(st.extras.at("key.raw_bytes"), 2.0 * (4 + 8) * V * 2) << refining;
+    // 300 - 4 sinks - 8 window = 288 coded tokens, 2 rows, K and V components.
+    // 300 - 4 sinks - 8 window = 288 coded tokens: 4 whole blocks and 32
+    // in the open fifth; refinement groups of 32, all whole. A whole block
+    // took 63 one-token appends and then its 64 tokens coded into the
+    // codec's bytes: 127 token codings for 64 tokens (a group: 31 + 32).
+    const uint64_t base = uint64_t(st.extras.at("key.n_survived.0") + st.extras.at("value.n_survived.0"));
+    uint64_t fine = 0;
+    if (refining) {
+      const KvtcCalibration cal = KvtcCalibration::read_file(refined_calibration_path());
+      fine = uint64_t(cal.key_refine[1].n_kept() + cal.value_refine[1].n_kept());
+    }
+    const uint64_t rows = 2;
+    EXPECT_EQ(st.coded_symbols, rows * ((4 * 127 + 32) * base + 9 * 63 * fine)) << refining;
+    EXPECT_EQ(once->stats().coded_symbols, rows * 288 * (base + fine)) << refining;
+  }
+}
+
+// Golden files of the calibrated layouts, with the calibration they were
+// written with (a saved calibrated cache names its parameters' hash, so the
+// calibration is stored beside them rather than fitted again).
+const std::string kGoldenDir = std::string(KVCODEC_SOURCE_DIR) + "/tests/data/saved_caches_calibrated";
+const std::string kGoldenCalibration = kGoldenDir + "/refined.kvcal";
+
+std::vector<uint8_t> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<uint8_t>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+}
+
+// refine 24, window 8, block 16, batch 2, 70 tokens one at a time: three
+// whole blocks, a partial fourth (10 tokens), refinement groups in the
+// newest blocks, one of them partial.
+Settings golden_settings() {
+  Settings s = refined(24, 8, 16);
+  s["calibration"] = kGoldenCalibration;
+  return s;
+}
+const Sequence& golden_sequence() {
+  static const Sequence seq = make_sequence(2, 70, 1, 2026);
+  return seq;
+}
+std::unique_ptr<KVCache> golden_cache() {
+  auto cache = make_cache("kvtc", layer_config(1), golden_settings());
+  for (int64_t t = 0; t < 70; ++t)
+    cache->append(slice(golden_sequence().keys, t, 1), slice(golden_sequence().values, t, 1));
+  return cache;
+}
+
+// The saved state of two caches is the same: every section and every meta
+// key but "settings", which names the calibration by its path (another in
+// every checkout; the parameters' hash identifies it).
+void expect_same_state(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, const std::string& what) {
+  const ContainerReader ra = ContainerReader::parse(a.data(), a.size());
+  const ContainerReader rb = ContainerReader::parse(b.data(), b.size());
+  auto meta = [](const ContainerReader& r) {
+    auto m = r.meta();
+    m.erase("settings");
+    return m;
+  };
+  EXPECT_EQ(meta(ra), meta(rb)) << what;
+  ASSERT_EQ(ra.section_names(), rb.section_names()) << what;
+  for (const auto& name : ra.section_names()) {
+    const auto x = ra.section(name), y = rb.section(name);
+    EXPECT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << what << ": section " << name;
+  }
+}
+
+// The saved layout version (meta "layout") of bytes.
+std::string layout_of(const std::vector<uint8_t>& bytes) {
+  const ContainerReader r = ContainerReader::parse(bytes.data(), bytes.size());
+  return r.meta_or_throw("layout");
+}
+
+// KVCODEC_REGENERATE_GOLDEN=1 writes the missing files: the calibration
+// (once) and the current layout's cache; never an existing one.
+void regenerate_missing() {
+  std::filesystem::create_directories(kGoldenDir);
+  if (!std::filesystem::exists(kGoldenCalibration))
+    std::filesystem::copy_file(refined_calibration_path(), kGoldenCalibration);
+  const std::vector<uint8_t> bytes = golden_cache()->save();
+  const std::string path = kGoldenDir + "/kvtc_calibrated_layout" + layout_of(bytes) + ".kvc";
+  if (!std::filesystem::exists(path)) write_bytes(path, bytes);
+}
+
+TEST(CalibratedGolden, EveryLayoutLoadsAndReadsBackTheSameTokens) {
+  if (std::getenv("KVCODEC_REGENERATE_GOLDEN")) regenerate_missing();
+  if (!std::filesystem::exists(kGoldenCalibration)) GTEST_SKIP() << kGoldenCalibration << " missing";
+  auto fresh = golden_cache();
+  const KVPair want = fresh->fetch(DType::kF32);
+  const std::string current = layout_of(fresh->save());
+  int seen = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(kGoldenDir)) {
+    if (entry.path().extension() != ".kvc") continue;
+    const std::vector<uint8_t> bytes = read_bytes(entry.path().string());
+    auto loaded = make_cache("kvtc", layer_config(1), golden_settings());
+    loaded->load(bytes.data(), bytes.size());
+    EXPECT_EQ(loaded->offset(), 70) << entry.path();
+    const KVPair got = loaded->fetch(DType::kF32);
+    EXPECT_TRUE(bit_equal(got.keys, want.keys)) << entry.path();
+    EXPECT_TRUE(bit_equal(got.values, want.values)) << entry.path();
+    if (layout_of(bytes) == current) {
+      expect_same_state(loaded->save(), bytes, entry.path().string() + ": the saved layout changed without a new version");
+    } else {
+      // An older layout saves as the current one: the state of a cache that
+      // took the same tokens.
+      expect_same_state(loaded->save(), fresh->save(), entry.path().string());
+    }
+    // And it keeps taking tokens as that cache does.
+    const Sequence more = make_sequence(2, 20, 1, 77);
+    auto twin = golden_cache();
+    for (int64_t t = 0; t < 20; ++t) {
+      loaded->append(slice(more.keys, t, 1), slice(more.values, t, 1));
+      twin->append(slice(more.keys, t, 1), slice(more.values, t, 1));
+    }
+    EXPECT_EQ(loaded->save(), twin->save()) << entry.path();
+    ++seen;
+  }
+  EXPECT_GE(seen, 1) << "no golden file in " << kGoldenDir << " (KVCODEC_REGENERATE_GOLDEN=1 writes them)";
+}
+
+}  // namespace
+}  // namespace kvcodec
