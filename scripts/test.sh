@@ -17,7 +17,12 @@ echo "== the same build with its AVX2 paths off (KVCODEC_SIMD=off): the plain pa
 # AVX2 would. The modules carrying dispatched code and everything above
 # them that checks bytes: kernels (entropy, kvtc), caches and golden files
 # (cache), containers, the C API against the C++ library and the CLI.
-KVCODEC_SIMD=off ctest --test-dir build --output-on-failure -j"$jobs" -L '^(core|entropy|kvtc|format|cache|capi)$'
+# Not Contract.AnyCorruptedByteFailsCleanly: every byte of a saved cache
+# flipped and decoded took 5.5 min for kvtc alone on the plain paths here
+# (1.2 min with AVX2); test_entropy checks the plain decoders on damaged
+# streams against the AVX2 ones.
+KVCODEC_SIMD=off ctest --test-dir build --output-on-failure -j"$jobs" -L '^(core|entropy|kvtc|format|cache|capi)$' \
+  -E 'AnyCorruptedByteFailsCleanly'
 
 echo "== Python package: pip install ./python into a fresh venv (offline), pytest"
 # Measured on the 2-core CI machine under load: 57 s wall, 24 s CPU (venv
