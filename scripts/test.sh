@@ -23,6 +23,16 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVCODEC_TEST_MODULES="server;mo
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
+stage "the same release build with its AVX2 paths off (KVCODEC_SIMD=off): the plain paths"
+# The library picks its AVX2/FMA/F16C functions at run time (no
+# -march=native); KVCODEC_SIMD=off runs the plain ones, as a CPU without
+# AVX2 would. Here: the C API's byte checks against the C++ library; the
+# kernels (entropy, kvtc) and the caches' golden files run on the plain
+# paths in the sanitizer build below, where their tests are built. Tests
+# comparing the two paths bit for bit (RansFast, Codec, SimdBytes) run in
+# every pass.
+KVCODEC_SIMD=off ctest --test-dir build --output-on-failure -j"$jobs" -L '^capi$' -E 'CapiWithCli'
+
 stage "Python package: pip install ./python into a fresh venv (offline), pytest"
 # Measured on the 2-core CI machine under load: 57 s wall, 24 s CPU (venv
 # 13 s, pip install 2 s, 43 tests); the C API's ctest entries (label capi,
@@ -51,6 +61,11 @@ cmake -S . -B "$san" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
 cmake --build "$san" -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir "$san" --output-on-failure -j"$jobs" -LE slow
+# The plain paths of the dispatched kernels under the sanitizers too.
+KVCODEC_SIMD=off ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir "$san" --output-on-failure -j"$jobs" -L '^(entropy|kvtc)$'
+KVCODEC_SIMD=off ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir "$san" --output-on-failure -j"$jobs" -L '^cache$' -R 'Golden|FuzzSeeds|SimdBytes|KvtcBitChoices'
 
 if [ -f fuzz/CMakeLists.txt ]; then
   stage "fuzz run"

@@ -4,6 +4,11 @@ Keys and values are [B, H_kv, S, D] numpy arrays (float32, float16) or CPU
 torch tensors (float32, float16, bfloat16), any strides: they are passed to
 the library by pointer, without a copy. What comes back is allocated once in
 the input's kind and dtype and filled by the library in place.
+
+Tensors on a GPU: this libkvcodec codes on the host, so they are refused
+unless the cache was made with host_round_trip=True; then append() copies
+them to the host and update_and_fetch() copies the reconstruction back to
+their device, every byte counted in host_copy_bytes (never a silent copy).
 """
 import ctypes
 
@@ -56,8 +61,9 @@ def _as_c_tensor(x, name):
     if _is_torch(x):
         if x.device.type != "cpu":
             raise KVCodecError(_lib.UNSUPPORTED,
-                               f"{name} are on {x.device}: this libkvcodec has no GPU codec; "
-                               f"pass CPU tensors ({name}.cpu()) - kvcodec never copies them silently")
+                               f"{name} are on {x.device}: this libkvcodec has no GPU codec; pass CPU tensors "
+                               f"({name}.cpu()) or make the cache with host_round_trip=True (counted copies) "
+                               f"- kvcodec never copies them silently")
         if x.dtype not in _TORCH_DTYPES:
             raise _invalid(f"{name} dtype {x.dtype} is not torch.float32, torch.float16 or torch.bfloat16")
         if x.dim() != 4:
@@ -129,7 +135,7 @@ class Cache:
     """
 
     def __init__(self, method, settings=None, *, n_kv_heads, head_dim, layer=0, n_layers=1, rope_theta=10000.0,
-                 calibration=None):
+                 calibration=None, host_round_trip=False):
         if calibration is not None and not isinstance(calibration, Calibration):
             calibration = Calibration(calibration)
         cfg = _lib.CacheConfig(int(layer), int(n_layers), int(n_kv_heads), int(head_dim), float(rope_theta))
@@ -139,6 +145,20 @@ class Cache:
                                                  ctypes.byref(h)))
         self._h = h
         self.calibration = calibration
+        self._init_round_trip(host_round_trip)
+
+    def _init_round_trip(self, allowed):
+        # host_round_trip: GPU tensors are copied to the host and back, and counted.
+        self.host_round_trip = bool(allowed)
+        self.host_copy_bytes = 0  # bytes copied device -> host and host -> device
+
+    def _on_host(self, x, name):
+        """x itself, or with host_round_trip its host copy (counted)."""
+        if not (_is_torch(x) and x.device.type != "cpu" and self.host_round_trip):
+            return x
+        h = x.detach().to("cpu")
+        self.host_copy_bytes += h.numel() * h.element_size()
+        return h
 
     @classmethod
     def load(cls, data):
@@ -151,6 +171,7 @@ class Cache:
         self = cls.__new__(cls)
         self._h = h
         self.calibration = None
+        self._init_round_trip(False)
         return self
 
     @classmethod
@@ -195,6 +216,9 @@ class Cache:
     # --- appending and reading -------------------------------------------------
 
     def append(self, keys, values):
+        if _is_torch(keys) and _is_torch(values) and keys.device != values.device:
+            raise _invalid(f"keys are on {keys.device}, values on {values.device}: expected one device")
+        keys, values = self._on_host(keys, "keys"), self._on_host(values, "values")
         k, v = _as_c_tensor(keys, "keys"), _as_c_tensor(values, "values")
         _lib.check(_lib.lib.kvcodec_cache_append(self._h, ctypes.byref(k), ctypes.byref(v)))
 
@@ -220,10 +244,15 @@ class Cache:
         return k, v
 
     def update_and_fetch(self, keys, values):
-        """append() then the whole history in the input's kind and dtype."""
+        """append() then the whole history in the input's kind, dtype and
+        device (a GPU device only with host_round_trip: copied back, counted)."""
         self.append(keys, values)
         if _is_torch(keys):
-            return self.fetch(keys.dtype, kind="torch")
+            k, v = self.fetch(keys.dtype, kind="torch")
+            if keys.device.type != "cpu":
+                self.host_copy_bytes += 2 * k.numel() * k.element_size()
+                k, v = k.to(keys.device), v.to(keys.device)
+            return k, v
         return self.fetch(keys.dtype, kind="numpy")
 
     def for_each_block(self, visit):

@@ -3,7 +3,7 @@ caches, for model(...) and model.generate(..., past_key_values=...).
 
 It implements what transformers 4.4x and 5.x call on a cache during a
 forward pass and generate(): update(key_states, value_states, layer_idx,
-cache_kwargs), get_seq_length, get_mask_sizes, get_max_cache_shape /
+cache_kwargs), get_seq_length, get_mask_sizes, get_query_offset, get_max_cache_shape /
 get_max_length, crop, reset, len(), is_compileable, is_sliding. Beam
 search and batch reshuffling (reorder_cache, batch_repeat_interleave with
 repeats > 1, batch_select_indices) are refused with an error: a compressed
@@ -26,23 +26,31 @@ except Exception:  # transformers is optional (not in Debian)
 
 
 class KVCodecCache(_HFCache):
-    """KVCodecCache("kvtc", settings="mode=local", calibration=None, config=None).
+    """KVCodecCache("kvtc", settings="mode=local", calibration=None, config=None,
+    host_round_trip=False).
 
     config: the model's config (num_hidden_layers, rope_theta); without it
     the layer count comes from the calibration, else from the highest layer
     seen (calibrated kvtc needs the true count: pass config or calibration).
+    host_round_trip: accept a model on a GPU; each layer's new keys and
+    values are copied to the host and its reconstruction back every step,
+    counted in host_copy_bytes (kvcodec.Cache).
     """
 
     is_compileable = False
 
-    def __init__(self, method="kvtc", settings=None, calibration=None, config=None, rope_theta=None):
+    def __init__(self, method="kvtc", settings=None, calibration=None, config=None, rope_theta=None,
+                 host_round_trip=False):
         self.method = method
+        self.host_round_trip = host_round_trip
         self.settings = settings
         if calibration is not None and not isinstance(calibration, Calibration):
             calibration = Calibration(calibration)
         self.calibration = calibration
         self.n_layers = getattr(config, "num_hidden_layers", None) or (calibration.n_layers if calibration else None)
         theta = rope_theta if rope_theta is not None else getattr(config, "rope_theta", None)
+        if theta is None:  # transformers 5.x keeps it in rope_parameters
+            theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
         if theta is None and calibration is not None:
             theta = calibration.rope_theta
         self.rope_theta = float(theta) if theta is not None else 10000.0
@@ -61,7 +69,7 @@ class KVCodecCache(_HFCache):
             n_layers = self.n_layers or max(layer_idx + 1, 1)
             cache = Cache(self.method, self.settings, n_kv_heads=key_states.shape[1], head_dim=key_states.shape[3],
                           layer=layer_idx, n_layers=n_layers, rope_theta=self.rope_theta,
-                          calibration=self.calibration)
+                          calibration=self.calibration, host_round_trip=self.host_round_trip)
             self.caches[layer_idx] = cache
         return cache.update_and_fetch(key_states, value_states)
 
@@ -72,9 +80,15 @@ class KVCodecCache(_HFCache):
             return 0
         return self.caches[layer_idx].offset
 
-    def get_mask_sizes(self, cache_position, layer_idx=0):
-        # Called before update(): the keys will then be the held tokens plus the query's.
-        return self.get_seq_length(layer_idx) + cache_position.shape[0], 0
+    def get_mask_sizes(self, query, layer_idx=0):
+        # Called before update(): the keys will then be the held tokens plus
+        # the query's. transformers 5.x passes the query length, 4.x the
+        # query's cache_position.
+        q_len = query.shape[0] if getattr(query, "ndim", 0) else int(query)
+        return self.get_seq_length(layer_idx) + q_len, 0
+
+    def get_query_offset(self, layer_idx=0):  # transformers 5.x: the query's first position
+        return self.get_seq_length(layer_idx)
 
     def get_max_cache_shape(self, layer_idx=0):
         return -1  # grows without bound
@@ -132,6 +146,7 @@ class KVCodecCache(_HFCache):
     fp16_key_bytes = property(lambda self: self._sum("fp16_key_bytes"))
     fp16_value_bytes = property(lambda self: self._sum("fp16_value_bytes"))
     resident_bytes = property(lambda self: self._sum("resident_bytes"))
+    host_copy_bytes = property(lambda self: sum(c.host_copy_bytes for c in self.caches if c is not None))
 
     @property
     def compression_ratio(self):

@@ -9,9 +9,12 @@
 #include <string>
 #include <type_traits>
 
+#include "core/cpu_features.hpp"
 #include "entropy/entropy.hpp"
 
-#if defined(__AVX2__)
+// The AVX2 coders are compiled for AVX2 alone (KVCODEC_AVX2_BEGIN/END) and
+// run where simd_avx2(); the scalar lanes give the same bytes and symbols.
+#ifdef KVCODEC_HAVE_AVX2_PATHS
 #include <immintrin.h>
 #define KVCODEC_RANS_AVX2 1
 #endif
@@ -111,28 +114,15 @@ DecCol dec_col(const RansDecodeTable& t) {
                 t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
 }
 
-// The symbol owning slot: the slot table, or (AVX2, small alphabets) the
-// number of cumulative frequencies cum[1..] that are <= slot.
+// The symbol owning slot: the slot table, or (small alphabets) the number
+// of cumulative frequencies cum[1..] that are <= slot (32 compares the
+// compiler vectorises: with AVX2 where the AVX2 decoder inlines it).
 inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
-#ifdef KVCODEC_RANS_AVX2
-  if (c.search) {
-    // Entries and slot + 1 are < 2^14, pads 0x7fff: signed compares are exact.
-    const __m256i sv = _mm256_set1_epi16(int16_t(slot + 1));
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.search));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.search + 16));
-    // The two 16-bit masks packed to one byte per entry: one movemask, one
-    // popcount (the pack's lane interleave does not change the count).
-    const __m256i m = _mm256_packs_epi16(_mm256_cmpgt_epi16(sv, a), _mm256_cmpgt_epi16(sv, b));
-    const uint32_t sym = uint32_t(__builtin_popcount(uint32_t(_mm256_movemask_epi8(m))));
-    return sym < c.last ? sym : c.last;  // a table built by the constructor never needs the clamp
-  }
-#else
   if (c.search) {
     uint32_t sym = 0;
     for (int i = 0; i < 32; ++i) sym += uint32_t(c.search[i] <= slot);
-    return sym < c.last ? sym : c.last;
+    return sym < c.last ? sym : c.last;  // a table built by the constructor never needs the clamp
   }
-#endif
   return c.slot_symbol[slot];
 }
 
@@ -316,6 +306,7 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
   return any_vector;
 }
 
+KVCODEC_AVX2_BEGIN
 // The group decoder's vector constants, read from memory through a pointer
 // the compiler cannot see through: as immediates GCC rebuilt most of them in
 // every group step (mov, vmovq, vpbroadcast: ~3 instructions each, ~7 per
@@ -332,6 +323,9 @@ struct DecodeConsts {
   __m256i sixteen = _mm256_set1_epi32(16);
   __m256i one = _mm256_set1_epi32(1);
   __m256i all_ones = _mm256_set1_epi32(-1);
+  // User-provided, so that it is compiled for AVX2 like the region (an
+  // implicit one is not).
+  DecodeConsts() {}
 };
 inline const DecodeConsts* decode_consts() {
   static const DecodeConsts c;
@@ -538,6 +532,7 @@ inline void step_padded_tail(SimdStream& st) {
   st.p = real + (t.p - pad);
   st.end = end;
 }
+KVCODEC_AVX2_END
 #endif
 
 }  // namespace
@@ -603,19 +598,23 @@ namespace {
 // Which group encoder rans_encode_impl runs: kAuto the AVX2 one (table
 // offsets, or pointers when the tables lie too far apart), kPointers the
 // AVX2 one with pointers (the fallback, for tests), kScalar the scalar
-// lanes, kOtherChain kAuto with the state update this build's tuning does
-// not pick (for tests).
+// lanes, kOtherChain kAuto with the state update blend_chain() does not
+// pick (for tests).
 enum class EncodePath { kAuto, kPointers, kScalar, kOtherChain };
 
-// Which form of the group encoder's state update this build runs by
-// default (see encode_groups_avx2): the blends and vpmulld when tuned for
-// Zen, the shift count and two vpmuludq otherwise. Both are built
-// everywhere; kOtherChain runs the other one, for tests.
-#if defined(__tune_znver1__) || defined(__tune_znver2__) || defined(__tune_znver3__) || defined(__tune_znver4__)
-constexpr bool kBlendChain = true;
+// Which form of the group encoder's state update runs by default (see
+// encode_groups_avx2): the blends and vpmulld on AMD's CPUs (Zen, where
+// vpmulld is cheap; the form a Zen-tuned build picked), the shift count and
+// two vpmuludq otherwise. Both are built everywhere; kOtherChain runs the
+// other one, for tests.
+bool blend_chain() {
+#ifdef KVCODEC_RANS_AVX2
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
 #else
-constexpr bool kBlendChain = false;
+  return false;
 #endif
+}
 
 // Per-column data of the encoder's inner loop.
 struct EncCol {
@@ -640,6 +639,7 @@ inline uint32_t encode_fast(uint32_t v, uint8_t*& p, const RansEncodeTable::Sym&
 }
 
 #ifdef KVCODEC_RANS_AVX2
+KVCODEC_AVX2_BEGIN
 // --- 8-lane AVX2 encoder (same bytes as encode_fast lane by lane) -------------
 //
 // A group's 8 lanes emit 0..2 bytes each; in the stream they sit lane 0 first
@@ -800,6 +800,27 @@ void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t*
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), X);
 }
+
+// Whether any of the rows [n_rows, n_active] has a symbol above its
+// column's last one (rans_encode_impl's check, 16 at a time: a symbol is
+// bad when max(symbol, alphabet - 1) != alphabet - 1).
+bool any_symbol_above_avx2(const uint16_t* flat, const uint16_t* last, size_t n_rows, size_t n_active) {
+  bool bad = false;
+  for (size_t r = 0; r < n_rows; ++r) {
+    const uint16_t* row = flat + r * n_active;
+    size_t k = 0;
+    __m256i acc = _mm256_setzero_si256();
+    for (; k + 16 <= n_active; k += 16) {
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(last + k));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+      acc = _mm256_or_si256(acc, _mm256_xor_si256(_mm256_max_epu16(v, l), l));
+    }
+    bad |= !_mm256_testz_si256(acc, acc);
+    for (; k < n_active; ++k) bad |= row[k] > last[k];
+  }
+  return bad;
+}
+KVCODEC_AVX2_END
 #endif
 
 std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, size_t n_cols,
@@ -836,27 +857,21 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
     flat = compact.data();
   }
   // Validate first: an error must not leave a half-written stream behind
-  // (cheap: one compare per symbol, 16 at a time under AVX2: a symbol is bad
-  // when max(symbol, alphabet - 1) != alphabet - 1).
+  // (cheap: one compare per symbol).
   {
     thread_local std::vector<uint16_t> last;
     last.resize(n_active);
     for (size_t k = 0; k < n_active; ++k) last[k] = uint16_t(ext[k].alphabet - 1);
     bool bad = false;
-    for (size_t r = 0; r < n_rows; ++r) {
-      const uint16_t* row = flat + r * n_active;
-      size_t k = 0;
 #ifdef KVCODEC_RANS_AVX2
-      __m256i acc = _mm256_setzero_si256();
-      for (; k + 16 <= n_active; k += 16) {
-        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(last.data() + k));
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-        acc = _mm256_or_si256(acc, _mm256_xor_si256(_mm256_max_epu16(v, l), l));
-      }
-      bad |= !_mm256_testz_si256(acc, acc);
+    if (simd_avx2())
+      bad = any_symbol_above_avx2(flat, last.data(), n_rows, n_active);
+    else
 #endif
-      for (; k < n_active; ++k) bad |= row[k] > last[k];
-    }
+      for (size_t r = 0; r < n_rows; ++r) {
+        const uint16_t* row = flat + r * n_active;
+        for (size_t k = 0; k < n_active; ++k) bad |= row[k] > last[k];
+      }
     if (bad)
       for (size_t i = 0; i < n_coded; ++i) {
         const EncCol& c = ext[i % n_active];
@@ -883,7 +898,7 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
   }
   size_t k0 = full % n_active;  // column of symbol `full`
 #ifdef KVCODEC_RANS_AVX2
-  if (path != EncodePath::kScalar && full > 0) {
+  if (path != EncodePath::kScalar && full > 0 && simd_avx2()) {
     // Byte offsets of the tables from cols[0]'s, when they all fit in 32
     // bits with room for 16 * symbol (< 2^20) on top.
     thread_local std::vector<int32_t> offs;
@@ -904,10 +919,10 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
       else
         encode_groups_avx2<false, decltype(blend)::value>(cols, nullptr, flat, n_active, full, k0, p, x);
     };
-    if (path == EncodePath::kOtherChain)
-      run(std::bool_constant<!kBlendChain>{});
+    if ((path == EncodePath::kOtherChain) != blend_chain())
+      run(std::true_type{});
     else
-      run(std::bool_constant<kBlendChain>{});
+      run(std::false_type{});
     k0 = 0;
   } else
 #else
@@ -989,6 +1004,7 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
 namespace {
 
 #ifdef KVCODEC_RANS_AVX2
+KVCODEC_AVX2_BEGIN
 // A stream's position in the paired loop: what a group step changes.
 struct PairCursor {
   __m256i X;
@@ -1087,6 +1103,7 @@ void run_pair_packed(SimdStream& A, SimdStream& B) {
     B.step();
   }
 }
+KVCODEC_AVX2_END
 #endif
 
 // One rANS stream being decoded: start() validates and sets up (states,
@@ -1146,8 +1163,7 @@ class Decoder {
     i_ = 0, k0_ = 0;
     simd_ = false;
 #ifdef KVCODEC_RANS_AVX2
-    simd_ = false;
-    if (allow_simd && n_coded_ >= 4 * kRansLanes) {
+    if (allow_simd && simd_avx2() && n_coded_ >= 4 * kRansLanes) {
       if (pre && pre->n_active == n_active_ && pre->groups.size() == n_active_) {
         simd_ = pre->usable;
         group_ptr_ = pre->groups.data(), rows_ptr_ = pre->rows.data(), packed_ = pre->packed;
@@ -1166,7 +1182,7 @@ class Decoder {
 
 #ifdef KVCODEC_RANS_AVX2
   bool simd() const { return simd_; }
-  SimdStream simd_stream() {
+  KVCODEC_TARGET_AVX2 SimdStream simd_stream() {
     SimdStream st;
     st.groups = group_ptr_, st.rows = rows_ptr_, st.ext = ext_built_ ? ext_.data() : nullptr;
     st.n_active = n_active_, st.n_coded = n_coded_, st.i = i_, st.k0 = k0_;
@@ -1174,12 +1190,12 @@ class Decoder {
     st.X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_));
     return st;
   }
-  void take(const SimdStream& st) {
+  KVCODEC_TARGET_AVX2 void take(const SimdStream& st) {
     i_ = st.i, k0_ = st.k0, p_ = st.p;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(x_), st.X);
   }
   // The group decoder alone over what this stream has left (then finish()).
-  void run_simd() {
+  KVCODEC_TARGET_AVX2 void run_simd() {
     if (!simd_) return;
     SimdStream st = simd_stream();
     while (st.can_step()) st.step();
@@ -1271,6 +1287,33 @@ Decoder& decoder(int which) {
   return d[which];
 }
 
+#ifdef KVCODEC_RANS_AVX2
+// rans_decode_pair's group decoders (each stream's simd() says whether it has one).
+KVCODEC_TARGET_AVX2 void run_simd_pair(Decoder& da, Decoder& db, bool ra, bool rb) {
+  if (ra && rb && da.simd() && db.simd()) {
+    // The two streams' groups alternate: independent chains the core overlaps.
+    SimdStream sa = da.simd_stream(), sb = db.simd_stream();
+    if (sa.packed && sb.packed) {
+      run_pair_packed(sa, sb);
+    } else {
+      while (sa.can_step() && sb.can_step()) {
+        sa.step();
+        sb.step();
+      }
+    }
+    while (sa.can_step()) sa.step();
+    while (sb.can_step()) sb.step();
+    step_padded_tail(sa);
+    step_padded_tail(sb);
+    da.take(sa);
+    db.take(sb);
+  } else {
+    if (ra) da.run_simd();
+    if (rb) db.run_simd();
+}
+}
+#endif
+
 void rans_decode_impl(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
                       const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd,
                       const RansGroupTables* pre = nullptr) {
@@ -1307,27 +1350,7 @@ void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
     throw;
   }
 #ifdef KVCODEC_RANS_AVX2
-  if (ra && rb && da.simd() && db.simd()) {
-    // The two streams' groups alternate: independent chains the core overlaps.
-    SimdStream sa = da.simd_stream(), sb = db.simd_stream();
-    if (sa.packed && sb.packed) {
-      run_pair_packed(sa, sb);
-    } else {
-      while (sa.can_step() && sb.can_step()) {
-        sa.step();
-        sb.step();
-      }
-    }
-    while (sa.can_step()) sa.step();
-    while (sb.can_step()) sb.step();
-    step_padded_tail(sa);
-    step_padded_tail(sb);
-    da.take(sa);
-    db.take(sb);
-  } else {
-    if (ra) da.run_simd();
-    if (rb) db.run_simd();
-  }
+  run_simd_pair(da, db, ra, rb);
 #endif
   if (ra) da.finish();
   if (rb) db.finish();

@@ -7,16 +7,20 @@
 #include <limits>
 #include <type_traits>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
 #include "alloc/allocator.hpp"
+#include "core/cpu_features.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
 #include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
 #include "kvtc/raw_convert.hpp"
+
+// The AVX2/FMA/F16C kernels below are compiled for those alone and run
+// where simd_avx2(); every one has a plain counterpart giving the same bits.
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+#include <immintrin.h>
+#define KVCODEC_KVTC_GEMM 1
+#endif
 
 namespace kvcodec::kvtc {
 
@@ -532,8 +536,26 @@ uint64_t HeadParams::derived_held_bytes() const {
 // and loads NV vectors of B per inner step (the whole B of a head sits in L1).
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define KVCODEC_KVTC_GEMM 1
+// C[M, N] = A[M, K] * B[K, N] (+ init[N] on every row, when not null),
+// row-major with leading dimensions, by plain loops: per element one
+// single-rounding fma per k, in ascending k, from init (or 0), which is
+// what each lane of the AVX2 tiles (gemm, gemm_quant, sparse_row) does, so
+// both paths give the same bits.
+void gemm_plain(const float* A, size_t lda, const float* B, size_t ldb, size_t M, size_t N, size_t K,
+                const float* init, float* C, size_t ldc) {
+  for (size_t i = 0; i < M; ++i) {
+    float* c = C + i * ldc;
+    for (size_t j = 0; j < N; ++j) c[j] = init ? init[j] : 0.0f;
+    for (size_t k = 0; k < K; ++k) {
+      const float a = A[i * lda + k];
+      const float* b = B + k * ldb;
+      for (size_t j = 0; j < N; ++j) c[j] = std::fma(a, b[j], c[j]);
+    }
+  }
+}
+
+#ifdef KVCODEC_KVTC_GEMM
+KVCODEC_AVX2_BEGIN
 // Accumulators as named variables: GCC keeps an array of __m256 in
 // registers but also stores it back on every iteration.
 #define KVTC_TILE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
@@ -780,6 +802,7 @@ void dequantize_sparse(const HeadParams& p, const float* coef, int64_t n, float*
     }
   }
 }
+KVCODEC_AVX2_END
 #endif
 
 }  // namespace
@@ -797,6 +820,7 @@ bool recon_int_ready(const HeadParams& p) {
 }
 
 #ifdef KVCODEC_KVTC_GEMM
+KVCODEC_AVX2_BEGIN
 // c[i][k] = 2 code[i][k] - zero2[k] as int16 (modulo 2^16 for codes past a
 // component's levels, which decoders reject before), rows padded to Kp.
 void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_t* c, size_t kp) {
@@ -884,6 +908,7 @@ void recon_int_panel(const HeadParams& p, const int16_t* c, size_t kp, size_t kp
     };
   });
 }
+KVCODEC_AVX2_END
 #endif
 
 // out[n, D] by the integer reconstruction from codes [n, K] (recon_int_ready(p)):
@@ -892,7 +917,7 @@ void recon_int_panel(const HeadParams& p, const int16_t* c, size_t kp, size_t kp
 void recon_int(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, std::vector<int16_t>& c) {
   const size_t D = size_t(p.dim);
 #ifdef KVCODEC_KVTC_GEMM
-  if (D % 8 == 0) {
+  if (simd_avx2() && D % 8 == 0) {
     const size_t K = size_t(p.n_kept()), kp = (K + 1) / 2 * 2, kp2 = kp / 2;
     c.resize(size_t(n) * kp);
     doubled_codes(p, codes, n, c.data(), kp);
@@ -940,15 +965,14 @@ bool proj_int_ready(const HeadParams& p) {
 }
 
 #ifdef KVCODEC_KVTC_GEMM
+KVCODEC_AVX2_BEGIN
 // The largest of the 8 lanes.
 inline float hmax(__m256 v) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
-#endif
 
-#ifdef KVCODEC_KVTC_GEMM
 // 8 centred values v of a row into its scaling: their |v| into the row's
 // running max vm, v^2 into its square-sum lanes acc (lane l takes the
 // d = l mod 8 terms, in order), v * s rounded to nearest even as int16 to
@@ -959,6 +983,21 @@ inline void scale_chunk(__m256 v, __m256 vs, __m256 abs_mask, __m256& vm, __m256
   const __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(v, vs));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_packs_epi32(_mm256_castsi256_si128(xi), _mm256_extracti128_si256(xi, 1)));
 }
+
+// scale_rows' whole chunks of 8 of one row [D] by scale_chunk: the row's
+// largest |c| of them into m, their square-sum lanes into lane [8];
+// returns where the plain loop goes on.
+size_t scale_chunks_avx2(const float* row, size_t D, float sc, int16_t* o, float* lane, float& m) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 vs = _mm256_set1_ps(sc);
+  __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
+  size_t d = 0;
+  for (; d + 8 <= D; d += 8) scale_chunk(_mm256_loadu_ps(row + d), vs, abs_mask, vm, acc, o + d);
+  _mm256_storeu_ps(lane, acc);
+  m = hmax(vm);
+  return d;
+}
+KVCODEC_AVX2_END
 #endif
 
 // Whether a scaled row fits, from its largest |c| and square-sum lanes
@@ -994,12 +1033,7 @@ void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint
     float m = 0.0f;
     size_t d = 0;
 #ifdef KVCODEC_KVTC_GEMM
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 vs = _mm256_set1_ps(sc);
-    __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
-    for (; d + 8 <= D; d += 8) scale_chunk(_mm256_loadu_ps(row + d), vs, abs_mask, vm, acc, o + d);
-    _mm256_store_ps(lane, acc);
-    m = hmax(vm);
+    if (simd_avx2()) d = scale_chunks_avx2(row, D, sc, o, lane, m);
 #endif
     // (A NaN may or may not reach m; the square sum catches it.) Values
     // past the int16 range, NaN included, only occur in rows that do not
@@ -1037,6 +1071,7 @@ void proj_int_loops(const HeadParams& p, const int16_t* x, int64_t n, uint16_t* 
 }
 
 #ifdef KVCODEC_KVTC_GEMM
+KVCODEC_AVX2_BEGIN
 // codes [n, K] of the scaled rows x [n, Dp] by the madd tiles: the sums of
 // proj_int_loops (exact in any order), then proj_code's operations on 8
 // codes at a time.
@@ -1080,6 +1115,7 @@ void proj_int(const HeadParams& p, const int16_t* x, size_t n, uint16_t* codes) 
   else if (col < K)
     panel(std::integral_constant<int, 1>{}, col);
 }
+KVCODEC_AVX2_END
 #endif
 
 void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path,
@@ -1114,16 +1150,22 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
       scale_rows(p, c, n, s.scaled.data(), s.fits.data());
     }
 #ifdef KVCODEC_KVTC_GEMM
-    proj_int(p, s.scaled.data(), size_t(n), codes);
-#else
-    proj_int_loops(p, s.scaled.data(), n, codes);
+    if (simd_avx2())
+      proj_int(p, s.scaled.data(), size_t(n), codes);
+    else
 #endif
+      proj_int_loops(p, s.scaled.data(), n, codes);
     float_rows_unfit(p, c, n, s.fits.data(), codes);
     return;
   }
+  const size_t K8 = round_up8(K);
+  const std::vector<float>* bt = &p.basis_t;
+  if (bt->size() != size_t(dim) * K8) {
+    transpose_basis(p, s.basis_t);  // parameters assembled without build_decoders()
+    bt = &s.basis_t;
+  }
 #ifdef KVCODEC_KVTC_GEMM
-  {
-    const size_t K8 = round_up8(K);
+  if (simd_avx2()) {
     // Constants padded to K8 (the kernel reads whole groups of 8).
     s.a.assign(K8, 0.0f), s.b.assign(K8, 0.0f), s.c.assign(K8, 0.0f);
     for (size_t k = 0; k < K; ++k) {
@@ -1132,20 +1174,13 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
       s.c[k] = float(p.quant[k].levels - 1);
     }
     const QuantConsts q{s.a.data(), s.b.data(), s.c.data()};
-    const std::vector<float>* bt = &p.basis_t;
-    if (bt->size() != size_t(dim) * K8) {
-      transpose_basis(p, s.basis_t);  // parameters assembled without build_decoders()
-      bt = &s.basis_t;
-    }
     gemm_quant(c, size_t(dim), bt->data(), K8, size_t(n), K8, size_t(dim), q, codes, K);
     return;
   }
-#else
-  // Coefficients [n, kept].
-  ConstRowMap cm(c, n, dim);
-  ConstRowMap basis(p.basis.data(), kept, dim);
+#endif
+  // Coefficients [n, kept], as gemm_quant's accumulators hold them.
   s.coeffs.resize(n, kept);
-  s.coeffs.noalias() = cm * basis.transpose();
+  gemm_plain(c, size_t(dim), bt->data(), K8, size_t(n), K, size_t(dim), nullptr, s.coeffs.data(), K);
   const size_t ldc = K;
   s.a.resize(K), s.b.resize(K), s.c.resize(K);
   float* const inv_step = s.a.data();
@@ -1167,7 +1202,6 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
       out[k] = uint16_t(int32_t(std::min(std::max(0.0f, v), max_code[k])));
     }
   }
-#endif
 }
 
 }  // namespace
@@ -1232,30 +1266,28 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
     zeros += row_zeros;
   }
 #ifdef KVCODEC_KVTC_GEMM
+  const bool simd = simd_avx2();
   // The zero-skipping rows cost ~1.5x the tiled kernel per term (one row
   // in registers, the packing), so they pay only past ~1/3 zero
   // coefficients (bench_kvtc BM_Reconstruct: 1.2x at the 5% target's ~50%,
   // 0.8x at the 1% target's ~27%): the block's count decides.
   const bool sparse = path == ReconPath::kSkipZeros || (path == ReconPath::kAuto && 5 * zeros >= 2 * size_t(n) * K);
-  if (sparse && p.recon_skip_zeros && dim % 8 == 0 && p.basis.size() == K * size_t(dim) &&
+  if (simd && sparse && p.recon_skip_zeros && dim % 8 == 0 && p.basis.size() == K * size_t(dim) &&
       size_t(dim) * K <= size_t(INT32_MAX)) {
     s.vals.resize(K + 8);
     s.offs.resize(K + 8);
     dequantize_sparse(p, s.coeffs.data(), n, s.vals.data(), s.offs.data(), out);
     return;
   }
-#else
-  (void)path, (void)zeros;
-#endif
-#ifdef KVCODEC_KVTC_GEMM
-  if (dim % 8 == 0) {
+  if (simd && dim % 8 == 0) {
     gemm(s.coeffs.data(), K, p.basis.data(), size_t(dim), size_t(n), size_t(dim), K, p.mean.data(), out, size_t(dim));
     return;
   }
+#else
+  (void)path, (void)zeros;
 #endif
-  ConstRowMap basis(p.basis.data(), kept, dim);
-  xo.noalias() = s.coeffs * basis;
-  xo.rowwise() += mu;
+  gemm_plain(s.coeffs.data(), K, p.basis.data(), size_t(dim), size_t(n), size_t(dim), K, p.mean.data(), out,
+             size_t(dim));
 }
 
 }  // namespace
@@ -1351,6 +1383,46 @@ std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n
   return entropy_encode_codes(p, s.codes.data(), n);
 }
 
+#ifdef KVCODEC_KVTC_GEMM
+KVCODEC_AVX2_BEGIN
+// encode_block_rows' f16 row [dim] by F16C: the row rounded to f16 and back,
+// minus the mean, into c; with o (fused), the integer projection's scaling
+// as well (scale_rows' values) into o [Dp] and, for a whole row, its flag
+// into *fit. Returns where the plain conversions go on: dim, or the first
+// chunk holding a NaN, or the last D % 8 values. next_rows: how many floats
+// on from row the caller's next block of this head usually starts.
+int centre_row_f16_avx2(const HeadParams& p, const float* row, int64_t next_rows, float* c, int16_t* o, uint8_t* fit) {
+  const int dim = p.dim;
+  const float* mean = p.mean.data();
+  // Start the next block's lines' fetch now (a prefetch never faults; the
+  // address is formed as an integer, since it may lie past the caller's array).
+  const uintptr_t next = reinterpret_cast<uintptr_t>(row) + uintptr_t(next_rows) * sizeof(float);
+  for (int e = 0; e < dim; e += 16)
+    _mm_prefetch(reinterpret_cast<const char*>(next + uintptr_t(e) * sizeof(float)), _MM_HINT_T0);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 vs = _mm256_set1_ps(p.proj_scale);
+  __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
+  int d = 0;
+  for (; d + 8 <= dim; d += 8) {
+    const __m256 v = _mm256_loadu_ps(row + d);
+    // NaN chunks take the scalar conversions (raw_convert's rule: the
+    // core's routines define the NaN bits).
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
+    const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256 cv = _mm256_sub_ps(r, _mm256_loadu_ps(mean + d));
+    _mm256_storeu_ps(c + d, cv);
+    if (o) scale_chunk(cv, vs, abs_mask, vm, acc, o + d);
+  }
+  if (o && d == dim) {
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, acc);
+    *fit = uint8_t(finish_scaled_row(p, hmax(vm), lane, o));
+  }
+  return d;
+}
+KVCODEC_AVX2_END
+#endif
+
 std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int64_t row_stride, int64_t n,
                                        DType raw) {
   if (raw != DType::kF16 && raw != DType::kBF16)
@@ -1367,10 +1439,11 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
     // (one float subtraction per element), in one pass over L1.
     s.centred.resize(n, dim);
     const float* mean = p.mean.data();
-#if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
+#ifdef KVCODEC_KVTC_GEMM
     // The integer projection's scaling fused in as well (scale_rows' values,
     // row by row): the rows are in registers here already.
-    const bool fuse = raw == DType::kF16 && proj_int_ready(p);
+    const bool simd_f16 = raw == DType::kF16 && simd_avx2();
+    const bool fuse = simd_f16 && proj_int_ready(p);
     const size_t Dp = (size_t(dim) + 1) / 2 * 2;
     if (fuse) {
       s.scaled.resize(size_t(n) * Dp);
@@ -1381,34 +1454,11 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
       const float* row = x + t * row_stride;
       float* c = s.centred.data() + size_t(t) * size_t(dim);
       int d = 0;
-#if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
-      if (raw == DType::kF16) {
-        // The caller's next block of this head usually follows n rows on:
-        // start its lines' fetch now (a prefetch never faults; the address
-        // is formed as an integer, since it may lie past the caller's array).
-        const uintptr_t next = reinterpret_cast<uintptr_t>(row) + uintptr_t(n * row_stride) * sizeof(float);
-        for (int e = 0; e < dim; e += 16)
-          _mm_prefetch(reinterpret_cast<const char*>(next + uintptr_t(e) * sizeof(float)), _MM_HINT_T0);
+#ifdef KVCODEC_KVTC_GEMM
+      if (simd_f16) {
         int16_t* o = fuse ? s.scaled.data() + size_t(t) * Dp : nullptr;
-        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        const __m256 vs = _mm256_set1_ps(p.proj_scale);
-        __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
-        for (; d + 8 <= dim; d += 8) {
-          const __m256 v = _mm256_loadu_ps(row + d);
-          // NaN chunks take the scalar conversions below (raw_convert's rule:
-          // the core's routines define the NaN bits).
-          if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
-          const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-          const __m256 cv = _mm256_sub_ps(r, _mm256_loadu_ps(mean + d));
-          _mm256_storeu_ps(c + d, cv);
-          if (fuse) scale_chunk(cv, vs, abs_mask, vm, acc, o + d);
-        }
-        if (fuse && d == dim) {
-          alignas(32) float lane[8];
-          _mm256_store_ps(lane, acc);
-          s.fits[size_t(t)] = uint8_t(finish_scaled_row(p, hmax(vm), lane, o));
-          continue;
-        }
+        d = centre_row_f16_avx2(p, row, n * row_stride, c, o, fuse ? s.fits.data() + t : nullptr);
+        if (fuse && d == dim) continue;
         // A NaN chunk or D % 8 != 0: the plain conversions below, then
         // scale_rows on the finished row.
       }
@@ -1423,11 +1473,11 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
           for (size_t j = 0; j < m; ++j) c[size_t(d) + j] = f[j] - mean[size_t(d) + j];
         }
       }
-#if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
+#ifdef KVCODEC_KVTC_GEMM
       if (fuse) scale_rows(p, c, 1, s.scaled.data() + size_t(t) * Dp, s.fits.data() + t);
 #endif
     }
-#if defined(__F16C__) && defined(KVCODEC_KVTC_GEMM)
+#ifdef KVCODEC_KVTC_GEMM
     quantize_centred(p, s.centred.data(), n, s.codes.data(), QuantPath::kAuto, fuse);
 #else
     quantize_centred(p, s.centred.data(), n, s.codes.data(), QuantPath::kAuto);

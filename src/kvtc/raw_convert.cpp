@@ -2,9 +2,10 @@
 
 #include <cstring>
 
+#include "core/cpu_features.hpp"
 #include "kvcodec/error.hpp"
 
-#if defined(__F16C__) && defined(__AVX2__)
+#ifdef KVCODEC_HAVE_AVX2_PATHS
 #include <immintrin.h>
 #define KVCODEC_RAW_SIMD 1
 #endif
@@ -26,27 +27,12 @@ inline uint16_t bf16_round(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-}  // namespace
-
-bool raw_convert_has_simd() {
 #ifdef KVCODEC_RAW_SIMD
-  return true;
-#else
-  return false;
-#endif
-}
-
-void raw_to_f32(const uint16_t* src, DType raw, float* dst, size_t n) {
-  if (raw == DType::kBF16) {
-    for (size_t i = 0; i < n; ++i) {
-      const uint32_t u = uint32_t(src[i]) << 16;
-      std::memcpy(dst + i, &u, 4);
-    }
-    return;
-  }
-  if (raw != DType::kF16) bad_raw(raw);
+KVCODEC_AVX2_BEGIN
+// The whole chunks of 8 of raw_to_f32's f16 loop by F16C; returns how many
+// values it converted.
+size_t f16_to_f32_avx2(const uint16_t* src, float* dst, size_t n) {
   size_t i = 0;
-#ifdef KVCODEC_RAW_SIMD
   // vcvtph2ps is exact for every finite f16 (subnormals included); only a
   // signalling NaN could differ (the core keeps its payload as is), so a
   // chunk holding any NaN goes through the scalar routine.
@@ -61,6 +47,44 @@ void raw_to_f32(const uint16_t* src, DType raw, float* dst, size_t n) {
     }
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
   }
+  return i;
+}
+
+// The same for f32_to_raw's f16 loop.
+size_t f32_to_f16_avx2(const float* src, uint16_t* dst, size_t n) {
+  size_t i = 0;
+  // vcvtps2ph with round-to-nearest-even gives the core's bits for finite
+  // inputs (overflow to Inf, subnormals, ties to even); NaN chunks go scalar.
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(src + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+      for (size_t j = i; j < i + 8; ++j) dst[j] = f32_to_f16(src[j]);
+      continue;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  return i;
+}
+KVCODEC_AVX2_END
+#endif
+
+}  // namespace
+
+bool raw_convert_has_simd() { return simd_avx2(); }
+
+void raw_to_f32(const uint16_t* src, DType raw, float* dst, size_t n) {
+  if (raw == DType::kBF16) {
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t u = uint32_t(src[i]) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+    return;
+  }
+  if (raw != DType::kF16) bad_raw(raw);
+  size_t i = 0;
+#ifdef KVCODEC_RAW_SIMD
+  if (simd_avx2()) i = f16_to_f32_avx2(src, dst, n);
 #endif
   for (; i < n; ++i) dst[i] = f16_to_f32(src[i]);
 }
@@ -73,17 +97,7 @@ void f32_to_raw(const float* src, uint16_t* dst, DType raw, size_t n) {
   if (raw != DType::kF16) bad_raw(raw);
   size_t i = 0;
 #ifdef KVCODEC_RAW_SIMD
-  // vcvtps2ph with round-to-nearest-even gives the core's bits for finite
-  // inputs (overflow to Inf, subnormals, ties to even); NaN chunks go scalar.
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(src + i);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
-      for (size_t j = i; j < i + 8; ++j) dst[j] = f32_to_f16(src[j]);
-      continue;
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  if (simd_avx2()) i = f32_to_f16_avx2(src, dst, n);
 #endif
   for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
 }

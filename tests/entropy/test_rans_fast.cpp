@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 
+#include "core/cpu_features.hpp"
 #include "entropy/entropy.hpp"
 #include "entropy_test_util.hpp"
 
@@ -627,6 +628,71 @@ TEST(RansFast, EdgeCases) {
   const auto bytes = rans_encode(all.data(), all.size(), 1, one);
   const std::vector<const FrequencyTable*> fp{&t};
   EXPECT_EQ(bytes, rans_encode(all.data(), all.size(), 1, fp));
+}
+
+// The AVX2 coders, chosen at run time (core/cpu_features.hpp), against the
+// plain paths of the same calls (what runs under KVCODEC_SIMD=off or on a
+// CPU without AVX2): the same bytes from every encoder entry point (and
+// the same error for a bad symbol), the same symbols or the same error from
+// every decoder entry point, on the stream cases above and damaged copies.
+TEST(RansFast, AvxAndPlainPathsGiveTheSameBytesAndSymbols) {
+  if (!cpu_has_avx2_paths()) GTEST_SKIP() << "this CPU runs the plain paths only";
+  std::mt19937_64 rng(91);
+  const auto outcome = [](const auto& call) {
+    try {
+      return call();
+    } catch (const Error& e) {
+      return std::string("error: ") + e.what();
+    }
+  };
+  const auto as_text = [](const std::vector<uint16_t>& v) { return std::string(v.begin(), v.end()); };
+  for (int trial = 0; trial < 200; ++trial) {
+    const StreamCase c = make_stream_case(rng, trial);
+    std::vector<RansEncodeTable> et;
+    for (const auto& t : c.ft) et.emplace_back(t);
+    std::vector<const RansEncodeTable*> ep;
+    for (size_t k = 0; k < c.cols; ++k) ep.push_back(c.skip[k] ? nullptr : &et[k]);
+    const auto dp = c.dp();
+    const RansGroupTables pre = rans_group_tables(dp);
+    std::vector<uint16_t> bad_sym = c.sym;
+    for (size_t k = 0; k < c.cols && c.rows > 0; ++k)
+      if (!c.skip[k]) {
+        bad_sym[(c.rows - 1) * c.cols + k] = uint16_t(c.ft[k].alphabet_size);
+        break;
+      }
+    const std::vector<uint8_t> damaged_bytes = damaged(c.bytes, trial % 6, rng);
+    const auto run = [&](bool on) {
+      ScopedSimd mode(on);
+      EXPECT_EQ(simd_avx2(), on);
+      std::vector<std::string> out;
+      const auto bytes = [](const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); };
+      out.push_back(outcome([&] { return bytes(rans_encode(c.sym.data(), c.rows, c.cols, ep)); }));
+      out.push_back(outcome([&] { return bytes(rans_encode_vector_pointers(c.sym.data(), c.rows, c.cols, ep)); }));
+      out.push_back(outcome([&] { return bytes(rans_encode_other_chain(c.sym.data(), c.rows, c.cols, ep)); }));
+      out.push_back(outcome([&] { return bytes(rans_encode(bad_sym.data(), c.rows, c.cols, ep)); }));
+      for (const std::vector<uint8_t>* b : {&c.bytes, &damaged_bytes}) {
+        std::vector<uint16_t> s1(c.rows * c.cols, 7), s2 = s1;
+        out.push_back(outcome([&] {
+          rans_decode(b->data(), b->size(), c.rows, c.cols, dp, s1.data());
+          return as_text(s1);
+        }));
+        out.push_back(outcome([&] {
+          rans_decode(b->data(), b->size(), c.rows, c.cols, dp, s1.data(), pre);
+          return as_text(s1);
+        }));
+        out.push_back(outcome([&] {
+          const RansDecodeJob a{b->data(), b->size(), c.rows, c.cols, &dp, s1.data(), &pre};
+          const RansDecodeJob d{c.bytes.data(), c.bytes.size(), c.rows, c.cols, &dp, s2.data(), nullptr};
+          rans_decode_pair(a, d);
+          return as_text(s1) + as_text(s2);
+        }));
+      }
+      return out;
+    };
+    const auto avx2 = run(true), plain = run(false);
+    ASSERT_EQ(avx2.size(), plain.size());
+    for (size_t i = 0; i < avx2.size(); ++i) ASSERT_EQ(avx2[i], plain[i]) << "trial " << trial << " call " << i;
+  }
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <limits>
 #include <random>
 
+#include "core/cpu_features.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 #include "kvtc/codec.hpp"
@@ -617,6 +618,92 @@ TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
     EXPECT_THROW(encode_block_rows(p, x.data(), dim, 1, DType::kF32), Error);
     EXPECT_THROW(encode_block_rows(p, x.data(), dim, -1, DType::kF16), Error);
   }
+}
+
+// Every kvtc kernel chosen at run time (core/cpu_features.hpp: the float
+// and integer projections, the dense, zero-skipping and integer
+// reconstructions, encode_block_rows' F16C rows, the raw conversions)
+// against its plain path (KVCODEC_SIMD=off, or a CPU without AVX2): the
+// same codes, bytes and floats bit for bit, so what the codec writes does
+// not depend on the CPU it ran on. Heads of both allocators on dims of
+// whole 64-column chunks, a tail only and not a multiple of 8; ragged
+// blocks; rows holding NaN, infinities, f16 overflow and subnormals.
+TEST(Codec, AvxAndPlainPathsGiveTheSameBits) {
+  if (!cpu_has_avx2_paths()) GTEST_SKIP() << "this CPU runs the plain paths only";
+  const auto bytes_of = [](const auto& v) {
+    const auto* b = reinterpret_cast<const uint8_t*>(v.data());
+    return std::vector<uint8_t>(b, b + v.size() * sizeof(v[0]));
+  };
+  for (int dim : {64, 128, 24, 13}) {
+    const int64_t n_fit = 4 * dim + 64;
+    const auto x = correlated(n_fit, dim, uint32_t(500 + dim));
+    for (int setting = 0; setting < 4; ++setting) {
+      const HeadParams p = fit(x, n_fit, dim, setting_options(setting, dim, dim / 2 + 1));
+      for (int64_t n : {int64_t(1), int64_t(7), int64_t(64)}) {
+        const int64_t stride = dim + 3;
+        std::vector<float> rows(size_t(n * stride), -5.0f);
+        for (int64_t t = 0; t < n; ++t)
+          for (int d = 0; d < dim; ++d) rows[size_t(t * stride + d)] = x[size_t(t * dim + d)] * 1.37f;
+        if (n >= 7) {
+          rows[size_t(1 * stride + 2)] = std::nanf("");
+          rows[size_t(2 * stride + 9 % dim)] = std::numeric_limits<float>::infinity();
+          rows[size_t(3 * stride)] = 1e6f;
+          rows[size_t(4 * stride + 5)] = 3e-7f;
+        }
+        const auto run = [&](bool on) {
+          ScopedSimd mode(on);
+          EXPECT_EQ(simd_avx2(), on);
+          std::vector<std::vector<uint8_t>> out;
+          const size_t K = size_t(p.n_kept());
+          std::vector<uint16_t> codes(size_t(n) * K);
+          for (QuantPath q : {QuantPath::kFloat, QuantPath::kInteger, QuantPath::kAuto}) {
+            if (q == QuantPath::kInteger && !p.proj_int) continue;
+            quantize_block_path(p, x.data(), n, codes.data(), q);
+            out.push_back(bytes_of(codes));
+          }
+          std::vector<float> y(size_t(n * dim));
+          for (ReconPath r : {ReconPath::kDense, ReconPath::kSkipZeros, ReconPath::kInteger, ReconPath::kAuto}) {
+            if (r == ReconPath::kInteger && !p.recon_int) continue;
+            dequantize_block_path(p, codes.data(), n, y.data(), r);
+            out.push_back(bytes_of(y));
+          }
+          const auto block = encode_block(p, x.data(), n);
+          out.push_back(block);
+          decode_block(p, block.data(), block.size(), n, y.data());
+          out.push_back(bytes_of(y));
+          for (DType raw : {DType::kF16, DType::kBF16})
+            out.push_back(encode_block_rows(p, rows.data(), stride, n, raw));
+          return out;
+        };
+        const auto avx2 = run(true), plain = run(false);
+        ASSERT_EQ(avx2.size(), plain.size());
+        for (size_t i = 0; i < avx2.size(); ++i)
+          ASSERT_EQ(avx2[i], plain[i]) << "dim " << dim << " setting " << setting << " n " << n << " output " << i;
+      }
+    }
+  }
+  // The raw conversions: every f16 pattern, and floats around every f16
+  // (ties, overflow, subnormals), NaNs and infinities.
+  std::vector<uint16_t> all(65536);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = uint16_t(i);
+  std::vector<float> f(all.size() * 3 + 8);
+  std::mt19937 rng(3);
+  for (size_t i = 0; i < all.size(); ++i) {
+    const float v = f16_to_f32(all[i]);
+    f[3 * i] = v;
+    f[3 * i + 1] = std::nextafter(v, std::numeric_limits<float>::infinity());
+    f[3 * i + 2] = v * (1.0f + float(rng() % 1024) / 2048.0f);
+  }
+  const auto convert_all = [&](bool on) {
+    ScopedSimd mode(on);
+    std::vector<float> back(all.size());
+    raw_to_f32(all.data(), DType::kF16, back.data(), all.size());
+    std::vector<uint16_t> h(f.size()), b(f.size());
+    f32_to_raw(f.data(), h.data(), DType::kF16, f.size());
+    f32_to_raw(f.data(), b.data(), DType::kBF16, f.size());
+    return std::vector<std::vector<uint8_t>>{bytes_of(back), bytes_of(h), bytes_of(b)};
+  };
+  EXPECT_EQ(convert_all(true), convert_all(false));
 }
 
 // decode_block_pair == two decode_block calls: bit-identical outputs for

@@ -169,3 +169,16 @@ def test_bad_input_raises_naming_the_problem():
     assert e.value.status in (_lib.CHECKSUM, _lib.FORMAT) and "kvcodec_cache_load" in str(e.value)
     expect_error(lambda: kvcodec.Cache.load("not bytes"), _lib.INVALID_ARGUMENT, "takes bytes")
     assert c.offset == 20  # failures changed nothing
+
+
+def test_device_tensors_need_the_counted_host_round_trip():
+    from kvcodec import _lib
+    # CI has no GPU: a meta tensor stands for one (device type other than cpu).
+    meta = torch.zeros(1, 2, 3, 64, device="meta")
+    expect_error(lambda: make("int8", "").append(meta, meta), _lib.UNSUPPORTED, "host_round_trip=True")
+    c = make("int8", "", host_round_trip=True)
+    expect_error(lambda: c.append(meta, torch.zeros(1, 2, 3, 64)), _lib.INVALID_ARGUMENT, "expected one device")
+    # Host tensors are never copied, with or without the option.
+    k = torch.from_numpy(synthetic(s=5))
+    out_k, out_v = c.update_and_fetch(k, k)
+    assert c.host_copy_bytes == 0 and out_k.device.type == "cpu" and out_k.shape == k.shape

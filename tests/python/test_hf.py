@@ -132,3 +132,13 @@ def test_crop_reset_and_refused_batch_operations():
     with pytest.raises(kvcodec.KVCodecError) as e:
         cache.update(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), 0)
     assert "expected [B, H_kv, q_len, D]" in str(e.value)
+
+
+def test_transformers_5_mask_calls():
+    # transformers 5.x asks get_query_offset(layer) and get_mask_sizes(query_length: int, layer).
+    cache = KVCodecCache("fp16", "")
+    assert cache.get_query_offset(0) == 0 and cache.get_mask_sizes(5, 0) == (5, 0)
+    k = torch.randn(1, 2, 5, 64)
+    cache.update(k, k, 0)
+    assert cache.get_query_offset(0) == 5 and cache.get_mask_sizes(1, 0) == (6, 0)
+    assert cache.get_mask_sizes(torch.arange(5, 6), 0) == (6, 0)  # 4.x: the cache_position

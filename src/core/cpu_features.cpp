@@ -1,0 +1,45 @@
+#include "core/cpu_features.hpp"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace kvcodec {
+
+namespace {
+
+// KVCODEC_SIMD's verdict: true unless it asks for the plain paths.
+bool env_allows_simd() {
+  const char* v = std::getenv("KVCODEC_SIMD");
+  if (!v || !*v || !std::strcmp(v, "auto") || !std::strcmp(v, "on") || !std::strcmp(v, "1")) return true;
+  if (!std::strcmp(v, "off") || !std::strcmp(v, "0")) return false;
+  std::fprintf(stderr, "kvcodec: KVCODEC_SIMD=%s is not one of auto, on, 1, off, 0: using the plain paths\n", v);
+  return false;
+}
+
+std::atomic<bool>& simd_flag() {
+  static std::atomic<bool> flag{cpu_has_avx2_paths() && env_allows_simd()};
+  return flag;
+}
+
+}  // namespace
+
+bool cpu_has_avx2_paths() {
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool simd_avx2() { return simd_flag().load(std::memory_order_relaxed); }
+
+bool set_simd_avx2(bool on) { return simd_flag().exchange(on && cpu_has_avx2_paths(), std::memory_order_relaxed); }
+
+}  // namespace kvcodec
