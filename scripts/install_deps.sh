@@ -10,6 +10,7 @@ packages=(
   python3-venv python3-numpy python3-torch python3-pytest  # the Python package and its tests (python/, tests/python)
   rustc  # tests/capi: a Rust program against the installed C API
   chromium  # headless render of the server dashboard (tests/server skip without it)
+  libpng-dev  # tests/server reads the colours of the dashboard's screenshot
 )
 # tests/node (the official OpenAI Node client, npm `openai`): Debian's nodejs
 # and npm, unless npm is already there (a NodeSource nodejs bundles npm and

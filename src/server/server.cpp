@@ -210,6 +210,8 @@ void run_job(ServerState& s, Job& job) {
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.last = st;
+    s.last_layers.clear();
+    for (const auto& c : session->caches()) s.last_layers.push_back(c->stats());
     s.tokens_seen += uint64_t(session->position());
   }
   if (s.store && !job.cancelled.load()) {
@@ -276,12 +278,9 @@ void worker_loop(ServerState& s) {
       if (job->cancelled.load()) ++s.cancelled;
       else if (ok) {
         ++s.served;
-        s.ttft_ms.push_back(job->ttft_ms);
-        s.ttft_reused.push_back(job->reused_tokens);
-        while (s.ttft_ms.size() > 64) {
-          s.ttft_ms.pop_front();
-          s.ttft_reused.pop_front();
-        }
+        const double at_s = std::chrono::duration<double>(Clock::now() - s.started).count();
+        s.recent.push_back({at_s, job->ttft_ms, job->reused_tokens});
+        if (s.recent.size() > ServerState::kRecent) s.recent.pop_front();
       } else {
         ++s.failed;
       }
@@ -325,6 +324,10 @@ json stats_json(ServerState& s) {
   j["last_request"]["resident_bytes"] = s.last.resident_bytes;
   j["last_request"]["shared_bytes"] = s.last.shared_bytes();
   j["last_request"]["resident_ratio"] = s.last.resident_ratio();
+  json layers = json::array();
+  for (const CacheStats& l : s.last_layers)
+    layers.push_back(cache_stats_json(l.compressed_key_bytes, l.compressed_value_bytes, l.fp16_key_bytes, l.fp16_value_bytes));
+  j["last_request"]["layers"] = layers;
   j["tokens"] = {{"seen", s.tokens_seen}, {"retained", ps.tokens}};
   j["prefix_store"] = {{"kind", s.store ? ps.kind : "off"}, {"entries", ps.entries}, {"bytes", ps.bytes},
                        {"budget_bytes", ps.budget_bytes}, {"block_tokens", s.opt.prefix_block},
@@ -340,11 +343,11 @@ json stats_json(ServerState& s) {
                    {"note", "one request at a time on the model; others wait in a bounded queue"}};
   json recent = json::array();
   double sum = 0;
-  for (size_t i = 0; i < s.ttft_ms.size(); ++i) {
-    recent.push_back({{"ttft_ms", s.ttft_ms[i]}, {"reused_tokens", s.ttft_reused[i]}});
-    sum += s.ttft_ms[i];
+  for (const auto& r : s.recent) {
+    recent.push_back({{"ttft_ms", r.ttft_ms}, {"reused_tokens", r.reused_tokens}, {"at_s", r.at_s}});
+    sum += r.ttft_ms;
   }
-  j["ttft"] = {{"recent", recent}, {"mean_ms", s.ttft_ms.empty() ? 0.0 : sum / double(s.ttft_ms.size())}};
+  j["ttft"] = {{"recent", recent}, {"mean_ms", s.recent.empty() ? 0.0 : sum / double(s.recent.size())}};
   j["memory"] = {{"rss_bytes", process_rss_bytes()}, {"peak_rss_bytes", process_peak_rss_bytes()}};
   j["uptime_s"] = std::chrono::duration<double>(Clock::now() - s.started).count();
   j["draining"] = s.draining;

@@ -124,9 +124,15 @@ struct ServerState {
   bool stopping = false;
   uint64_t served = 0, rejected_full = 0, cancelled = 0, failed = 0, next_id = 1;
   uint64_t tokens_seen = 0;
-  CacheStats last;  // caches of the last finished request
-  std::deque<double> ttft_ms;  // recent requests, newest last
-  std::deque<int64_t> ttft_reused;
+  CacheStats last;  // caches of the last finished request, summed over layers
+  std::vector<CacheStats> last_layers;  // the same, one per layer
+  struct Finished {
+    double at_s;       // since start-up, when it finished
+    double ttft_ms;
+    int64_t reused_tokens;
+  };
+  std::deque<Finished> recent;  // the last kRecent requests served, newest last
+  static constexpr size_t kRecent = 64;
 };
 
 // Request parsing (request.cpp); each throws HttpError naming what is wrong.
