@@ -2,6 +2,8 @@
 
 #include <arpa/inet.h>
 
+#include <algorithm>
+
 #include "kvcodec/error.hpp"
 
 namespace kvcodec::server {

@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <stdexcept>
 #include <string>
 
+#include "kvcodec/error.hpp"
 #include "model/eval.hpp"
 
 namespace kvcodec::server {
@@ -15,7 +15,7 @@ using json = nlohmann::json;
 constexpr int kMaxCompletionTop = 5;  // OpenAI's limits
 constexpr int kMaxChatTop = 20;
 
-[[noreturn]] void bad(const std::string& message) { throw std::invalid_argument(message); }
+[[noreturn]] void bad(const std::string& message) { throw Error(ErrorCode::kInvalidArgument, message); }
 
 bool present(const json& j, const char* name) { return j.contains(name) && !j[name].is_null(); }
 

@@ -35,7 +35,7 @@ struct TokenLogprob {
 // Reads `logprobs`, `top_logprobs` and `echo` of a request body. Completions:
 // logprobs an integer 0..5, echo a boolean; chat: logprobs a boolean,
 // top_logprobs 0..20 (only with logprobs: true), no echo. Throws
-// std::invalid_argument naming the field; the caller answers 400.
+// Error(kInvalidArgument) naming the field; the caller answers 400.
 LogprobRequest parse_logprobs(const nlohmann::json& body, bool chat);
 
 // The log-probability of `token` under one logits row [vocab], and the `top`

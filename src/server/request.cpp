@@ -2,6 +2,8 @@
 // field checked, named in the 400 when wrong, before any model work.
 #include <set>
 
+#include "kvcodec/error.hpp"
+
 #include "server/server_state.hpp"
 
 namespace kvcodec::server {
@@ -127,7 +129,7 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
   job->chat = chat;
   try {
     job->logprobs = parse_logprobs(j, chat);
-  } catch (const std::invalid_argument& e) {
+  } catch (const Error& e) {
     throw HttpError{400, e.what()};
   }
   std::string text;

@@ -202,6 +202,7 @@ void run_job(ServerState& s, Job& job) {
   } catch (const StopGeneration&) {
   }
   emit(true);
+  if (generated.empty()) job.ttft_ms = ms_since(job.arrived);  // max_tokens 0: the answer is ready after the prefill
   job.completion_tokens = int64_t(generated.size());
   if (stopped || (!generated.empty() && generated.back() == job.gen.eos_token)) job.finish_reason = "stop";
 

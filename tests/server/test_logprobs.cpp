@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 
+#include "kvcodec/error.hpp"
 #include "model/eval.hpp"
 #include "model/llama.hpp"
 #include "server/logprobs.hpp"
@@ -47,7 +48,8 @@ TEST(Logprobs, FieldsAreCheckedAndNamed) {
   auto refusal = [](const char* body, bool chat) -> std::string {
     try {
       parse_logprobs(json::parse(body), chat);
-    } catch (const std::invalid_argument& e) {
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
       return e.what();
     }
     return "";
