@@ -347,6 +347,48 @@ TEST_F(ServerTest, DashboardShowsFigures) {
   EXPECT_EQ(count(0xcc2222), 0u) << "an unhealthy badge";
 }
 
+// A store that reports its own backend and health (the Redis store's
+// fields): the page shows them, the extra counters, and a red badge when
+// unhealthy. Served by a stand-in server with fixed stats, so no store is needed.
+TEST(DashboardPage, ShowsAStoreReportedBackendAndHealth) {
+  if (!fs::exists("/usr/bin/chromium")) GTEST_SKIP() << "/usr/bin/chromium is absent (scripts/install_deps.sh installs it)";
+  std::ifstream in(std::string(KVCODEC_SOURCE_DIR) + "/web/index.html");
+  const std::string page((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(page.empty());
+  const json part = {{"compressed_bytes", 100}, {"fp16_bytes", 1000}, {"ratio", 10.0}};
+  const json stats = {
+      {"method", "kvtc"},
+      {"retained", {{"key", part}, {"value", part}, {"total", part}}},
+      {"memory", {{"rss_bytes", 1 << 20}}},
+      {"ttft", {{"mean_ms", 5.0}, {"recent", json::array({{{"ttft_ms", 5.0}, {"reused_tokens", 0}, {"at_s", 1.0}}})}}},
+      {"last_request", {{"layers", json::array({{{"key", part}, {"value", part}, {"total", part}}})}}},
+      {"requests", {{"served", 1}, {"queued", 0}}},
+      {"prefix_store", {{"kind", "redis"}, {"backend", "redis://127.0.0.1:6399"}, {"healthy", false}, {"hits", 3},
+                        {"lookups", 4}, {"misses", 1}, {"corrupt", 2}, {"foreign", 5}, {"bytes_stored", 4096},
+                        {"rtt_ms", 0.25}, {"write_failures", 0}, {"read_failures", 0}, {"erase_failures", 0}}}};
+  httplib::Server fake;
+  fake.Get("/", [&](const httplib::Request&, httplib::Response& res) { res.set_content(page, "text/html"); });
+  fake.Get("/v1/kv/stats", [&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(stats.dump(), "application/json");
+  });
+  const int port = fake.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  std::thread serving([&] { fake.listen_after_bind(); });
+  const std::string dom = chromium(port, "--dump-dom");
+  const fs::path png = fs::temp_directory_path() / ("kvcodec_dashboard_fake_" + std::to_string(getpid()) + ".png");
+  chromium(port, "--screenshot=" + png.string());
+  fake.stop();
+  serving.join();
+  EXPECT_NE(dom.find("id=\"backend\">redis://127.0.0.1:6399<"), std::string::npos) << dom.substr(0, 3000);
+  EXPECT_NE(dom.find("id=\"health\">unhealthy<"), std::string::npos);
+  EXPECT_NE(dom.find("id=\"hitrate\">75.0 %<"), std::string::npos);
+  EXPECT_NE(dom.find("misses 1, corrupt 2, foreign 5, bytes_stored 4096, rtt_ms 0.25"), std::string::npos);
+  const std::map<uint32_t, size_t> counts = colour_counts(png);
+  fs::remove(png);
+  EXPECT_GE(counts.count(0xcc2222) ? counts.at(0xcc2222) : 0, 14u * 14) << "the unhealthy store's red badge";
+  EXPECT_EQ(counts.count(0x22aa22), 0u) << "a green badge";
+}
+
 // Last (gtest runs tests in order of definition): SIGTERM drains and exits 0.
 TEST_F(ServerTest, ZzSigtermDrainsAndExitsCleanly) {
   // A request in flight when the signal arrives still gets its answer.
