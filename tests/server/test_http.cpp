@@ -259,16 +259,16 @@ TEST_F(ServerTest, ClientVanishingMidStreamIsCancelled) {
   EXPECT_EQ(post("/v1/completions", R"({"prompt":"y = 2","max_tokens":1})", 200)["usage"]["completion_tokens"], 1);
 }
 
-// Runs headless Chromium on the dashboard with `what` (--dump-dom or
-// --screenshot=FILE) after 3 s of virtual time (a few polls); returns stdout.
-std::string chromium(int port, const std::string& what) {
+// Renders the dashboard in headless Chromium after 3 s of virtual time (a
+// few polls), once: writes its screenshot to `png` and returns its DOM.
+std::string chromium(int port, const fs::path& png) {
   const fs::path profile = fs::temp_directory_path() / ("kvcodec_chromium_" + std::to_string(getpid()));
   fs::remove_all(profile);
   const fs::path out = profile.string() + ".out";
   const std::string cmd = "timeout 60 /usr/bin/chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
                           "--disable-background-networking --disable-component-update --disable-sync --hide-scrollbars "
                           "--force-color-profile=srgb --force-device-scale-factor=1 --window-size=900,1700 "
-                          "--user-data-dir=" + profile.string() + " --virtual-time-budget=3000 " + what +
+                          "--user-data-dir=" + profile.string() + " --virtual-time-budget=3000 --dump-dom --screenshot=" + png.string() +
                           " http://127.0.0.1:" + std::to_string(port) + "/ > " + out.string() + " 2>/dev/null";
   const int rc = std::system(cmd.c_str());
   std::ifstream in(out);
@@ -320,7 +320,8 @@ TEST_F(ServerTest, DashboardShowsFigures) {
             st["last_request"]["key"]["fp16_bytes"].get<uint64_t>());
   EXPECT_GT(st["ttft"]["recent"].back()["at_s"].get<double>(), 0.0);
 
-  const std::string dom = chromium(port_, "--dump-dom");
+  const fs::path png = fs::temp_directory_path() / ("kvcodec_dashboard_" + std::to_string(getpid()) + ".png");
+  const std::string dom = chromium(port_, png);
   EXPECT_NE(dom.find("id=\"method\">fp16<"), std::string::npos) << dom.substr(0, 2000);
   EXPECT_NE(dom.find("id=\"ratio\">1.00x<"), std::string::npos);
   EXPECT_NE(dom.find("id=\"rss\">"), std::string::npos);
@@ -334,8 +335,6 @@ TEST_F(ServerTest, DashboardShowsFigures) {
 
   // The screenshot: each chart's solid colours are on screen (a dot is 5x5
   // pixels, a layer bar is tens of pixels high), and the health badge is green.
-  const fs::path png = fs::temp_directory_path() / ("kvcodec_dashboard_" + std::to_string(getpid()) + ".png");
-  chromium(port_, "--screenshot=" + png.string());
   const std::map<uint32_t, size_t> counts = colour_counts(png);
   fs::remove(png);
   auto count = [&](uint32_t rgb) { return counts.count(rgb) ? counts.at(rgb) : size_t(0); };
@@ -374,9 +373,8 @@ TEST(DashboardPage, ShowsAStoreReportedBackendAndHealth) {
   const int port = fake.bind_to_any_port("127.0.0.1");
   ASSERT_GT(port, 0);
   std::thread serving([&] { fake.listen_after_bind(); });
-  const std::string dom = chromium(port, "--dump-dom");
   const fs::path png = fs::temp_directory_path() / ("kvcodec_dashboard_fake_" + std::to_string(getpid()) + ".png");
-  chromium(port, "--screenshot=" + png.string());
+  const std::string dom = chromium(port, png);
   fake.stop();
   serving.join();
   EXPECT_NE(dom.find("id=\"backend\">redis://127.0.0.1:6399<"), std::string::npos) << dom.substr(0, 3000);
