@@ -20,7 +20,8 @@ function(kvcodec_module)
   endif()
 
   set(test_dir ${CMAKE_SOURCE_DIR}/tests/${M_NAME})
-  if(KVCODEC_TESTS AND EXISTS ${test_dir})
+  if(KVCODEC_TESTS AND EXISTS ${test_dir}
+     AND (KVCODEC_TEST_MODULES STREQUAL "all" OR M_NAME IN_LIST KVCODEC_TEST_MODULES))
     file(GLOB test_sources CONFIGURE_DEPENDS ${test_dir}/*.cpp)
     if(test_sources)
       add_executable(test_${M_NAME} ${test_sources})

@@ -9,6 +9,7 @@ packages=(
   python3  # its python3-minimal installs the default eval corpus (docs/eval.md)
   python3-venv python3-numpy python3-torch python3-pytest  # the Python package and its tests (python/, tests/python)
   rustc  # tests/capi: a Rust program against the installed C API
+  redis-server libhiredis-dev  # the Redis prefix store (src/server/redis_*) and its tests
   chromium  # headless render of the server dashboard (tests/server skip without it)
   libpng-dev  # tests/server reads the colours of the dashboard's screenshot
 )

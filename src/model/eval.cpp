@@ -145,6 +145,7 @@ std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int3
     double nll = 0, kl = 0, seconds = 0;
     int64_t top1 = 0, scored = 0, fed = 0;
     CacheStats stats;
+    std::vector<double> window_nll;  // mean NLL of each window, for the spread
   };
   std::vector<Acc> acc(runs.size());
   std::vector<double> base_lp, lp;
@@ -163,6 +164,7 @@ std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int3
       a.fed += run.fed;
       a.stats += run.stats;
       a.scored += n_pred;
+      const double nll_before = a.nll;
       if (r == 0) {
         base_rows.assign(size_t(n_pred), {});
         base_top.assign(size_t(n_pred), 0);
@@ -184,10 +186,22 @@ std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int3
         a.kl += std::max(0.0, kl);  // rounding can give -1e-17 for equal rows
         a.top1 += top == base_top[size_t(i)];
       }
+      a.window_nll.push_back((a.nll - nll_before) / double(n_pred));
     }
   }
 
   const double baseline_ppl = std::exp(acc[0].nll / double(acc[0].scored));
+  // Standard error of the per-window perplexity change (ppl_w / base_w - 1)
+  // across windows: how far the pooled figure could move on other windows.
+  const auto window_spread = [](const std::vector<double>& nll, const std::vector<double>& base) {
+    const size_t n = nll.size();
+    if (n < 2) return 0.0;
+    double mean = 0, sq = 0;
+    for (size_t w = 0; w < n; ++w) mean += std::expm1(nll[w] - base[w]);
+    mean /= double(n);
+    for (size_t w = 0; w < n; ++w) sq += std::pow(std::expm1(nll[w] - base[w]) - mean, 2);
+    return std::sqrt(sq / double(n - 1) / double(n));
+  };
   std::vector<EvalResult> results;
   for (size_t m = 0; m < methods.size(); ++m) {
     const Acc& a = acc[size_t(run_of[m])];
@@ -197,6 +211,7 @@ std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int3
     r.nll = a.nll / double(a.scored);
     r.ppl = std::exp(r.nll);
     r.ppl_change = r.ppl / baseline_ppl - 1.0;
+    r.ppl_change_se = window_spread(a.window_nll, acc[0].window_nll);
     r.kl = a.kl / double(a.scored);
     r.top1 = double(a.top1) / double(a.scored);
     r.stats = a.stats;

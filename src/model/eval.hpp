@@ -47,6 +47,7 @@ struct EvalResult {
   double nll = 0.0;          // mean, nats/token
   double ppl = 0.0;          // exp(nll)
   double ppl_change = 0.0;   // ppl / the baseline's ppl - 1
+  double ppl_change_se = 0.0;  // standard error of the per-window ppl change across windows (0 for one window)
   double kl = 0.0;           // mean KL(p_baseline || p_method), nats
   double top1 = 0.0;         // share of positions whose argmax equals the baseline's
   double compression_ratio = 0.0;

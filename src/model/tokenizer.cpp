@@ -244,6 +244,15 @@ Tokenizer Tokenizer::parse(const std::string& text, const std::string& origin) {
       max_id = std::max<int64_t>(max_id, id);
     }
     if (max_id < 0 || max_id >= (1 << 24)) fail(ErrorCode::kFormat, origin, "vocabulary ids out of range [0, 2^24)");
+    // The id tables below are sized by the largest id: a file of a few
+    // tokens with an id near 2^24 would make them take hundreds of MB. Real
+    // vocabularies number their tokens densely, so the largest id must be
+    // below the number of tokens the file defines.
+    const int64_t n_defined = int64_t(vocab.size() + added_by_content.size());
+    if (max_id >= n_defined)
+      fail(ErrorCode::kFormat, origin,
+           "token id " + std::to_string(max_id) + " is beyond the " + std::to_string(n_defined) +
+               " tokens the file defines (ids must be numbered densely from 0)");
     t.id_to_bytes_.assign(size_t(max_id + 1), std::string());
     t.special_.assign(size_t(max_id + 1), false);
     std::vector<bool> seen(size_t(max_id + 1), false);

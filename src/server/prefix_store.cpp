@@ -9,6 +9,7 @@
 
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
+#include "server/redis_store.hpp"
 
 namespace kvcodec::server {
 namespace fs = std::filesystem;
@@ -107,13 +108,13 @@ PrefixEntry decode_prefix_entry(const uint8_t* data, size_t size, const std::str
 
 // --- PrefixStore ------------------------------------------------------------
 
-PrefixStore::PrefixStore(std::string scope, int64_t block, uint64_t budget_bytes)
+IndexedPrefixStore::IndexedPrefixStore(std::string scope, int64_t block, uint64_t budget_bytes)
     : scope_(std::move(scope)), block_(block), budget_(budget_bytes) {
   if (block <= 0) throw_config_error("prefix_block", std::to_string(block), ">= 1 tokens");
   stats_.budget_bytes = budget_bytes;
 }
 
-void PrefixStore::drop_locked(uint64_t id, std::vector<uint64_t>& erase) {
+void IndexedPrefixStore::drop_locked(uint64_t id, std::vector<uint64_t>& erase) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   const Entry& e = it->second;
@@ -136,7 +137,7 @@ void PrefixStore::drop_locked(uint64_t id, std::vector<uint64_t>& erase) {
   erase.push_back(id);
 }
 
-void PrefixStore::erase_blobs(const std::vector<uint64_t>& ids) {
+void IndexedPrefixStore::erase_blobs(const std::vector<uint64_t>& ids) {
   for (uint64_t id : ids) {
     try {
       erase_blob(id);
@@ -146,20 +147,20 @@ void PrefixStore::erase_blobs(const std::vector<uint64_t>& ids) {
   }
 }
 
-void PrefixStore::note_failure(uint64_t& counter, const std::string& what) {
+void IndexedPrefixStore::note_failure(uint64_t& counter, const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
   ++counter;
   stats_.last_failure = what;
 }
 
-void PrefixStore::evict_to_fit_locked(uint64_t incoming, std::vector<uint64_t>& erase) {
+void IndexedPrefixStore::evict_to_fit_locked(uint64_t incoming, std::vector<uint64_t>& erase) {
   while (!lru_.empty() && stats_.bytes + incoming > budget_) {
     drop_locked(lru_.back(), erase);
     ++stats_.evictions;
   }
 }
 
-void PrefixStore::insert_locked(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size,
+void IndexedPrefixStore::insert_locked(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size,
                                 const PrefixBytes& bytes, bool most_recent) {
   Entry e;
   e.tokens = tokens;
@@ -183,7 +184,7 @@ void PrefixStore::insert_locked(uint64_t id, const std::vector<int32_t>& tokens,
   entries_.emplace(id, std::move(e));
 }
 
-void PrefixStore::index_existing(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size,
+void IndexedPrefixStore::index_existing(uint64_t id, const std::vector<int32_t>& tokens, uint64_t size,
                                  const PrefixBytes& bytes) {
   std::vector<uint64_t> erase;
   {
@@ -201,7 +202,7 @@ void PrefixStore::index_existing(uint64_t id, const std::vector<int32_t>& tokens
   erase_blobs(erase);
 }
 
-bool PrefixStore::put(const PrefixEntry& entry) {
+bool IndexedPrefixStore::put(const PrefixEntry& entry) {
   const int64_t n = int64_t(entry.tokens.size());
   if (n < block_)
     throw Error(ErrorCode::kInvalidArgument, "prefix store: an entry of " + std::to_string(n) +
@@ -258,7 +259,7 @@ bool PrefixStore::put(const PrefixEntry& entry) {
   return true;
 }
 
-std::optional<PrefixStore::Candidate> PrefixStore::best_candidate_locked(const int32_t* tokens, int64_t limit,
+std::optional<IndexedPrefixStore::Candidate> IndexedPrefixStore::best_candidate_locked(const int32_t* tokens, int64_t limit,
                                                                          const std::vector<uint64_t>& hashes) {
   // The deepest boundary with a candidate gives the longest match: an entry
   // sharing more than (k+1) blocks would also be indexed at boundary k+1.
@@ -291,7 +292,7 @@ std::optional<PrefixStore::Candidate> PrefixStore::best_candidate_locked(const i
   return std::nullopt;
 }
 
-std::optional<PrefixMatch> PrefixStore::lookup(const int32_t* tokens, int64_t n, int64_t max_tokens) {
+std::optional<PrefixMatch> IndexedPrefixStore::lookup(const int32_t* tokens, int64_t n, int64_t max_tokens) {
   const int64_t limit = std::min(n, max_tokens);
   const std::vector<uint64_t> hashes = prefix_boundary_hashes(tokens, limit, block_);
   {
@@ -345,7 +346,7 @@ std::optional<PrefixMatch> PrefixStore::lookup(const int32_t* tokens, int64_t n,
   }
 }
 
-PrefixStoreStats PrefixStore::stats() const {
+PrefixStoreStats IndexedPrefixStore::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   PrefixStoreStats s = stats_;
   s.kind = kind();
@@ -372,7 +373,7 @@ std::optional<std::vector<uint8_t>> MemoryPrefixStore::read_blob(uint64_t id) {
 }
 
 DiskPrefixStore::DiskPrefixStore(std::string scope, int64_t block, uint64_t budget_bytes, std::string dir)
-    : PrefixStore(std::move(scope), block, budget_bytes), dir_(std::move(dir)) {
+    : IndexedPrefixStore(std::move(scope), block, budget_bytes), dir_(std::move(dir)) {
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (!fs::is_directory(dir_))
@@ -380,7 +381,11 @@ DiskPrefixStore::DiskPrefixStore(std::string scope, int64_t block, uint64_t budg
   std::vector<std::pair<fs::file_time_type, fs::path>> files;
   for (const auto& f : fs::directory_iterator(dir_, ec)) {
     std::error_code e2;
-    if (f.is_regular_file(e2) && f.path().extension() == ".kvprefix") files.emplace_back(f.last_write_time(e2), f.path());
+    if (!f.is_regular_file(e2)) continue;
+    if (f.path().extension() == ".kvprefix") files.emplace_back(f.last_write_time(e2), f.path());
+    // A write killed before its rename (SIGKILL, power loss) leaves its
+    // temporary file: never an entry, so it is removed.
+    if (f.path().extension() == ".tmp" && f.path().stem().extension() == ".kvprefix") fs::remove(f.path(), e2);
   }
   if (ec) throw Error(ErrorCode::kIo, "--prefix-store-dir '" + dir_ + "' cannot be listed: " + ec.message());
   std::sort(files.begin(), files.end());  // oldest first
@@ -452,11 +457,15 @@ void DiskPrefixStore::erase_blob(uint64_t id) {
   fs::remove(path_of(id), ec);
 }
 
-std::unique_ptr<PrefixStore> make_prefix_store(const std::string& scope, int64_t block, uint64_t budget_bytes,
-                                               const std::string& dir) {
-  if (budget_bytes == 0) return nullptr;
-  if (dir.empty()) return std::make_unique<MemoryPrefixStore>(scope, block, budget_bytes);
-  return std::make_unique<DiskPrefixStore>(scope, block, budget_bytes, dir);
+std::unique_ptr<PrefixStore> make_prefix_store(const std::string& scope, const PrefixStoreOptions& o) {
+  if (o.budget_bytes == 0) return nullptr;
+  if (!o.url.empty()) {
+    RedisEndpoint ep = parse_redis_url(o.url);
+    ep.command_timeout_ms = o.redis_timeout_ms;
+    return std::make_unique<RedisPrefixStore>(scope, o.chunk_tokens, o.budget_bytes, std::move(ep));
+  }
+  if (o.dir.empty()) return std::make_unique<MemoryPrefixStore>(scope, o.block, o.budget_bytes);
+  return std::make_unique<DiskPrefixStore>(scope, o.block, o.budget_bytes, o.dir);
 }
 
 }  // namespace kvcodec::server

@@ -12,12 +12,17 @@
 // comparing the stored token ids, so a hash collision can never serve a
 // wrong cache. An entry that extends a stored one supersedes it.
 //
-// The store is bounded by a byte budget (the entry bytes as stored) with LRU
-// eviction. Two back ends share the index and the policy:
+// PrefixStore is the interface the server holds; IndexedPrefixStore keeps
+// the index described here in the process, and RedisPrefixStore
+// (redis_store.hpp) keeps chunks in a Redis shared by several servers.
+//
+// The indexed store is bounded by a byte budget (the entry bytes as stored)
+// with LRU eviction. Two back ends share the index and the policy:
 //   MemoryPrefixStore  entries in memory;
 //   DiskPrefixStore    one file per entry in a folder, written atomically;
 //                      the index is rebuilt from the folder at start-up, so
-//                      entries survive a restart. Every read re-checks the
+//                      entries survive a restart (a temporary file left
+//                      by a killed write is removed). Every read re-checks the
 //                      container checksums; an entry that fails is dropped
 //                      (file removed) and reported as a miss, so it is
 //                      recomputed, never served.
@@ -49,6 +54,12 @@ namespace kvcodec::server {
 // the index for stats.
 struct PrefixBytes {
   uint64_t compressed_key = 0, compressed_value = 0, fp16_key = 0, fp16_value = 0;
+  void add(const CacheStats& st) {
+    compressed_key += st.compressed_key_bytes;
+    compressed_value += st.compressed_value_bytes;
+    fp16_key += st.fp16_key_bytes;
+    fp16_value += st.fp16_value_bytes;
+  }
 };
 
 // What an entry holds, decoded.
@@ -66,18 +77,23 @@ std::vector<uint8_t> encode_prefix_entry(const PrefixEntry& entry);
 PrefixEntry decode_prefix_entry(const uint8_t* data, size_t size, const std::string& label = "<prefix entry>");
 
 struct PrefixStoreStats {
-  std::string kind;          // "memory", "disk" or "off"
-  uint64_t entries = 0;
-  uint64_t bytes = 0;        // entry bytes as stored
+  std::string kind;          // the back end: "memory", "disk", "redis" (or "off" where there is no store)
+  bool healthy = true;       // the back end answers (redis: connected; memory and disk: always)
+  uint64_t entries = 0;      // entries (redis: chunks this server wrote)
+  uint64_t bytes = 0;        // entry bytes as stored (redis: bytes this server wrote)
   uint64_t budget_bytes = 0;
   uint64_t tokens = 0;       // tokens held over all entries
   PrefixBytes cache_bytes;   // summed telemetry of the stored caches
   uint64_t lookups = 0, hits = 0, reused_tokens = 0;
   uint64_t stores = 0, evictions = 0, rejected_too_large = 0, corrupt_dropped = 0;
+  uint64_t foreign = 0;     // entries of another scope (model, method, settings) found where ours were looked for
   uint64_t superseded = 0;  // entries dropped because a new entry extends them
   uint64_t write_failures = 0, read_failures = 0, erase_failures = 0;  // back-end errors, never request errors
+  double rtt_ms = 0.0;       // mean round trip of a back-end call (redis; 0 for memory and disk)
+  uint64_t reconnects = 0;   // redis: connections made again after a loss
   std::string last_failure;  // what the last failure (of any kind above, or corrupt_dropped) was
-  uint64_t failures() const { return write_failures + read_failures + erase_failures + corrupt_dropped; }
+  uint64_t failures() const { return write_failures + read_failures + erase_failures + corrupt_dropped + foreign; }
+  uint64_t misses() const { return lookups - hits; }
   double hit_rate() const { return lookups ? double(hits) / double(lookups) : 0.0; }
 };
 
@@ -86,30 +102,48 @@ struct PrefixMatch {
   PrefixEntry entry;            // entry.tokens.size() >= matched_tokens
 };
 
+// The interface the server uses; the index-based stores (memory, disk) and
+// the Redis chunk store (redis_store.hpp) implement it. put() and lookup()
+// never throw for back-end trouble (counted in the stats instead); they
+// throw Error(kInvalidArgument) only for a caller's mistake.
 class PrefixStore {
  public:
-  // block: the boundary spacing of the index (tokens); budget_bytes: 0 disables storing.
-  PrefixStore(std::string scope, int64_t block, uint64_t budget_bytes);
   virtual ~PrefixStore() = default;
-  PrefixStore(const PrefixStore&) = delete;
-  PrefixStore& operator=(const PrefixStore&) = delete;
+  // Keeps the caches of entry (entry.layers: KVCache::save() of every layer
+  // holding entry.tokens). Returns whether anything was stored.
+  virtual bool put(const PrefixEntry& entry) = 0;
+  // The longest stored prefix of tokens[0 .. n) at most max_tokens long: its
+  // caches hold exactly match.entry.tokens, of which the first
+  // matched_tokens are shared with the prompt (the server trims the rest).
+  virtual std::optional<PrefixMatch> lookup(const int32_t* tokens, int64_t n, int64_t max_tokens) = 0;
+  virtual PrefixStoreStats stats() const = 0;
+  // The shortest entry put() takes, tokens.
+  virtual int64_t block() const = 0;
+};
+
+class IndexedPrefixStore : public PrefixStore {
+ public:
+  // block: the boundary spacing of the index (tokens); budget_bytes: 0 disables storing.
+  IndexedPrefixStore(std::string scope, int64_t block, uint64_t budget_bytes);
+  IndexedPrefixStore(const IndexedPrefixStore&) = delete;
+  IndexedPrefixStore& operator=(const IndexedPrefixStore&) = delete;
 
   // Stores the entry (at least one block of tokens, any length beyond);
   // evicts least recently used entries to stay within the budget. An entry
   // larger than the whole budget is not stored. Replaces an entry for the
   // same tokens and drops entries whose tokens are a prefix of the new one
   // (superseded). Returns whether it was stored.
-  bool put(const PrefixEntry& entry);
+  bool put(const PrefixEntry& entry) override;
 
   // The longest stored prefix of tokens[0 .. n) that is at most max_tokens
   // long: found through the block-boundary index (so at least one block
   // must be shared), then extended token by token against the stored ids.
   // Counts a lookup (and a hit). A corrupted entry is dropped and the
   // search goes on.
-  std::optional<PrefixMatch> lookup(const int32_t* tokens, int64_t n, int64_t max_tokens);
+  std::optional<PrefixMatch> lookup(const int32_t* tokens, int64_t n, int64_t max_tokens) override;
 
-  PrefixStoreStats stats() const;
-  int64_t block() const { return block_; }
+  PrefixStoreStats stats() const override;
+  int64_t block() const override { return block_; }
   const std::string& scope() const { return scope_; }
 
  protected:
@@ -165,9 +199,9 @@ class PrefixStore {
 // Hashes of tokens[0 .. k*block) for k = 1 .. n/block (XXH3-64, streamed).
 std::vector<uint64_t> prefix_boundary_hashes(const int32_t* tokens, int64_t n, int64_t block);
 
-class MemoryPrefixStore final : public PrefixStore {
+class MemoryPrefixStore final : public IndexedPrefixStore {
  public:
-  using PrefixStore::PrefixStore;
+  using IndexedPrefixStore::IndexedPrefixStore;
 
  protected:
   void write_blob(uint64_t id, const std::vector<uint8_t>& bytes) override;
@@ -180,7 +214,7 @@ class MemoryPrefixStore final : public PrefixStore {
   std::unordered_map<uint64_t, std::vector<uint8_t>> blobs_;
 };
 
-class DiskPrefixStore final : public PrefixStore {
+class DiskPrefixStore final : public IndexedPrefixStore {
  public:
   // Creates dir when missing; indexes the entries found there (files
   // "<16 hex>.kvprefix" of the same scope; unreadable or corrupted ones are
@@ -199,9 +233,17 @@ class DiskPrefixStore final : public PrefixStore {
   std::string dir_;
 };
 
-// Makes the store the server options ask for: budget 0 -> nullptr (off);
-// dir empty -> memory, else disk.
-std::unique_ptr<PrefixStore> make_prefix_store(const std::string& scope, int64_t block, uint64_t budget_bytes,
-                                               const std::string& dir);
+// What the server's flags ask of the store.
+struct PrefixStoreOptions {
+  uint64_t budget_bytes = 0;  // 0: no store
+  std::string dir;            // --prefix-store-dir: a disk store
+  std::string url;            // --prefix-store redis://HOST:PORT: the Redis chunk store (wins over dir)
+  int64_t block = 64;         // index spacing (memory, disk)
+  int64_t chunk_tokens = 256; // chunk size (redis)
+  int redis_timeout_ms = 500; // bound of every Redis call
+};
+
+// budget 0 -> nullptr (off); url set -> redis; dir set -> disk; else memory.
+std::unique_ptr<PrefixStore> make_prefix_store(const std::string& scope, const PrefixStoreOptions& options);
 
 }  // namespace kvcodec::server

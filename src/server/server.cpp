@@ -337,7 +337,12 @@ json stats_json(ServerState& s) {
                        {"rejected_too_large", ps.rejected_too_large}, {"corrupt_dropped", ps.corrupt_dropped},
                        {"superseded", ps.superseded}, {"write_failures", ps.write_failures},
                        {"read_failures", ps.read_failures}, {"erase_failures", ps.erase_failures},
-                       {"last_failure", ps.last_failure}};
+                       {"last_failure", ps.last_failure},
+                       // The shape every back end shares (the dashboard reads it).
+                       {"backend", s.store ? ps.kind : "off"}, {"healthy", s.store ? ps.healthy : false},
+                       {"misses", ps.misses()}, {"corrupt", ps.corrupt_dropped}, {"foreign", ps.foreign},
+                       {"bytes_stored", ps.bytes}, {"rtt_ms", ps.rtt_ms}, {"reconnects", ps.reconnects},
+                       {"chunk_tokens", s.store ? s.store->block() : 0}};
   j["requests"] = {{"served", s.served}, {"queued", s.queue.size()}, {"running", s.busy ? 1 : 0},
                    {"max_queue", s.opt.max_queue}, {"rejected_queue_full", s.rejected_full},
                    {"cancelled", s.cancelled}, {"failed", s.failed}, {"model_threads", s.model_threads.load()},
@@ -367,9 +372,12 @@ std::string metrics_text(const json& stats) {
   for (const char* k : {"queued", "running"}) emit(std::string("requests_") + k, stats["requests"][k], "gauge");
   const json& ps = stats["prefix_store"];
   for (const char* k : {"lookups", "hits", "reused_tokens", "stores", "evictions", "superseded", "rejected_too_large",
-                        "corrupt_dropped", "write_failures", "read_failures", "erase_failures"})
+                        "corrupt_dropped", "write_failures", "read_failures", "erase_failures", "misses", "corrupt",
+                        "foreign", "reconnects"})
     emit(std::string("prefix_store_") + k + "_total", ps[k], "counter");
-  for (const char* k : {"entries", "bytes", "budget_bytes"}) emit(std::string("prefix_store_") + k, ps[k], "gauge");
+  for (const char* k : {"entries", "bytes", "budget_bytes", "bytes_stored", "rtt_ms"})
+    emit(std::string("prefix_store_") + k, ps[k], "gauge");
+  emit("prefix_store_healthy", ps["healthy"].get<bool>() ? 1 : 0, "gauge");
   emit("tokens_seen_total", stats["tokens"]["seen"], "counter");
   emit("rss_bytes", stats["memory"]["rss_bytes"], "gauge");
   return out;
@@ -431,6 +439,8 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     throw_config_error("--max-body-bytes", std::to_string(opt.max_body_bytes), "[64, 268435456]");
   if (opt.prefix_block < 1 || opt.prefix_block > 4096)
     throw_config_error("--prefix-block", std::to_string(opt.prefix_block), "[1, 4096]");
+  if (opt.redis_timeout_ms < 1 || opt.redis_timeout_ms > 60000)
+    throw_config_error("--redis-timeout-ms", std::to_string(opt.redis_timeout_ms), "[1, 60000]");
   if (opt.default_max_tokens < 0 || opt.max_tokens_limit < 1)
     throw_config_error("--max-tokens-limit", std::to_string(opt.max_tokens_limit), ">= 1");
   check_bind_policy(opt.host, opt.api_key, opt.insecure_no_api_key);
@@ -457,7 +467,14 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   s.model_identity = model::model_identity(*s.model, dir);
   model::check_method_for_model(opt.method, s.settings, s.model->config(), model::model_config_hash(dir));
   s.scope = scope_of(opt.method, s.settings, s.model_identity);
-  s.store = make_prefix_store(s.scope, opt.prefix_block, opt.prefix_store_bytes, opt.prefix_store_dir);
+  PrefixStoreOptions store_opt;
+  store_opt.budget_bytes = opt.prefix_store_bytes;
+  store_opt.dir = opt.prefix_store_dir;
+  store_opt.url = opt.prefix_store;
+  store_opt.block = opt.prefix_block;
+  store_opt.chunk_tokens = opt.prefix_chunk;
+  store_opt.redis_timeout_ms = opt.redis_timeout_ms;
+  s.store = make_prefix_store(s.scope, store_opt);
   const int64_t context = s.model->config().max_position_embeddings > 0 ? s.model->config().max_position_embeddings : 2048;
   s.max_prompt = opt.max_prompt_tokens > 0 ? std::min<int64_t>(opt.max_prompt_tokens, context - 1) : context - 1;
   s.max_prompt_bytes = uint64_t(s.max_prompt) * s.tok->max_token_bytes();
@@ -596,7 +613,12 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     first = false;
   }
   log << "}\n";
-  if (s.store)
+  if (s.store && !opt.prefix_store.empty()) {
+    const PrefixStoreStats ps = s.store->stats();
+    log << "kvcodec serve: prefix store redis " << opt.prefix_store << ", chunks of " << opt.prefix_chunk << " tokens, "
+        << (ps.healthy ? "connected" : "NOT reachable (" + ps.last_failure + "): serving without it, reconnecting with backoff")
+        << "\n";
+  } else if (s.store)
     log << "kvcodec serve: prefix store " << s.store->stats().kind << ", " << opt.prefix_store_bytes << " bytes, block "
         << opt.prefix_block << " tokens" << (opt.prefix_store_dir.empty() ? "" : ", dir " + opt.prefix_store_dir)
         << ", " << s.store->stats().entries << " entries found\n";

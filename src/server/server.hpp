@@ -30,6 +30,9 @@ struct ServeOptions {
   uint64_t prefix_store_bytes = 256ull << 20;  // 0 disables prefix reuse
   std::string prefix_store_dir;          // empty: in memory
   int64_t prefix_block = 64;             // prefix index spacing, tokens
+  std::string prefix_store;              // "redis://HOST:PORT": the shared Redis chunk store (wins over the dir)
+  int64_t prefix_chunk = 256;            // Redis chunk size, tokens
+  int redis_timeout_ms = 500;            // bound of every Redis call
   size_t max_body_bytes = 1u << 20;
   int64_t max_prompt_tokens = 0;         // 0: the model's context minus 1
   int64_t max_tokens_limit = 1024;       // largest max_tokens a request may ask

@@ -90,6 +90,24 @@ TEST(Eval, ProtocolMatchesDirectComputation) {
   EXPECT_GT(results[1].kl, 1e-4);
   EXPECT_LE(results[1].top1, 1.0);
   EXPECT_NE(results[1].nll, results[0].nll);
+  // Spread: the standard error over the two windows of ppl_w(noisy) / ppl_w(raw) - 1.
+  EXPECT_EQ(results[0].ppl_change_se, 0.0);
+  double change[2];
+  for (int w = 0; w < 2; ++w) {
+    const int32_t* win = tokens.data() + (w + 1) * 40;
+    const double raw_nll = direct_nll(m, win, 40, 24, 34) / 10;
+    // The noisy method's per-window NLL from a one-window evaluation of that window.
+    EvalOptions one = o;
+    one.first_window = w + 1;
+    one.windows = 1;
+    const auto r1 = evaluate(m, tokens, {base, noisy}, base, one);
+    EXPECT_EQ(r1[1].ppl_change_se, 0.0);  // one window: no spread
+    change[w] = std::exp(r1[1].nll - raw_nll) - 1;
+  }
+  const double mean = (change[0] + change[1]) / 2;
+  const double se = std::sqrt((std::pow(change[0] - mean, 2) + std::pow(change[1] - mean, 2)) / 1.0 / 2.0);
+  EXPECT_GT(se, 0.0);
+  EXPECT_NEAR(results[1].ppl_change_se, se, 1e-6);
 }
 
 TEST(Eval, WholeWindowMatchesDirectComputation) {

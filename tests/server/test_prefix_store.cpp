@@ -263,9 +263,9 @@ TEST_F(DiskStoreTest, BudgetAppliesToEntriesFoundAtStartup) {
 }
 
 // A back end that fails or stalls on demand.
-class FaultyStore final : public PrefixStore {
+class FaultyStore final : public IndexedPrefixStore {
  public:
-  using PrefixStore::PrefixStore;
+  using IndexedPrefixStore::IndexedPrefixStore;
   std::atomic<bool> fail_writes{false}, lose_reads{false};
   std::atomic<int> write_sleep_ms{0};
   std::atomic<bool> writing{false};

@@ -150,6 +150,7 @@ void run(const EvalArgs& a) {
                      {"compression_ratio", r.compression_ratio},
                      {"ppl", r.ppl},
                      {"ppl_change_pct", 100.0 * r.ppl_change},
+                     {"ppl_change_se_pct", 100.0 * r.ppl_change_se},
                      {"nll", r.nll},
                      {"kl", r.kl},
                      {"top1_agreement", r.top1},
@@ -171,12 +172,15 @@ void run(const EvalArgs& a) {
               a.baseline.c_str());
   for (const std::string& note : notes) std::printf("%s\n", note.c_str());
   // held: f16 / bytes held in memory (shared calibration apart), beside the stored ratio.
-  std::printf("%-12s %8s %8s %9s %8s %8s %10s %7s %10s\n", "method", "ratio", "held", "ppl", "ppl +%", "nll", "kl",
-              "top1", "tokens/s");
-  for (const auto& r : results)
-    std::printf("%-12s %7.2fx %7.2fx %9.4f %+7.2f%% %8.4f %10.3e %7.4f %10.1f\n", r.method.c_str(),
-                r.compression_ratio, r.stats.resident_ratio(), r.ppl, 100.0 * r.ppl_change, r.nll, r.kl, r.top1,
-                r.tokens_per_s);
+  // se: standard error of the per-window ppl change across windows ("-" for one window).
+  std::printf("%-12s %8s %8s %9s %8s %6s %8s %10s %7s %10s\n", "method", "ratio", "held", "ppl", "ppl +%", "se",
+              "nll", "kl", "top1", "tokens/s");
+  for (const auto& r : results) {
+    const std::string se = o.windows > 1 ? fmt::format("{:.2f}%", 100.0 * r.ppl_change_se) : "-";
+    std::printf("%-12s %7.2fx %7.2fx %9.4f %+7.2f%% %6s %8.4f %10.3e %7.4f %10.1f\n", r.method.c_str(),
+                r.compression_ratio, r.stats.resident_ratio(), r.ppl, 100.0 * r.ppl_change, se.c_str(), r.nll, r.kl,
+                r.top1, r.tokens_per_s);
+  }
 }
 
 }  // namespace

@@ -21,6 +21,10 @@ void register_serve(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prefix-store-dir", o->prefix_store_dir, "Keep prefix entries in this folder (survives a restart)");
   cmd->add_option("--prefix-block", o->prefix_block, "Prefix index spacing in tokens")->capture_default_str();
+  cmd->add_option("--prefix-store", o->prefix_store,
+                  "redis://HOST:PORT: keep prefixes in chunks in this Redis, shared with other servers");
+  cmd->add_option("--prefix-chunk", o->prefix_chunk, "Tokens per Redis chunk")->capture_default_str();
+  cmd->add_option("--redis-timeout-ms", o->redis_timeout_ms, "Bound of every Redis call")->capture_default_str();
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "Largest request body")->capture_default_str();
   cmd->add_option("--max-prompt-tokens", o->max_prompt_tokens, "Longest prompt (0: model context - 1)")->capture_default_str();
   cmd->add_option("--max-tokens-limit", o->max_tokens_limit, "Largest max_tokens a request may ask")->capture_default_str();
