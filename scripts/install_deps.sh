@@ -11,7 +11,12 @@ packages=(
   rustc  # tests/capi: a Rust program against the installed C API
   redis-server libhiredis-dev  # the Redis prefix store (src/server/redis_*) and its tests
   chromium  # headless render of the server dashboard (tests/server skip without it)
+  libpng-dev  # tests/server reads the colours of the dashboard's screenshot
 )
+# tests/node (the official OpenAI Node client, npm `openai`): Debian's nodejs
+# and npm, unless npm is already there (a NodeSource nodejs bundles npm and
+# conflicts with Debian's npm package).
+command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -91,6 +91,12 @@ int32_t Sampler::sample(const float* raw_logits, int vocab) {
 
 GenerateResult generate(Session& session, const std::vector<int32_t>& prompt, const GenerateOptions& options,
                         const std::function<void(int32_t)>& on_token) {
+  if (!on_token) return generate_with_logits(session, prompt, options, {});
+  return generate_with_logits(session, prompt, options, [&](int32_t t, const float*) { on_token(t); });
+}
+
+GenerateResult generate_with_logits(Session& session, const std::vector<int32_t>& prompt,
+                                    const GenerateOptions& options, const StepFn& on_step) {
   if (prompt.empty()) throw Error(ErrorCode::kInvalidArgument, "generate needs a non-empty prompt");
   if (options.max_tokens < 0)
     throw_config_error("max_tokens", std::to_string(options.max_tokens), ">= 0");
@@ -111,7 +117,7 @@ GenerateResult generate(Session& session, const std::vector<int32_t>& prompt, co
     const int32_t next = sampler.sample(logits.data(), vocab);
     result.tokens.push_back(next);
     sampler.observe(next);
-    if (on_token) on_token(next);
+    if (on_step) on_step(next, logits.data());
     if (next == options.eos_token) {
       result.stopped_at_eos = true;
       break;

@@ -67,4 +67,10 @@ struct GenerateResult {
 GenerateResult generate(Session& session, const std::vector<int32_t>& prompt, const GenerateOptions& options,
                         const std::function<void(int32_t)>& on_token = {});
 
+// The same; on_step also gets the logits [vocab] the token was sampled from
+// (before any sampling penalty), e.g. for a server's per-token logprobs.
+using StepFn = std::function<void(int32_t token, const float* logits)>;
+GenerateResult generate_with_logits(Session& session, const std::vector<int32_t>& prompt,
+                                    const GenerateOptions& options, const StepFn& on_step);
+
 }  // namespace kvcodec::model

@@ -29,284 +29,24 @@
 #include "model/llama.hpp"
 #include "model/paths.hpp"
 #include "model/tokenizer.hpp"
-#include "server/connection.hpp"
+#include "server/auth.hpp"
 #include "server/prefix_store.hpp"
+#include "server/server_state.hpp"
 
 namespace kvcodec::server {
-namespace {
-
-using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
-const char kDashboardHtml[] =
-#include "dashboard_html.inc"
-    ;
-
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-// A request the client got wrong: answered with `status` and a JSON error.
-struct HttpError {
-  int status;
-  std::string message;
-  std::string type = "invalid_request_error";
-};
-
-json error_body(const std::string& message, const std::string& type, int status) {
-  return {{"error", {{"message", message}, {"type", type}, {"code", status}}}};
-}
-
-void send_error(httplib::Response& res, int status, const std::string& message,
-                const std::string& type = "invalid_request_error") {
-  res.status = status;
-  res.set_content(dump(error_body(message, type, status)), "application/json");
-}
-
-// Thrown from the token callback to end generation early.
-struct StopGeneration {};
-
-// One generation request, shared by the HTTP thread that owns the client
-// and the model thread.
-struct Job {
-  bool chat = false;
-  bool stream = false;
-  bool include_usage = false;
-  std::vector<int32_t> prompt;
-  model::GenerateOptions gen;
-  std::vector<std::string> stop;
-  std::string id;
-  int64_t created = 0;
-  Clock::time_point arrived = Clock::now();
-
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::string> pieces;  // text not yet sent (streaming)
-  std::string text;                // all text so far
-  bool done = false;
-  std::optional<std::string> error;
-  std::string finish_reason = "length";
-  int64_t completion_tokens = 0;
-  int64_t reused_tokens = 0;
-  double prefix_load_ms = 0.0;  // looking up, decoding and trimming the stored caches
-  double ttft_ms = 0.0;
-  std::atomic<bool> cancelled{false};
-};
-
-struct ServerState {
-  ServeOptions opt;
-  std::string model_name;
-  std::string model_identity;  // model::model_identity(): part of the prefix-store scope
-  std::unique_ptr<model::LlamaModel> model;
-  std::unique_ptr<model::Tokenizer> tok;
-  Settings settings;
-  std::string scope;
-  std::unique_ptr<PrefixStore> store;
-  std::ostream* log = nullptr;
-  std::mutex log_mu;          // the model and signal threads both write the log
-  uint64_t store_failures_logged = 0;  // model thread only
-  int64_t max_prompt = 0;
-  // A text longer than this cannot fit in max_prompt tokens (no token is
-  // longer than the tokenizer's longest), so it is refused before tokenizing.
-  uint64_t max_prompt_bytes = 0;
-  Clock::time_point started = Clock::now();
-  std::atomic<int> model_threads{0};  // OpenMP threads the model thread uses (stats)
-
-  std::mutex mu;  // guards everything below
-  std::condition_variable cv;
-  std::deque<std::shared_ptr<Job>> queue;
-  bool busy = false;
-  bool draining = false;
-  bool stopping = false;
-  uint64_t served = 0, rejected_full = 0, cancelled = 0, failed = 0, next_id = 1;
-  uint64_t tokens_seen = 0;
-  CacheStats last;  // caches of the last finished request
-  std::deque<double> ttft_ms;  // recent requests, newest last
-  std::deque<int64_t> ttft_reused;
-};
-
-// --- request parsing -----------------------------------------------------------
-
-json parse_body(const std::string& body) {
-  if (body.empty()) throw HttpError{400, "request body is empty; expected a JSON object"};
-  json j;
-  try {
-    j = json::parse(body);
-  } catch (const json::parse_error& e) {
-    throw HttpError{400, std::string("invalid JSON: ") + e.what()};
-  }
-  if (!j.is_object()) throw HttpError{400, std::string("request body must be a JSON object, got ") + j.type_name()};
-  return j;
-}
-
-double number_field(const json& j, const char* name, double def, double lo, double hi) {
-  if (!j.contains(name) || j[name].is_null()) return def;
-  if (!j[name].is_number()) throw HttpError{400, std::string("field '") + name + "' must be a number"};
-  const double v = j[name].get<double>();
-  if (!(v >= lo && v <= hi))
-    throw HttpError{400, std::string("field '") + name + "' = " + std::to_string(v) + " is outside [" +
-                             std::to_string(lo) + ", " + std::to_string(hi) + "]"};
-  return v;
-}
-
-int64_t int_field(const json& j, const char* name, int64_t def, int64_t lo, int64_t hi) {
-  if (!j.contains(name) || j[name].is_null()) return def;
-  if (!j[name].is_number_integer() && !j[name].is_number_unsigned())
-    throw HttpError{400, std::string("field '") + name + "' must be an integer"};
-  const int64_t v = j[name].get<int64_t>();
-  if (v < lo || v > hi)
-    throw HttpError{400, std::string("field '") + name + "' = " + std::to_string(v) + " is outside [" +
-                             std::to_string(lo) + ", " + std::to_string(hi) + "]"};
-  return v;
-}
-
-std::string text_of(const json& v, const std::string& what) {
-  if (v.is_string()) return v.get<std::string>();
-  // OpenAI content parts: [{"type": "text", "text": "..."}]
-  if (v.is_array()) {
-    std::string out;
-    for (const auto& part : v) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
-        throw HttpError{400, what + ": only text content parts are supported"};
-      out += part["text"].get<std::string>();
-    }
-    return out;
-  }
-  throw HttpError{400, what + " must be a string"};
-}
-
-// A plain transcript of body["messages"]: the shipped model has no chat
-// template. Each turn is "<role>: <content>\n" (no added space when the
-// content starts with whitespace); it ends with "assistant:" for the reply.
-// Throws HttpError naming the bad message.
-std::string chat_transcript(const json& j) {
-  if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
-    throw HttpError{400, "field 'messages' must be a non-empty array"};
-  std::string text;
-  for (size_t i = 0; i < j["messages"].size(); ++i) {
-    const json& m = j["messages"][i];
-    const std::string where = "messages[" + std::to_string(i) + "]";
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
-      throw HttpError{400, where + " must be an object with 'role' and 'content'"};
-    const std::string role = m["role"].get<std::string>();
-    if (role != "system" && role != "user" && role != "assistant")
-      throw HttpError{400, where + ".role '" + role + "' is not one of system, user, assistant"};
-    // The separating space is left out when the content already starts
-    // with whitespace: the model's replies usually do (the prompt ends with
-    // "assistant:"), and a reply sent back must re-tokenize to the tokens
-    // it was generated as, or the prefix store cannot reuse them.
-    const std::string content = text_of(m["content"], where + ".content");
-    const bool spaced = !content.empty() && (content[0] == ' ' || content[0] == '\n' || content[0] == '\t');
-    text += role + ":" + (spaced ? "" : " ") + content + "\n";
-  }
-  return text + "assistant:";
-}
-
-// Refuses, before any tokenizing, a prompt text that cannot fit: its bytes
-// exceed max_prompt tokens of the longest token each.
-void check_prompt_bytes(const ServerState& s, size_t bytes) {
-  if (bytes > s.max_prompt_bytes)
-    throw HttpError{400, "prompt is " + std::to_string(bytes) + " bytes; this server takes at most " +
-                             std::to_string(s.max_prompt_bytes) + " bytes (max prompt tokens " +
-                             std::to_string(s.max_prompt) + " x the longest token, " +
-                             std::to_string(s.tok->max_token_bytes()) + " bytes)"};
-}
-
-void check_prompt_tokens(const ServerState& s, size_t n) {
-  if (int64_t(n) > s.max_prompt)
-    throw HttpError{400, "prompt is " + std::to_string(n) + " tokens; this server takes at most " +
-                             std::to_string(s.max_prompt)};
-}
-
-// Builds the job from an OpenAI request body; throws HttpError for anything wrong.
-std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
-  static const std::set<std::string> common = {"model", "max_tokens", "max_completion_tokens", "temperature",
-                                               "top_p", "seed", "stream", "stream_options", "stop", "n", "user"};
-  for (const auto& [key, value] : j.items()) {
-    (void)value;
-    if (common.count(key)) continue;
-    if (chat && key == "messages") continue;
-    if (!chat && key == "prompt") continue;
-    throw HttpError{400, "unknown or unsupported field '" + key + "'"};
-  }
-  if (j.contains("model") && !j["model"].is_null()) {
-    if (!j["model"].is_string()) throw HttpError{400, "field 'model' must be a string"};
-    const std::string m = j["model"].get<std::string>();
-    if (m != s.model_name) throw HttpError{404, "model '" + m + "' is not served here (this server serves '" + s.model_name + "')", "model_not_found"};
-  }
-  if (int_field(j, "n", 1, 1, 1) != 1) throw HttpError{400, "field 'n' must be 1"};
-  auto job = std::make_shared<Job>();
-  job->chat = chat;
-  std::string text;
-  if (chat) {
-    text = chat_transcript(j);
-  } else {
-    if (!j.contains("prompt")) throw HttpError{400, "field 'prompt' is required"};
-    const json& p = j["prompt"];
-    if (p.is_array() && !p.empty() && p[0].is_number_integer()) {
-      // Token ids, as OpenAI allows.
-      check_prompt_tokens(s, p.size());
-      for (const auto& t : p) {
-        if (!t.is_number_integer()) throw HttpError{400, "field 'prompt': a token array must hold only integers"};
-        const int64_t id = t.get<int64_t>();
-        if (id < 0 || id >= s.model->config().vocab_size)
-          throw HttpError{400, "field 'prompt': token " + std::to_string(id) + " is outside the vocabulary [0, " +
-                                   std::to_string(s.model->config().vocab_size) + ")"};
-        job->prompt.push_back(int32_t(id));
-      }
-    } else if (p.is_string()) {
-      text = p.get<std::string>();
-    } else {
-      throw HttpError{400, "field 'prompt' must be a string or an array of token ids"};
-    }
-  }
-  if (job->prompt.empty()) {
-    check_prompt_bytes(s, text.size());
-    job->prompt = s.tok->encode(text);
-  }
-  if (job->prompt.empty()) {
-    const auto& c = s.model->config();
-    job->prompt.push_back(c.bos_token_id >= 0 ? c.bos_token_id : std::max(0, c.eos_token_id));
-  }
-  check_prompt_tokens(s, job->prompt.size());
-  const char* max_name = j.contains("max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  job->gen.max_tokens = int_field(j, max_name, s.opt.default_max_tokens, 0, s.opt.max_tokens_limit);
-  const int64_t context = s.model->config().max_position_embeddings;
-  if (context > 0 && int64_t(job->prompt.size()) + job->gen.max_tokens > context)
-    job->gen.max_tokens = std::max<int64_t>(0, context - int64_t(job->prompt.size()));
-  job->gen.sampling.temperature = number_field(j, "temperature", 0.0, 0.0, 100.0);
-  job->gen.sampling.top_p = number_field(j, "top_p", 1.0, 1e-9, 1.0);
-  job->gen.sampling.seed = uint64_t(int_field(j, "seed", 0, 0, INT64_MAX));
-  job->gen.eos_token = s.model->config().eos_token_id;
-  if (j.contains("stream") && !j["stream"].is_null()) {
-    if (!j["stream"].is_boolean()) throw HttpError{400, "field 'stream' must be a boolean"};
-    job->stream = j["stream"].get<bool>();
-  }
-  if (j.contains("stream_options") && j["stream_options"].is_object())
-    job->include_usage = j["stream_options"].value("include_usage", false);
-  if (j.contains("stop") && !j["stop"].is_null()) {
-    const json& st = j["stop"];
-    if (st.is_string()) job->stop.push_back(st.get<std::string>());
-    else if (st.is_array() && st.size() <= 4) {
-      for (const auto& x : st) {
-        if (!x.is_string()) throw HttpError{400, "field 'stop' must hold strings"};
-        job->stop.push_back(x.get<std::string>());
-      }
-    } else {
-      throw HttpError{400, "field 'stop' must be a string or an array of at most 4 strings"};
-    }
-    for (const auto& x : job->stop)
-      if (x.empty()) throw HttpError{400, "field 'stop' must not hold an empty string"};
-  }
-  return job;
-}
-
-// --- the model thread ------------------------------------------------------------
 
 void log_line(ServerState& s, const std::string& line) {
   std::lock_guard<std::mutex> lock(s.log_mu);
   if (s.log) *s.log << "kvcodec serve: " << line << std::endl;
 }
+
+namespace {
+
+const char kDashboardHtml[] =
+#include "dashboard_html.inc"
+    ;
+
+// --- the model thread ------------------------------------------------------------
 
 // Logs store failures counted since the last call (the counters are in the
 // stats; the log says what happened). Model thread only.
@@ -318,11 +58,38 @@ void log_store_failures(ServerState& s) {
   s.store_failures_logged = st.failures();
 }
 
-void push_piece(Job& job, const std::string& piece) {
-  if (piece.empty()) return;
+// Streaming: hands a piece of text, with the logprobs of the tokens it
+// completes, to the HTTP thread.
+void push_piece(Job& job, Job::Piece piece) {
+  if (piece.text.empty() && piece.logprobs.empty()) return;
   std::lock_guard<std::mutex> lock(job.mu);
-  job.pieces.push_back(piece);
+  job.pieces.push_back(std::move(piece));
   job.cv.notify_all();
+}
+
+// Echo with logprobs: the prompt's tokens with the logprob of each given
+// the ones before (the first has none). Feeds all but the last prompt token
+// (generation feeds that one; its logits give the first reply token), in
+// chunks so the logits held stay [chunk, vocab].
+void score_prompt(ServerState& s, model::Session& session, Job& job) {
+  constexpr int64_t kChunk = 256;
+  const int vocab = s.model->config().vocab_size;
+  const int64_t n = int64_t(job.prompt.size());
+  size_t offset = 0;
+  job.prompt_logprobs.push_back({job.prompt[0], std::nullopt, {}, 0});
+  offset += s.tok->token_bytes(job.prompt[0]).size();
+  std::vector<float> logits;
+  for (int64_t start = 0; start + 1 < n; start += kChunk) {
+    const int64_t m = std::min(kChunk, n - 1 - start);
+    session.forward(job.prompt.data() + start, m, logits, true);
+    for (int64_t i = 0; i < m; ++i) {
+      const int32_t t = job.prompt[size_t(start + i + 1)];
+      TokenLogprob e = token_logprob(logits.data() + i * vocab, vocab, t, job.logprobs.top);
+      e.text_offset = offset;
+      offset += s.tok->token_bytes(t).size();
+      job.prompt_logprobs.push_back(std::move(e));
+    }
+  }
 }
 
 void run_job(ServerState& s, Job& job) {
@@ -330,9 +97,12 @@ void run_job(ServerState& s, Job& job) {
   const int64_t n = int64_t(job.prompt.size());
   // Reuse: the longest stored prefix, leaving at least one prompt token to
   // prefill (its logits give the first generated token).
+  // Echo with logprobs needs the logits of every prompt position, which a
+  // reused prefix does not have: such a request computes its whole prompt.
+  const bool score = job.logprobs.echo && job.logprobs.enabled;
   const Clock::time_point load_start = Clock::now();
   std::optional<PrefixMatch> match;
-  if (s.store) {
+  if (s.store && !score) {
     try {
       match = s.store->lookup(job.prompt.data(), n, n - 1);
     } catch (const std::exception& e) {  // a store problem is a miss, never a failed request
@@ -373,6 +143,14 @@ void run_job(ServerState& s, Job& job) {
   job.reused_tokens = reused;
   job.prefix_load_ms = match ? ms_since(load_start) : 0.0;
   std::vector<int32_t> rest(job.prompt.begin() + reused, job.prompt.end());
+  if (score) {
+    score_prompt(s, *session, job);
+    rest.assign(1, job.prompt.back());
+  }
+  if (job.stream && job.logprobs.echo) push_piece(job, {job.echo_text, job.prompt_logprobs});
+  const int vocab = cfg.vocab_size;
+  size_t offset = job.logprobs.echo ? job.echo_text.size() : 0;  // of the next reply token in the choice's text
+  std::vector<TokenLogprob> pending;  // streaming: logprobs of tokens whose text is not yet sent
 
   std::string held;  // bytes waiting for the rest of a UTF-8 character or a possible stop string
   size_t max_stop = 0;
@@ -390,11 +168,14 @@ void run_job(ServerState& s, Job& job) {
       std::lock_guard<std::mutex> lock(job.mu);
       job.text += piece;
     }
-    if (job.stream) push_piece(job, piece);
+    if (job.stream && (!piece.empty() || final)) {
+      push_piece(job, {piece, std::move(pending)});
+      pending.clear();
+    }
   };
   bool stopped = false;
   try {
-    model::generate(*session, rest, job.gen, [&](int32_t t) {
+    model::generate_with_logits(*session, rest, job.gen, [&](int32_t t, const float* logits) {
       if (generated.empty()) job.ttft_ms = ms_since(job.arrived);
       generated.push_back(t);
       if (job.cancelled.load()) throw StopGeneration{};
@@ -408,11 +189,20 @@ void run_job(ServerState& s, Job& job) {
           throw StopGeneration{};
         }
       }
+      // Logprobs of the tokens whose text is in the reply (not EOS, not the one completing a stop string).
+      if (job.logprobs.enabled) {
+        TokenLogprob e = token_logprob(logits, vocab, t, job.logprobs.top);
+        e.text_offset = offset;
+        if (job.stream) pending.push_back(e);
+        job.reply_logprobs.push_back(std::move(e));
+      }
+      offset += s.tok->token_bytes(t).size();
       emit(false);
     });
   } catch (const StopGeneration&) {
   }
   emit(true);
+  if (generated.empty()) job.ttft_ms = ms_since(job.arrived);  // max_tokens 0: the answer is ready after the prefill
   job.completion_tokens = int64_t(generated.size());
   if (stopped || (!generated.empty() && generated.back() == job.gen.eos_token)) job.finish_reason = "stop";
 
@@ -421,6 +211,8 @@ void run_job(ServerState& s, Job& job) {
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.last = st;
+    s.last_layers.clear();
+    for (const auto& c : session->caches()) s.last_layers.push_back(c->stats());
     s.tokens_seen += uint64_t(session->position());
   }
   if (s.store && !job.cancelled.load()) {
@@ -487,12 +279,9 @@ void worker_loop(ServerState& s) {
       if (job->cancelled.load()) ++s.cancelled;
       else if (ok) {
         ++s.served;
-        s.ttft_ms.push_back(job->ttft_ms);
-        s.ttft_reused.push_back(job->reused_tokens);
-        while (s.ttft_ms.size() > 64) {
-          s.ttft_ms.pop_front();
-          s.ttft_reused.pop_front();
-        }
+        const double at_s = std::chrono::duration<double>(Clock::now() - s.started).count();
+        s.recent.push_back({at_s, job->ttft_ms, job->reused_tokens});
+        if (s.recent.size() > ServerState::kRecent) s.recent.pop_front();
       } else {
         ++s.failed;
       }
@@ -504,50 +293,6 @@ void worker_loop(ServerState& s) {
       job->cv.notify_all();
     }
   }
-}
-
-// --- responses ------------------------------------------------------------------------
-
-json usage_of(const Job& job) {
-  return {{"prompt_tokens", job.prompt.size()},
-          {"completion_tokens", job.completion_tokens},
-          {"total_tokens", int64_t(job.prompt.size()) + job.completion_tokens}};
-}
-
-json kvcodec_extra(const Job& job) {
-  return {{"reused_prompt_tokens", job.reused_tokens}, {"ttft_ms", job.ttft_ms}, {"prefix_load_ms", job.prefix_load_ms}};
-}
-
-json final_response(const ServerState& s, const Job& job) {
-  json choice = {{"index", 0}, {"finish_reason", job.finish_reason}};
-  if (job.chat) choice["message"] = {{"role", "assistant"}, {"content", job.text}};
-  else {
-    choice["text"] = job.text;
-    choice["logprobs"] = nullptr;
-  }
-  return {{"id", job.id},
-          {"object", job.chat ? "chat.completion" : "text_completion"},
-          {"created", job.created},
-          {"model", s.model_name},
-          {"choices", json::array({choice})},
-          {"usage", usage_of(job)},
-          {"kvcodec", kvcodec_extra(job)}};
-}
-
-std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
-
-json chunk(const ServerState& s, const Job& job, const json& delta_or_text, const json& finish) {
-  json choice = {{"index", 0}, {"finish_reason", finish}};
-  if (job.chat) choice["delta"] = delta_or_text;
-  else {
-    choice["text"] = delta_or_text;
-    choice["logprobs"] = nullptr;
-  }
-  return {{"id", job.id},
-          {"object", job.chat ? "chat.completion.chunk" : "text_completion"},
-          {"created", job.created},
-          {"model", s.model_name},
-          {"choices", json::array({choice})}};
 }
 
 json cache_stats_json(uint64_t ck, uint64_t cv, uint64_t fk, uint64_t fv) {
@@ -580,6 +325,10 @@ json stats_json(ServerState& s) {
   j["last_request"]["resident_bytes"] = s.last.resident_bytes;
   j["last_request"]["shared_bytes"] = s.last.shared_bytes();
   j["last_request"]["resident_ratio"] = s.last.resident_ratio();
+  json layers = json::array();
+  for (const CacheStats& l : s.last_layers)
+    layers.push_back(cache_stats_json(l.compressed_key_bytes, l.compressed_value_bytes, l.fp16_key_bytes, l.fp16_value_bytes));
+  j["last_request"]["layers"] = layers;
   j["tokens"] = {{"seen", s.tokens_seen}, {"retained", ps.tokens}};
   j["prefix_store"] = {{"kind", s.store ? ps.kind : "off"}, {"entries", ps.entries}, {"bytes", ps.bytes},
                        {"budget_bytes", ps.budget_bytes}, {"block_tokens", s.opt.prefix_block},
@@ -600,11 +349,11 @@ json stats_json(ServerState& s) {
                    {"note", "one request at a time on the model; others wait in a bounded queue"}};
   json recent = json::array();
   double sum = 0;
-  for (size_t i = 0; i < s.ttft_ms.size(); ++i) {
-    recent.push_back({{"ttft_ms", s.ttft_ms[i]}, {"reused_tokens", s.ttft_reused[i]}});
-    sum += s.ttft_ms[i];
+  for (const auto& r : s.recent) {
+    recent.push_back({{"ttft_ms", r.ttft_ms}, {"reused_tokens", r.reused_tokens}, {"at_s", r.at_s}});
+    sum += r.ttft_ms;
   }
-  j["ttft"] = {{"recent", recent}, {"mean_ms", s.ttft_ms.empty() ? 0.0 : sum / double(s.ttft_ms.size())}};
+  j["ttft"] = {{"recent", recent}, {"mean_ms", s.recent.empty() ? 0.0 : sum / double(s.recent.size())}};
   j["memory"] = {{"rss_bytes", process_rss_bytes()}, {"peak_rss_bytes", process_peak_rss_bytes()}};
   j["uptime_s"] = std::chrono::duration<double>(Clock::now() - s.started).count();
   j["draining"] = s.draining;
@@ -632,104 +381,6 @@ std::string metrics_text(const json& stats) {
   emit("tokens_seen_total", stats["tokens"]["seen"], "counter");
   emit("rss_bytes", stats["memory"]["rss_bytes"], "gauge");
   return out;
-}
-
-// Queues the job, or throws HttpError 503 when the queue is full or the server drains.
-void enqueue(ServerState& s, const std::shared_ptr<Job>& job, bool chat) {
-  std::lock_guard<std::mutex> lock(s.mu);
-  if (s.draining) throw HttpError{503, "server is shutting down", "unavailable"};
-  if (s.queue.size() >= s.opt.max_queue) {
-    ++s.rejected_full;
-    throw HttpError{503, "request queue is full (" + std::to_string(s.opt.max_queue) + " waiting); retry later",
-                    "overloaded"};
-  }
-  job->id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(s.next_id++);
-  job->created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-  s.queue.push_back(job);
-  s.cv.notify_all();
-}
-
-void handle_generate(ServerState& s, const httplib::Request& req, httplib::Response& res, bool chat) {
-  std::shared_ptr<Job> job;
-  try {
-    job = parse_request(s, parse_body(req.body), chat);
-    enqueue(s, job, chat);
-  } catch (const HttpError& e) {
-    // Queue full or draining: tell well-behaved clients when to come back
-    // (one model request takes about a second or more on this model).
-    if (e.status == 503) res.set_header("Retry-After", "1");
-    send_error(res, e.status, e.message, e.type);
-    return;
-  }
-  if (!job->stream) {
-    // Check on the client every 200 ms while the job waits or runs: when it
-    // has gone, the model thread stops at the next token (or skips the job).
-    const int fd = find_connection_fd(req.remote_addr, req.remote_port, req.local_port);
-    std::unique_lock<std::mutex> lock(job->mu);
-    while (!job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return job->done; }))
-      if (fd >= 0 && !job->cancelled.load() && peer_closed(fd)) job->cancelled = true;
-    if (job->error) {
-      lock.unlock();
-      send_error(res, 500, *job->error, "server_error");
-      return;
-    }
-    lock.unlock();
-    res.set_content(dump(final_response(s, *job)), "application/json");
-    return;
-  }
-  res.set_header("Cache-Control", "no-cache");
-  ServerState* sp = &s;
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [sp, job, sent_role = false](size_t, httplib::DataSink& sink) mutable {
-        auto write = [&](const std::string& text) {
-          if (!sink.is_writable() || !sink.write(text.data(), text.size())) {
-            job->cancelled = true;  // the client went away: the model thread stops at the next token
-            return false;
-          }
-          return true;
-        };
-        if (job->chat && !sent_role) {
-          sent_role = true;
-          if (!write(sse(chunk(*sp, *job, {{"role", "assistant"}, {"content", ""}}, nullptr)))) return false;
-        }
-        std::unique_lock<std::mutex> lock(job->mu);
-        job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return job->done || !job->pieces.empty(); });
-        std::deque<std::string> pieces;
-        pieces.swap(job->pieces);
-        const bool done = job->done;
-        lock.unlock();
-        for (const auto& p : pieces) {
-          const json body = job->chat ? json{{"content", p}} : json(p);
-          if (!write(sse(chunk(*sp, *job, body, nullptr)))) return false;
-        }
-        if (!done) {
-          // Nothing new: probe the connection so a vanished client is noticed.
-          if (pieces.empty() && !sink.is_writable()) {
-            job->cancelled = true;
-            return false;
-          }
-          return true;
-        }
-        if (job->error) {
-          if (!write(sse(error_body(*job->error, "server_error", 500)))) return false;
-        } else {
-          if (!write(sse(chunk(*sp, *job, job->chat ? json::object() : json(""), job->finish_reason)))) return false;
-          if (job->include_usage) {
-            json u = chunk(*sp, *job, job->chat ? json::object() : json(""), nullptr);
-            u["choices"] = json::array();
-            u["usage"] = usage_of(*job);
-            u["kvcodec"] = kvcodec_extra(*job);
-            if (!write(sse(u))) return false;
-          }
-        }
-        if (!write("data: [DONE]\n\n")) return false;
-        sink.done();
-        return true;
-      },
-      [job](bool success) {
-        if (!success) job->cancelled = true;
-      });
 }
 
 // What a stored prefix must have been made with to be served: the model
@@ -792,6 +443,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     throw_config_error("--redis-timeout-ms", std::to_string(opt.redis_timeout_ms), "[1, 60000]");
   if (opt.default_max_tokens < 0 || opt.max_tokens_limit < 1)
     throw_config_error("--max-tokens-limit", std::to_string(opt.max_tokens_limit), ">= 1");
+  check_bind_policy(opt.host, opt.api_key, opt.insecure_no_api_key);
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
 
   ServerState s;
@@ -860,6 +512,16 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     send_error(res, 500, msg, "server_error");
   });
 
+  if (!opt.api_key.empty()) {
+    http.set_pre_routing_handler([&s](const httplib::Request& req, httplib::Response& res) {
+      if (!path_needs_key(req.path)) return httplib::Server::HandlerResponse::Unhandled;
+      const std::optional<std::string> refusal = bearer_refusal(req.get_header_value("Authorization"), s.opt.api_key);
+      if (!refusal) return httplib::Server::HandlerResponse::Unhandled;
+      res.set_header("WWW-Authenticate", "Bearer");
+      send_error(res, 401, *refusal, "authentication_error");
+      return httplib::Server::HandlerResponse::Handled;
+    });
+  }
   http.Get("/health", [&s](const httplib::Request&, httplib::Response& res) {
     std::lock_guard<std::mutex> lock(s.mu);
     res.set_content(dump({{"status", s.draining ? "draining" : "ok"}}), "application/json");
@@ -964,6 +626,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     log << "kvcodec serve: prefix store off\n";
   log << "kvcodec serve: max body " << opt.max_body_bytes << " bytes, max prompt " << s.max_prompt << " tokens ("
       << s.max_prompt_bytes << " bytes before tokenizing), queue " << opt.max_queue << "\n";
+  log << "kvcodec serve: api key " << (opt.api_key.empty() ? "off" : "required (Authorization: Bearer)") << "\n";
   log << "kvcodec serve: ready on http://" << opt.host << ":" << port << std::endl;
 
   const bool listened = http.listen_after_bind();

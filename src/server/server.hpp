@@ -39,13 +39,16 @@ struct ServeOptions {
   int64_t default_max_tokens = 16;
   size_t max_queue = 16;                 // waiting requests beyond the running one
   int threads = 0;                       // OpenMP threads of the model (0: all)
+  std::string api_key;                   // non-empty: requests need "Authorization: Bearer <api_key>"
+  bool insecure_no_api_key = false;      // allow a non-loopback host without a key
 };
 
 // Runs until SIGTERM/SIGINT (or until stop_requested() returns true, polled;
 // for tests). Prints the settings and then the ready line
 //   "kvcodec serve: ready on http://HOST:PORT"
 // to `log`, flushed. Returns the process exit status. Throws kvcodec::Error
-// for bad options (unknown method, bad setting, port in use).
+// for bad options (unknown method, bad setting, port in use, a non-loopback
+// host without an API key: kConfig).
 int run_server(const ServeOptions& options, std::ostream& log,
                const std::function<bool()>& stop_requested = {});
 

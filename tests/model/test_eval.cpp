@@ -250,6 +250,36 @@ TEST(Generate, SampledTextIsDeterministicForASeed) {
   EXPECT_NE(run(5, 1.15), run(5, 3.0));  // the penalty reaches generate's sampler
 }
 
+// generate_with_logits hands each step the logits its token was sampled
+// from: greedy picks their argmax, and they are the logits a plain forward
+// pass of the same tokens gives at that position.
+TEST(Generate, WithLogitsGivesTheLogitsEachTokenCameFrom) {
+  const LlamaModel m = testing::tiny_model(testing::tiny_config());
+  const std::vector<int32_t> prompt{1, 2, 3};
+  const int vocab = m.config().vocab_size;
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> rows;
+  Session s(m, raw_factory(8));
+  GenerateOptions g;
+  g.max_tokens = 5;
+  const auto r = generate_with_logits(s, prompt, g, [&](int32_t t, const float* logits) {
+    tokens.push_back(t);
+    rows.emplace_back(logits, logits + vocab);
+  });
+  EXPECT_EQ(tokens, r.tokens);
+  ASSERT_EQ(rows.size(), 5u);
+  std::vector<int32_t> all(prompt);
+  all.insert(all.end(), tokens.begin(), tokens.end());
+  Session ref(m, raw_factory(8));
+  std::vector<float> logits;
+  ref.forward(all.data(), int64_t(all.size()) - 1, logits, true);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(argmax(rows[i].data(), vocab), tokens[i]) << i;
+    const float* want = logits.data() + (prompt.size() - 1 + i) * size_t(vocab);
+    for (int v = 0; v < vocab; ++v) ASSERT_NEAR(rows[i][size_t(v)], want[v], 1e-4f) << "step " << i << " token " << v;
+  }
+}
+
 TEST(Generate, StopsAtEosOrMaxTokensAndStreams) {
   const LlamaModel m = testing::tiny_model(testing::tiny_config());
   const std::vector<int32_t> prompt{1, 2, 3};

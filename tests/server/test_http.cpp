@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <netinet/in.h>
+#include <png.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -15,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -257,6 +259,45 @@ TEST_F(ServerTest, ClientVanishingMidStreamIsCancelled) {
   EXPECT_EQ(post("/v1/completions", R"({"prompt":"y = 2","max_tokens":1})", 200)["usage"]["completion_tokens"], 1);
 }
 
+// Renders the dashboard in headless Chromium after 3 s of virtual time (a
+// few polls), once: writes its screenshot to `png` and returns its DOM.
+std::string chromium(int port, const fs::path& png) {
+  const fs::path profile = fs::temp_directory_path() / ("kvcodec_chromium_" + std::to_string(getpid()));
+  fs::remove_all(profile);
+  const fs::path out = profile.string() + ".out";
+  const std::string cmd = "timeout 60 /usr/bin/chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
+                          "--disable-background-networking --disable-component-update --disable-sync --hide-scrollbars "
+                          "--force-color-profile=srgb --force-device-scale-factor=1 --window-size=900,1700 "
+                          "--user-data-dir=" + profile.string() + " --virtual-time-budget=3000 --dump-dom --screenshot=" + png.string() +
+                          " http://127.0.0.1:" + std::to_string(port) + "/ > " + out.string() + " 2>/dev/null";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream in(out);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  fs::remove_all(profile);
+  fs::remove(out);
+  EXPECT_EQ(rc, 0) << cmd;
+  return text;
+}
+
+// How many pixels of a PNG have each colour (0xRRGGBB).
+std::map<uint32_t, size_t> colour_counts(const fs::path& png_path) {
+  std::map<uint32_t, size_t> counts;
+  png_image image{};
+  image.version = PNG_IMAGE_VERSION;
+  if (!png_image_begin_read_from_file(&image, png_path.c_str())) {
+    ADD_FAILURE() << "cannot read " << png_path << ": " << image.message;
+    return counts;
+  }
+  image.format = PNG_FORMAT_RGB;
+  std::vector<uint8_t> rgb(PNG_IMAGE_SIZE(image));
+  if (!png_image_finish_read(&image, nullptr, rgb.data(), 0, nullptr)) {
+    ADD_FAILURE() << "cannot decode " << png_path << ": " << image.message;
+    return counts;
+  }
+  for (size_t i = 0; i + 2 < rgb.size(); i += 3) ++counts[uint32_t(rgb[i]) << 16 | uint32_t(rgb[i + 1]) << 8 | rgb[i + 2]];
+  return counts;
+}
+
 TEST_F(ServerTest, DashboardShowsFigures) {
   auto c = client();
   auto r = c.Get("/");
@@ -264,24 +305,86 @@ TEST_F(ServerTest, DashboardShowsFigures) {
   EXPECT_EQ(r->status, 200);
   EXPECT_NE(r->body.find("/v1/kv/stats"), std::string::npos);
   if (!fs::exists("/usr/bin/chromium")) GTEST_SKIP() << "/usr/bin/chromium is absent (scripts/install_deps.sh installs it); page served but not rendered";
-  post("/v1/completions", R"({"prompt":"def dashboard_test(): pass\n# enough tokens for one block of sixteen tokens","max_tokens":2})", 200);
-  const fs::path profile = fs::temp_directory_path() / ("kvcodec_chromium_" + std::to_string(getpid()));
-  fs::remove_all(profile);
-  const fs::path out = profile.string() + ".html";
-  const std::string cmd = "timeout 60 /usr/bin/chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
-                          "--disable-background-networking --disable-component-update --disable-sync --user-data-dir=" +
-                          profile.string() + " --virtual-time-budget=3000 --dump-dom http://127.0.0.1:" +
-                          std::to_string(port_) + "/ > " + out.string() + " 2>/dev/null";
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  std::ifstream in(out);
-  const std::string dom((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  fs::remove_all(profile);
-  fs::remove(out);
+  // Served requests: the second reuses the first's prefix (a hit), so every chart has points.
+  const std::string prompt = "def dashboard_test(): pass\n# enough tokens for one block of sixteen tokens";
+  post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 2}}.dump(), 200);
+  const json hit = post("/v1/completions", json{{"prompt", prompt + " and more"}, {"max_tokens", 2}}.dump(), 200);
+  EXPECT_GT(hit["kvcodec"]["reused_prompt_tokens"].get<int64_t>(), 0);
+  const json st = get("/v1/kv/stats");
+  const json& ps = st["prefix_store"];
+  ASSERT_GT(ps["lookups"].get<uint64_t>(), 0u);
+  char rate[32];
+  std::snprintf(rate, sizeof rate, "%.1f %%", 100.0 * ps["hits"].get<double>() / ps["lookups"].get<double>());
+  ASSERT_EQ(st["last_request"]["layers"].size(), 6u);
+  EXPECT_EQ(st["last_request"]["layers"][5]["key"]["fp16_bytes"].get<uint64_t>() * 6,
+            st["last_request"]["key"]["fp16_bytes"].get<uint64_t>());
+  EXPECT_GT(st["ttft"]["recent"].back()["at_s"].get<double>(), 0.0);
+
+  const fs::path png = fs::temp_directory_path() / ("kvcodec_dashboard_" + std::to_string(getpid()) + ".png");
+  const std::string dom = chromium(port_, png);
   EXPECT_NE(dom.find("id=\"method\">fp16<"), std::string::npos) << dom.substr(0, 2000);
   EXPECT_NE(dom.find("id=\"ratio\">1.00x<"), std::string::npos);
   EXPECT_NE(dom.find("id=\"rss\">"), std::string::npos);
   EXPECT_NE(dom.find("id=\"status\">updated"), std::string::npos);  // the poll succeeded
   EXPECT_NE(dom.find(" MiB</b>"), std::string::npos);
+  EXPECT_NE(dom.find("id=\"backend\">memory<"), std::string::npos);
+  EXPECT_NE(dom.find("id=\"health\">healthy<"), std::string::npos);
+  EXPECT_NE(dom.find("id=\"hitrate\">" + std::string(rate) + "<"), std::string::npos) << rate;
+  EXPECT_NE(dom.find("id=\"ttft_points\">" + std::to_string(st["ttft"]["recent"].size()) + "<"), std::string::npos);
+  for (int l = 0; l < 6; ++l) EXPECT_NE(dom.find("id=\"layer" + std::to_string(l) + "\""), std::string::npos) << l;
+
+  // The screenshot: each chart's solid colours are on screen (a dot is 5x5
+  // pixels, a layer bar is tens of pixels high), and the health badge is green.
+  const std::map<uint32_t, size_t> counts = colour_counts(png);
+  fs::remove(png);
+  auto count = [&](uint32_t rgb) { return counts.count(rgb) ? counts.at(rgb) : size_t(0); };
+  EXPECT_GE(count(0x3366cc), 25u) << "TTFT dots";
+  EXPECT_GE(count(0xcc3333), 25u) << "prefix reuse dots";
+  EXPECT_GE(count(0xee8800), 6u * 50) << "K bars of 6 layers";
+  EXPECT_GE(count(0x339933), 6u * 50) << "V bars of 6 layers";
+  EXPECT_GE(count(0x22aa22), 14u * 14) << "the healthy store's badge";
+  EXPECT_EQ(count(0xcc2222), 0u) << "an unhealthy badge";
+}
+
+// A store that reports its own backend and health (the Redis store's
+// fields): the page shows them, the extra counters, and a red badge when
+// unhealthy. Served by a stand-in server with fixed stats, so no store is needed.
+TEST(DashboardPage, ShowsAStoreReportedBackendAndHealth) {
+  if (!fs::exists("/usr/bin/chromium")) GTEST_SKIP() << "/usr/bin/chromium is absent (scripts/install_deps.sh installs it)";
+  std::ifstream in(std::string(KVCODEC_SOURCE_DIR) + "/web/index.html");
+  const std::string page((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(page.empty());
+  const json part = {{"compressed_bytes", 100}, {"fp16_bytes", 1000}, {"ratio", 10.0}};
+  const json stats = {
+      {"method", "kvtc"},
+      {"retained", {{"key", part}, {"value", part}, {"total", part}}},
+      {"memory", {{"rss_bytes", 1 << 20}}},
+      {"ttft", {{"mean_ms", 5.0}, {"recent", json::array({{{"ttft_ms", 5.0}, {"reused_tokens", 0}, {"at_s", 1.0}}})}}},
+      {"last_request", {{"layers", json::array({{{"key", part}, {"value", part}, {"total", part}}})}}},
+      {"requests", {{"served", 1}, {"queued", 0}}},
+      {"prefix_store", {{"kind", "redis"}, {"backend", "redis://127.0.0.1:6399"}, {"healthy", false}, {"hits", 3},
+                        {"lookups", 4}, {"misses", 1}, {"corrupt", 2}, {"foreign", 5}, {"bytes_stored", 4096},
+                        {"rtt_ms", 0.25}, {"write_failures", 0}, {"read_failures", 0}, {"erase_failures", 0}}}};
+  httplib::Server fake;
+  fake.Get("/", [&](const httplib::Request&, httplib::Response& res) { res.set_content(page, "text/html"); });
+  fake.Get("/v1/kv/stats", [&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(stats.dump(), "application/json");
+  });
+  const int port = fake.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  std::thread serving([&] { fake.listen_after_bind(); });
+  const fs::path png = fs::temp_directory_path() / ("kvcodec_dashboard_fake_" + std::to_string(getpid()) + ".png");
+  const std::string dom = chromium(port, png);
+  fake.stop();
+  serving.join();
+  EXPECT_NE(dom.find("id=\"backend\">redis://127.0.0.1:6399<"), std::string::npos) << dom.substr(0, 3000);
+  EXPECT_NE(dom.find("id=\"health\">unhealthy<"), std::string::npos);
+  EXPECT_NE(dom.find("id=\"hitrate\">75.0 %<"), std::string::npos);
+  EXPECT_NE(dom.find("misses 1, corrupt 2, foreign 5, bytes_stored 4096, rtt_ms 0.25"), std::string::npos);
+  const std::map<uint32_t, size_t> counts = colour_counts(png);
+  fs::remove(png);
+  EXPECT_GE(counts.count(0xcc2222) ? counts.at(0xcc2222) : 0, 14u * 14) << "the unhealthy store's red badge";
+  EXPECT_EQ(counts.count(0x22aa22), 0u) << "a green badge";
 }
 
 // Last (gtest runs tests in order of definition): SIGTERM drains and exits 0.

@@ -1,4 +1,5 @@
 // kvcodec serve: the OpenAI-compatible HTTP server (src/server, DESIGN 10).
+#include <cstdlib>
 #include <iostream>
 
 #include "commands.hpp"
@@ -30,7 +31,13 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--default-max-tokens", o->default_max_tokens, "max_tokens when a request gives none")->capture_default_str();
   cmd->add_option("--max-queue", o->max_queue, "Requests that may wait for the model (more get 503)")->capture_default_str();
   cmd->add_option("--threads", o->threads, "OpenMP threads of the model (0: all cores)")->capture_default_str();
+  cmd->add_option("--api-key", o->api_key,
+                  "Require 'Authorization: Bearer KEY' on every request but /health and / (default: $KVCODEC_API_KEY)");
+  cmd->add_flag("--insecure-no-api-key", o->insecure_no_api_key,
+                "Allow a non-loopback --host without an API key (anyone who reaches it can use it)");
   cmd->callback([o] {
+    if (o->api_key.empty())
+      if (const char* env = std::getenv("KVCODEC_API_KEY"); env && *env) o->api_key = env;
     const int rc = server::run_server(*o, std::cout);
     if (rc != 0) throw Error(ErrorCode::kIo, "server stopped with status " + std::to_string(rc));
   });
