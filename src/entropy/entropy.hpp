@@ -136,6 +136,10 @@ struct FrequencyTable {
 inline constexpr size_t kRansLanes = 8;            // interleaved states
 inline constexpr uint32_t kRansLow = 1u << 23;     // states live in [kRansLow, kRansLow << 8)
 inline constexpr uint32_t kRansSearchMax = 33;     // largest alphabet decoded by search (see RansDecodeTable)
+// The AVX2 group decoder's compare search covers alphabets up to 65 symbols
+// at scales up to 14 bits (see RansGroupTables).
+inline constexpr uint32_t kRansGroupMaxAlphabet = 65;
+inline constexpr uint32_t kRansGroupMaxScale = 14;
 
 // slot -> symbol lookup, built once per frozen table and cached by the caller.
 // Two bytes per slot plus (freq, cum) per symbol: with one table per
@@ -157,6 +161,11 @@ struct RansDecodeTable {
   // thrash the L2 cache (every slot is equally likely, so the whole slot
   // table is hot) and would be most of a cache's resident bytes.
   std::vector<uint16_t> search;       // [32] or empty (slot_symbol)
+  // AVX2 builds, alphabets of 34..kRansGroupMaxAlphabet symbols at scales
+  // <= kRansGroupMaxScale: neither table. The group decoder reads its own
+  // keys (RansGroupTables); the scalar lanes, which decode only a stream's
+  // last few symbols there, bisect syms' cum. The slot table (8 KB per
+  // component at 12 bits) was most of a local-mode cache's resident bytes.
 
   RansDecodeTable() = default;
   explicit RansDecodeTable(const FrequencyTable& table);
@@ -212,7 +221,11 @@ struct RansGroupTables {
     uint32_t wrows = 0;
     bool windowed = false;
   };
-  std::vector<Group> groups;  // indexed by the group's first column position k0
+  // One group per first column position k0 reachable from 0 in steps of 8
+  // (n_active / gcd(n_active, 8) of them), in visiting order; group_at
+  // [n_active] maps k0 to its index in groups (0 for unreachable k0).
+  std::vector<Group> groups;
+  std::vector<uint32_t> group_at;
   std::vector<int32_t> rows;  // transposed keys, 8 per row
   size_t n_active = 0;        // non-skipped columns they were built for
   bool packed = false;        // keys cum << 19 | s << 13 | freq (else cum << 16 | freq)

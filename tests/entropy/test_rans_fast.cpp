@@ -112,10 +112,15 @@ TEST(RansFast, SameBytesAsTheTextbookEncoder) {
 // and through a copy with the slot table filled in instead gives the same
 // symbols, for every scale the search serves and alphabets up to the largest
 // it takes.
+// Three lookups of a slot's symbol: the slot table, the compare search
+// (alphabets <= kRansSearchMax) and, in AVX2 builds, no table for the
+// alphabets the group decoder covers (the scalar lanes bisect cum). Each
+// decodes what the slot table decodes, through the group decoder and the
+// scalar lanes alone (rans_decode_portable: every symbol by the lookup).
 TEST(RansFast, SearchLookupMatchesSlotTable) {
   std::mt19937_64 rng(31);
-  for (int trial = 0; trial < 400; ++trial) {
-    const uint32_t alphabet = 1 + uint32_t(rng() % (kRansSearchMax + 3));
+  for (int trial = 0; trial < 600; ++trial) {
+    const uint32_t alphabet = 1 + uint32_t(rng() % (kRansGroupMaxAlphabet + 3));
     uint32_t min_scale = 1;
     while ((1u << min_scale) < alphabet) ++min_scale;
     const uint32_t scale = min_scale + uint32_t(rng() % (15 - std::min<uint32_t>(min_scale, 14)));
@@ -133,14 +138,22 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
     const FrequencyTable t = FrequencyTable::from_freqs(freq, scale);
     const RansDecodeTable with(t);
     RansDecodeTable without = with;
-    ASSERT_EQ(!with.search.empty(), alphabet <= kRansSearchMax && scale <= 14) << alphabet << " " << scale;
-    // A table holds one of the two lookups, never both.
-    ASSERT_NE(with.search.empty(), with.slot_symbol.empty());
-    if (!with.search.empty()) {
+    const bool search = alphabet <= kRansSearchMax && scale <= 14;
+#ifdef __AVX2__
+    const bool none = !search && alphabet <= kRansGroupMaxAlphabet && scale <= kRansGroupMaxScale;
+#else
+    const bool none = false;
+#endif
+    ASSERT_EQ(!with.search.empty(), search) << alphabet << " " << scale;
+    ASSERT_EQ(with.slot_symbol.empty(), search || none) << alphabet << " " << scale;
+    if (!with.slot_symbol.empty()) {
+      ASSERT_EQ(with.slot_symbol.size(), size_t(1) << scale);
+    } else {
+      // The other one holds the slot table the constructor left out.
       std::vector<uint16_t>().swap(without.search);  // gives its memory back (= {} keeps the capacity)
       for (uint32_t s = 0; s < alphabet; ++s) without.slot_symbol.insert(without.slot_symbol.end(), freq[s], uint16_t(s));
       // The bytes held count the lookup each one keeps.
-      EXPECT_EQ(without.held_bytes(), with.held_bytes() - 32 * 2 + without.slot_symbol.capacity() * 2);
+      EXPECT_EQ(without.held_bytes(), with.held_bytes() - with.search.capacity() * 2 + without.slot_symbol.capacity() * 2);
     }
     const size_t rows = 1 + rng() % 600;
     std::vector<uint16_t> sym(rows);
@@ -149,6 +162,10 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
     std::vector<uint16_t> a(rows), b(rows);
     rans_decode(bytes.data(), bytes.size(), rows, 1, {&with}, a.data());
     rans_decode(bytes.data(), bytes.size(), rows, 1, {&without}, b.data());
+    ASSERT_EQ(a, sym) << trial;
+    ASSERT_EQ(b, sym) << trial;
+    rans_decode_portable(bytes.data(), bytes.size(), rows, 1, {&with}, a.data());
+    rans_decode_portable(bytes.data(), bytes.size(), rows, 1, {&without}, b.data());
     ASSERT_EQ(a, sym) << trial;
     ASSERT_EQ(b, sym) << trial;
   }
