@@ -141,6 +141,17 @@ inline constexpr uint32_t kRansSearchMax = 33;     // largest alphabet decoded b
 inline constexpr uint32_t kRansGroupMaxAlphabet = 65;
 inline constexpr uint32_t kRansGroupMaxScale = 14;
 
+// Which lookup table a RansDecodeTable keeps for the scalar lanes.
+enum class RansLookup : uint8_t {
+  // None where the AVX2 group decoder covers the alphabet (see
+  // RansDecodeTable), kScalar's table otherwise (and in builds without AVX2).
+  kAuto,
+  // For a column the scalar lanes decode throughout (one in a group the
+  // group decoder cannot search, see RansGroupTables::Group::scalar): the
+  // search table where it applies, else the slot table.
+  kScalar,
+};
+
 // slot -> symbol lookup, built once per frozen table and cached by the caller.
 // Two bytes per slot plus (freq, cum) per symbol: with one table per
 // component (64+ per tensor) the tables must stay small to stay in cache.
@@ -161,14 +172,15 @@ struct RansDecodeTable {
   // thrash the L2 cache (every slot is equally likely, so the whole slot
   // table is hot) and would be most of a cache's resident bytes.
   std::vector<uint16_t> search;       // [32] or empty (slot_symbol)
-  // AVX2 builds, alphabets of 34..kRansGroupMaxAlphabet symbols at scales
-  // <= kRansGroupMaxScale: neither table. The group decoder reads its own
-  // keys (RansGroupTables); the scalar lanes, which decode only a stream's
-  // last few symbols there, bisect syms' cum. The slot table (8 KB per
-  // component at 12 bits) was most of a local-mode cache's resident bytes.
+  // Neither table (RansLookup::kAuto in AVX2 builds, alphabets of at most
+  // kRansGroupMaxAlphabet symbols at scales <= kRansGroupMaxScale): the
+  // group decoder reads its own keys (RansGroupTables) and the scalar
+  // lanes, which decode only a stream's last few symbols there, bisect
+  // syms' cum. The slot tables (8 KB per component at 12 bits) were most
+  // of a local-mode kvtc cache's resident bytes.
 
   RansDecodeTable() = default;
-  explicit RansDecodeTable(const FrequencyTable& table);
+  explicit RansDecodeTable(const FrequencyTable& table, RansLookup lookup = RansLookup::kAuto);
   uint64_t held_bytes() const;  // heap bytes (capacity)
 };
 

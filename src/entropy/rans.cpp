@@ -5,6 +5,7 @@
 // to lane i % kRansLanes, so the decoder's lanes are independent dependency
 // chains the CPU overlaps.
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -139,11 +140,12 @@ inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
 #endif
   if (__builtin_expect(c.slot_symbol != nullptr, 1)) return c.slot_symbol[slot];
   // Neither table (see RansDecodeTable): the largest s with cum[s] <= slot
-  // (cum[0] = 0 <= every slot).
-  uint32_t lo = 0, hi = c.last;
-  while (lo < hi) {
-    const uint32_t mid = (lo + hi + 1) / 2;
-    if (c.syms[mid].cum <= slot) lo = mid; else hi = mid - 1;
+  // (cum[0] = 0 <= every slot), by a branchless bisection (the steps sum to
+  // >= last; selects, not branches, so the 8 lanes' searches overlap).
+  uint32_t lo = 0;
+  for (uint32_t step = std::bit_floor(c.last); step != 0; step >>= 1) {
+    const uint32_t m = std::min(lo + step, c.last);
+    lo = c.syms[m].cum <= slot ? m : lo;
   }
   return lo;
 }
@@ -565,17 +567,20 @@ inline void step_padded_tail(SimdStream& st) {
 
 }  // namespace
 
-RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
+RansDecodeTable::RansDecodeTable(const FrequencyTable& t, RansLookup lookup)
+    : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
   if (t.freq.size() != t.alphabet_size || t.alphabet_size == 0 || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits)
     throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: invalid frequency table");
+#ifdef KVCODEC_RANS_AVX2
+  const bool by_groups =
+      lookup == RansLookup::kAuto && alphabet_size <= kRansGroupMaxAlphabet && scale_bits <= kRansGroupMaxScale;
+#else
+  (void)lookup;
+  const bool by_groups = false;  // the scalar lanes decode everything
+#endif
   // The search table replaces the slot table where it applies: 64 bytes
   // instead of 2^(scale_bits + 1) (8 KB at 12 bits, per component).
-  const bool by_search = alphabet_size <= kRansSearchMax && scale_bits <= 14;
-#ifdef KVCODEC_RANS_AVX2
-  const bool by_groups = !by_search && alphabet_size <= kRansGroupMaxAlphabet && scale_bits <= kRansGroupMaxScale;
-#else
-  const bool by_groups = false;  // the scalar lanes decode everything: keep the slot table
-#endif
+  const bool by_search = !by_groups && alphabet_size <= kRansSearchMax && scale_bits <= 14;
   const size_t total = size_t(1) << scale_bits;
   const bool slots = !by_search && !by_groups;
   if (slots) slot_symbol.resize(total);

@@ -480,6 +480,8 @@ void HeadParams::build_decoders() {
   proj_int = build_proj_int(*this);
   rans_decode.clear();
   rans_encode.clear();
+  rans_decode.reserve(rans_tables.size());  // held at exact size
+  rans_encode.reserve(rans_tables.size());
   for (const auto& t : rans_tables) {
     rans_decode.emplace_back(t);
     rans_encode.emplace_back(t);
@@ -498,6 +500,27 @@ void HeadParams::build_decoders() {
     std::vector<const entropy::RansDecodeTable*> tables;
     for (const auto& t : rans_decode) tables.push_back(&t);
     rans_groups = entropy::rans_group_tables(tables);
+    // The columns the scalar lanes decode throughout get their lookup
+    // table: all of them when the group decoder does not apply, else the
+    // small alphabets of its scalar groups (a group holding an alphabet it
+    // cannot search), whose search table is 64 bytes. The other columns
+    // there (34..65 symbols) bisect (RansLookup::kAuto): an 8 KB slot table
+    // each would add 0.34 MB to the tinycode dump's cache at defaults.
+    // Replaced in place: the addresses the group tables were built from
+    // stay valid.
+    const size_t K = rans_decode.size();
+    std::vector<uint8_t> scalar(K, uint8_t(!rans_groups.usable));
+    if (rans_groups.usable && rans_groups.any_scalar) {
+      size_t k0 = 0;
+      do {
+        if (rans_groups.groups[rans_groups.group_at[k0]].scalar)
+          for (size_t j = 0; j < entropy::kRansLanes; ++j) scalar[(k0 + j) % K] = 1;
+        k0 = (k0 + entropy::kRansLanes) % K;
+      } while (k0 != 0);
+    }
+    for (size_t k = 0; k < K; ++k)
+      if (scalar[k] && (!rans_groups.usable || rans_tables[k].alphabet_size <= entropy::kRansSearchMax))
+        rans_decode[k] = entropy::RansDecodeTable(rans_tables[k], entropy::RansLookup::kScalar);
   }
 }
 

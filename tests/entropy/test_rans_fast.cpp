@@ -107,16 +107,12 @@ TEST(RansFast, SameBytesAsTheTextbookEncoder) {
   }
 }
 
-// The search lookup (small alphabets) against the slot table: the same
-// stream decoded through a table with its search entries (and no slot table)
-// and through a copy with the slot table filled in instead gives the same
-// symbols, for every scale the search serves and alphabets up to the largest
-// it takes.
 // Three lookups of a slot's symbol: the slot table, the compare search
-// (alphabets <= kRansSearchMax) and, in AVX2 builds, no table for the
-// alphabets the group decoder covers (the scalar lanes bisect cum). Each
-// decodes what the slot table decodes, through the group decoder and the
-// scalar lanes alone (rans_decode_portable: every symbol by the lookup).
+// (alphabets <= kRansSearchMax) and, in AVX2 builds with RansLookup::kAuto,
+// no table for the alphabets the group decoder covers (the scalar lanes
+// bisect cum). Each decodes what the slot table decodes, through the group
+// decoder and through the scalar lanes alone (rans_decode_portable: every
+// symbol by the lookup).
 TEST(RansFast, SearchLookupMatchesSlotTable) {
   std::mt19937_64 rng(31);
   for (int trial = 0; trial < 600; ++trial) {
@@ -136,25 +132,29 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
       for (size_t i = 0; i + 1 < cuts.size(); ++i) freq.push_back(cuts[i + 1] - cuts[i]);
     }
     const FrequencyTable t = FrequencyTable::from_freqs(freq, scale);
-    const RansDecodeTable with(t);
-    RansDecodeTable without = with;
+    const RansDecodeTable scalar(t, RansLookup::kScalar), with(t);
     const bool search = alphabet <= kRansSearchMax && scale <= 14;
 #ifdef __AVX2__
-    const bool none = !search && alphabet <= kRansGroupMaxAlphabet && scale <= kRansGroupMaxScale;
+    const bool none = alphabet <= kRansGroupMaxAlphabet && scale <= kRansGroupMaxScale;
 #else
     const bool none = false;
 #endif
-    ASSERT_EQ(!with.search.empty(), search) << alphabet << " " << scale;
-    ASSERT_EQ(with.slot_symbol.empty(), search || none) << alphabet << " " << scale;
-    if (!with.slot_symbol.empty()) {
-      ASSERT_EQ(with.slot_symbol.size(), size_t(1) << scale);
-    } else {
-      // The other one holds the slot table the constructor left out.
+    ASSERT_EQ(!scalar.search.empty(), search) << alphabet << " " << scale;
+    ASSERT_EQ(scalar.slot_symbol.empty(), search) << alphabet << " " << scale;
+    ASSERT_EQ(with.search.empty() && with.slot_symbol.empty(), none) << alphabet << " " << scale;
+    if (!none) {
+      EXPECT_EQ(with.search, scalar.search);
+      EXPECT_EQ(with.slot_symbol, scalar.slot_symbol);
+    }
+    // The slot table, whichever lookup the constructor chose.
+    RansDecodeTable without = scalar;
+    if (!scalar.search.empty()) {
       std::vector<uint16_t>().swap(without.search);  // gives its memory back (= {} keeps the capacity)
       for (uint32_t s = 0; s < alphabet; ++s) without.slot_symbol.insert(without.slot_symbol.end(), freq[s], uint16_t(s));
       // The bytes held count the lookup each one keeps.
-      EXPECT_EQ(without.held_bytes(), with.held_bytes() - with.search.capacity() * 2 + without.slot_symbol.capacity() * 2);
+      EXPECT_EQ(without.held_bytes(), scalar.held_bytes() - 32 * 2 + without.slot_symbol.capacity() * 2);
     }
+    if (none) EXPECT_EQ(with.held_bytes(), with.syms.capacity() * sizeof(RansDecodeTable::Sym));
     const size_t rows = 1 + rng() % 600;
     std::vector<uint16_t> sym(rows);
     for (auto& v : sym) v = uint16_t(rng() % alphabet);
@@ -168,6 +168,8 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
     rans_decode_portable(bytes.data(), bytes.size(), rows, 1, {&without}, b.data());
     ASSERT_EQ(a, sym) << trial;
     ASSERT_EQ(b, sym) << trial;
+    rans_decode(bytes.data(), bytes.size(), rows, 1, {&scalar}, a.data());
+    ASSERT_EQ(a, sym) << trial;
   }
 }
 
