@@ -108,13 +108,7 @@ void decode_stacked_codes(const kvtc::HeadParams& p, const uint8_t* data, size_t
     const entropy::RansDecodeTable& table = (*tables)[k];
     uint32_t& state = x[i % kRansLanes];
     const uint32_t slot = state & ((1u << table.scale_bits) - 1);
-    uint32_t s = 0;
-    if (!table.slot_symbol.empty()) {
-      s = table.slot_symbol[slot];
-    } else {
-      // Small alphabets: the symbol is the count of cum[1..] entries <= slot.
-      for (const uint16_t c : table.search) s += c <= slot;
-    }
+    const uint32_t s = table.symbol_of(slot);
     state = table.syms[s].freq * (state >> table.scale_bits) + slot - table.syms[s].cum;
     while (state < kRansLow) {
       if (pos == 0) throw Error(ErrorCode::kFormat, "kvtc block: truncated stream");

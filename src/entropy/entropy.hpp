@@ -136,6 +136,21 @@ struct FrequencyTable {
 inline constexpr size_t kRansLanes = 8;            // interleaved states
 inline constexpr uint32_t kRansLow = 1u << 23;     // states live in [kRansLow, kRansLow << 8)
 inline constexpr uint32_t kRansSearchMax = 33;     // largest alphabet decoded by search (see RansDecodeTable)
+// The AVX2 group decoder's compare search covers alphabets up to 65 symbols
+// at scales up to 14 bits (see RansGroupTables).
+inline constexpr uint32_t kRansGroupMaxAlphabet = 65;
+inline constexpr uint32_t kRansGroupMaxScale = 14;
+
+// Which lookup table a RansDecodeTable keeps for the scalar lanes.
+enum class RansLookup : uint8_t {
+  // None where the AVX2 group decoder covers the alphabet (see
+  // RansDecodeTable), kScalar's table otherwise (and in builds without AVX2).
+  kAuto,
+  // For a column the scalar lanes decode throughout (one in a group the
+  // group decoder cannot search, see RansGroupTables::Group::scalar): the
+  // search table where it applies, else the slot table.
+  kScalar,
+};
 
 // slot -> symbol lookup, built once per frozen table and cached by the caller.
 // Two bytes per slot plus (freq, cum) per symbol: with one table per
@@ -157,10 +172,19 @@ struct RansDecodeTable {
   // thrash the L2 cache (every slot is equally likely, so the whole slot
   // table is hot) and would be most of a cache's resident bytes.
   std::vector<uint16_t> search;       // [32] or empty (slot_symbol)
+  // Neither table (RansLookup::kAuto in AVX2 builds, alphabets of at most
+  // kRansGroupMaxAlphabet symbols at scales <= kRansGroupMaxScale): the
+  // group decoder reads its own keys (RansGroupTables) and the scalar
+  // lanes, which decode only a stream's last few symbols there, bisect
+  // syms' cum. The slot tables (8 KB per component at 12 bits) were most
+  // of a local-mode kvtc cache's resident bytes.
 
   RansDecodeTable() = default;
-  explicit RansDecodeTable(const FrequencyTable& table);
+  explicit RansDecodeTable(const FrequencyTable& table, RansLookup lookup = RansLookup::kAuto);
   uint64_t held_bytes() const;  // heap bytes (capacity)
+  // The symbol owning `slot` (< 2^scale_bits), whichever table was built:
+  // for decoders outside this module (the cache's stack-order coder).
+  uint32_t symbol_of(uint32_t slot) const;
 };
 
 // Division-free encoder constants of one frozen table, built once and cached
@@ -212,7 +236,11 @@ struct RansGroupTables {
     uint32_t wrows = 0;
     bool windowed = false;
   };
-  std::vector<Group> groups;  // indexed by the group's first column position k0
+  // One group per first column position k0 reachable from 0 in steps of 8
+  // (n_active / gcd(n_active, 8) of them), in visiting order; group_at
+  // [n_active] maps k0 to its index in groups (0 for unreachable k0).
+  std::vector<Group> groups;
+  std::vector<uint32_t> group_at;
   std::vector<int32_t> rows;  // transposed keys, 8 per row
   size_t n_active = 0;        // non-skipped columns they were built for
   bool packed = false;        // keys cum << 19 | s << 13 | freq (else cum << 16 | freq)

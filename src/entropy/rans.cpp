@@ -5,6 +5,7 @@
 // to lane i % kRansLanes, so the decoder's lanes are independent dependency
 // chains the CPU overlaps.
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -92,7 +93,10 @@ void check_decode_tables(const std::vector<uint32_t>& cols, const std::vector<co
     // Exactly one of the slot table and the search table.
     const bool slots = t.slot_symbol.size() == (size_t(1) << t.scale_bits) && t.search.empty();
     const bool search = t.slot_symbol.empty() && t.search.size() == 32 && t.alphabet_size <= kRansSearchMax;
-    if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || !(slots || search) || t.syms.size() != t.alphabet_size ||
+    const bool bisect = t.slot_symbol.empty() && t.search.empty() && t.alphabet_size <= kRansGroupMaxAlphabet &&
+                        t.scale_bits <= kRansGroupMaxScale;
+    if (t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || !(slots || search || bisect) ||
+        t.syms.size() != t.alphabet_size ||
         t.alphabet_size == 0)
       throw Error(ErrorCode::kInvalidArgument,
                   "rans_decode: decode table of column " + std::to_string(c) + " is not built from a FrequencyTable");
@@ -101,7 +105,7 @@ void check_decode_tables(const std::vector<uint32_t>& cols, const std::vector<co
 
 // Per-column data the decoder's inner loop needs, contiguous.
 struct DecCol {
-  const uint16_t* slot_symbol;
+  const uint16_t* slot_symbol;  // or null: bisect syms
   const RansDecodeTable::Sym* syms;
   const uint16_t* search;  // RansDecodeTable::search, or null: use slot_symbol
   uint32_t scale;
@@ -110,7 +114,8 @@ struct DecCol {
 };
 
 DecCol dec_col(const RansDecodeTable& t) {
-  return DecCol{t.slot_symbol.data(), t.syms.data(), t.search.empty() ? nullptr : t.search.data(),
+  return DecCol{t.slot_symbol.empty() ? nullptr : t.slot_symbol.data(), t.syms.data(),
+                t.search.empty() ? nullptr : t.search.data(),
                 t.scale_bits, (1u << t.scale_bits) - 1, t.alphabet_size - 1};
 }
 
@@ -123,7 +128,16 @@ inline uint32_t lookup_symbol(const DecCol& c, uint32_t slot) {
     for (int i = 0; i < 32; ++i) sym += uint32_t(c.search[i] <= slot);
     return sym < c.last ? sym : c.last;  // a table built by the constructor never needs the clamp
   }
-  return c.slot_symbol[slot];
+  if (__builtin_expect(c.slot_symbol != nullptr, 1)) return c.slot_symbol[slot];
+  // Neither table (see RansDecodeTable): the largest s with cum[s] <= slot
+  // (cum[0] = 0 <= every slot), by a branchless bisection (the steps sum to
+  // >= last; selects, not branches, so the 8 lanes' searches overlap).
+  uint32_t lo = 0;
+  for (uint32_t step = std::bit_floor(c.last); step != 0; step >>= 1) {
+    const uint32_t m = std::min(lo + step, c.last);
+    lo = c.syms[m].cum <= slot ? m : lo;
+  }
+  return lo;
 }
 
 // Whether a whole group of kRansLanes symbols is left and can be decoded
@@ -178,8 +192,8 @@ inline void scalar_group(const DecCol* c, uint32_t* x, const uint8_t*& p, uint16
 // Renormalisation reads n_j = 0..2 bytes per lane in lane order: an
 // exclusive prefix sum of n gives every lane's offset and one byte shuffle of
 // the next 16 stream bytes gathers each lane's two candidate bytes.
-constexpr uint32_t kSimdMaxRows = 64;       // alphabets up to 65 symbols per column
-constexpr uint32_t kSimdMaxScale = 14;      // slot + 1 <= 2^14: (slot + 1) << 16 stays a positive int32
+constexpr uint32_t kSimdMaxRows = kRansGroupMaxAlphabet - 1;  // alphabets up to 65 symbols per column
+constexpr uint32_t kSimdMaxScale = kRansGroupMaxScale;  // slot + 1 <= 2^14: (slot + 1) << 16 stays a positive int32
 constexpr uint32_t kPackedMaxScale = 12;    // packed keys: cum in bits 19..30, symbol 13..18, freq 0..12
 constexpr uint32_t kPackedMaxRows = 63;
 
@@ -250,9 +264,13 @@ void choose_window(const DecCol* c, SimdGroup& g, std::vector<int32_t>& rows) {
   }
 }
 
-bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup>& groups, std::vector<int32_t>& rows,
-                       bool& packed, bool& any_scalar, bool windows = false) {
-  groups.assign(n_active, SimdGroup{});
+bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup>& groups,
+                       std::vector<uint32_t>& group_at, std::vector<int32_t>& rows, bool& packed, bool& any_scalar,
+                       bool windows = false) {
+  // Only the starts k0 reachable from 0 get a group (n_active / gcd(n_active,
+  // 8) of them: 8 for 64 columns), in visiting order; group_at maps k0 to it.
+  groups.clear();
+  group_at.assign(n_active, 0);
   rows.clear();
   // Scales <= 12 and alphabets <= 64 (the common case) take the packed keys
   // cum << 19 | s << 13 | freq: the count of rows below the slot is then
@@ -265,7 +283,8 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
   bool any_vector = false;
   size_t k0 = 0;
   do {
-    SimdGroup& g = groups[k0];
+    group_at[k0] = uint32_t(groups.size());
+    SimdGroup& g = groups.emplace_back();
     uint32_t amax = 1;
     for (size_t j = 0; j < kRansLanes; ++j) {
       g.scalar |= too_big(ext[k0 + j]);
@@ -300,9 +319,14 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
     }
     k0 = (k0 + kRansLanes) % n_active;
   } while (k0 != 0);
-  if (windows && packed)
-    for (size_t k = 0; k < n_active; ++k)
-      if (groups[k].rows > 0 && !groups[k].scalar) choose_window(ext + k, groups[k], rows);
+  if (windows && packed) {
+    k0 = 0;
+    do {
+      SimdGroup& g = groups[group_at[k0]];
+      if (g.rows > 0 && !g.scalar) choose_window(ext + k0, g, rows);
+      k0 = (k0 + kRansLanes) % n_active;
+    } while (k0 != 0);
+  }
   return any_vector;
 }
 
@@ -394,6 +418,7 @@ __attribute__((always_inline)) inline void finish_group_at(const DecodeConsts* k
 // update, renormalisation, next lookup).
 struct SimdStream {
   const SimdGroup* groups = nullptr;
+  const uint32_t* group_at = nullptr;  // [n_active]: k0 -> index in groups
   const int32_t* rows = nullptr;
   const DecCol* ext = nullptr;  // the columns, for scalar groups
   size_t n_active = 0, n_coded = 0, i = 0, k0 = 0;
@@ -427,7 +452,7 @@ struct SimdStream {
 
   __attribute__((always_inline)) inline void step() {
     const __m256i one = ld(k->one);
-    const SimdGroup& g = groups[k0];
+    const SimdGroup& g = groups[group_at[k0]];
     if (g.scalar) {
       step_scalar();
       return;
@@ -537,14 +562,25 @@ KVCODEC_AVX2_END
 
 }  // namespace
 
-RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
+RansDecodeTable::RansDecodeTable(const FrequencyTable& t, RansLookup lookup)
+    : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
   if (t.freq.size() != t.alphabet_size || t.alphabet_size == 0 || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits)
     throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: invalid frequency table");
+#ifdef KVCODEC_RANS_AVX2
+  // Only where the AVX2 group decoder will run (chosen at run time): a table
+  // built so and then read by the scalar lanes still decodes, by bisection.
+  const bool by_groups = lookup == RansLookup::kAuto && simd_avx2() && alphabet_size <= kRansGroupMaxAlphabet &&
+                         scale_bits <= kRansGroupMaxScale;
+#else
+  (void)lookup;
+  const bool by_groups = false;  // the scalar lanes decode everything
+#endif
   // The search table replaces the slot table where it applies: 64 bytes
   // instead of 2^(scale_bits + 1) (8 KB at 12 bits, per component).
-  const bool by_search = alphabet_size <= kRansSearchMax && scale_bits <= 14;
+  const bool by_search = !by_groups && alphabet_size <= kRansSearchMax && scale_bits <= 14;
   const size_t total = size_t(1) << scale_bits;
-  if (!by_search) slot_symbol.resize(total);
+  const bool slots = !by_search && !by_groups;
+  if (slots) slot_symbol.resize(total);
   syms.resize(alphabet_size);
   size_t slot = 0;
   for (uint32_t s = 0; s < alphabet_size; ++s) {
@@ -552,7 +588,7 @@ RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alph
     if (f == 0 || slot + f > total)
       throw Error(ErrorCode::kInvalidArgument, "RansDecodeTable: frequencies do not sum to 2^scale_bits");
     syms[s] = Sym{f, uint32_t(slot)};
-    if (!by_search) std::fill(slot_symbol.begin() + long(slot), slot_symbol.begin() + long(slot + f), uint16_t(s));
+    if (slots) std::fill(slot_symbol.begin() + long(slot), slot_symbol.begin() + long(slot + f), uint16_t(s));
     slot += f;
   }
   if (slot != total)
@@ -561,6 +597,23 @@ RansDecodeTable::RansDecodeTable(const FrequencyTable& t) : alphabet_size(t.alph
     search.assign(32, 0x7fff);
     for (uint32_t s = 1; s < alphabet_size; ++s) search[s - 1] = uint16_t(syms[s].cum);
   }
+}
+
+uint32_t RansDecodeTable::symbol_of(uint32_t slot) const {
+  if (!slot_symbol.empty()) return slot_symbol[slot];
+  const uint32_t last = alphabet_size - 1;
+  if (!search.empty()) {
+    uint32_t sym = 0;
+    for (const uint16_t c : search) sym += uint32_t(c <= slot);
+    return sym < last ? sym : last;
+  }
+  // The largest s with cum[s] <= slot (cum[0] = 0 <= every slot).
+  uint32_t lo = 0;
+  for (uint32_t step = std::bit_floor(last ? last : 1u); step != 0; step >>= 1) {
+    const uint32_t m = std::min(lo + step, last);
+    lo = syms[m].cum <= slot ? m : lo;
+  }
+  return lo;
 }
 
 RansEncodeTable::RansEncodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
@@ -1023,8 +1076,8 @@ struct PairCursor {
 // Both groups are vector ones (run_pair_packed takes the scalar steps).
 __attribute__((always_inline)) inline void step_pair_packed(const SimdStream& A, PairCursor& ca, const SimdStream& B,
                                                              PairCursor& cb) {
-  const SimdGroup& ga = A.groups[ca.k0];
-  const SimdGroup& gb = B.groups[cb.k0];
+  const SimdGroup& ga = A.groups[A.group_at[ca.k0]];
+  const SimdGroup& gb = B.groups[B.group_at[cb.k0]];
   const __m256i q_a = _mm256_srlv_epi32(ca.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.scale)));
   const __m256i q_b = _mm256_srlv_epi32(cb.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.scale)));
   const __m256i slot_a = _mm256_and_si256(ca.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.mask)));
@@ -1086,8 +1139,8 @@ __attribute__((noinline)) void run_pair_vector(SimdStream& A, SimdStream& B) {
   const uint8_t* const end_a = A.end;
   const uint8_t* const end_b = B.end;
   const size_t last_a = A.n_coded, last_b = B.n_coded;
-  while (group_fits(ca.i, last_a, ca.p, end_a) && group_fits(cb.i, last_b, cb.p, end_b) && !A.groups[ca.k0].scalar &&
-         !B.groups[cb.k0].scalar)
+  while (group_fits(ca.i, last_a, ca.p, end_a) && group_fits(cb.i, last_b, cb.p, end_b) && !A.groups[A.group_at[ca.k0]].scalar &&
+         !B.groups[B.group_at[cb.k0]].scalar)
     step_pair_packed(A, ca, B, cb);
   A.X = ca.X, A.p = ca.p, A.i = ca.i, A.k0 = ca.k0;
   B.X = cb.X, B.p = cb.p, B.i = cb.i, B.k0 = cb.k0;
@@ -1164,13 +1217,14 @@ class Decoder {
     simd_ = false;
 #ifdef KVCODEC_RANS_AVX2
     if (allow_simd && simd_avx2() && n_coded_ >= 4 * kRansLanes) {
-      if (pre && pre->n_active == n_active_ && pre->groups.size() == n_active_) {
+      if (pre && pre->n_active == n_active_ && pre->group_at.size() == n_active_) {
         simd_ = pre->usable;
-        group_ptr_ = pre->groups.data(), rows_ptr_ = pre->rows.data(), packed_ = pre->packed;
+        group_ptr_ = pre->groups.data(), group_at_ptr_ = pre->group_at.data(), rows_ptr_ = pre->rows.data();
+        packed_ = pre->packed;
         if (simd_ && pre->any_scalar) build_ext();
-      } else if (build_ext(), build_simd_groups(ext_.data(), n_active_, groups_, rows_, packed_, any_scalar_)) {
+      } else if (build_ext(), build_simd_groups(ext_.data(), n_active_, groups_, group_at_, rows_, packed_, any_scalar_)) {
         simd_ = true;
-        group_ptr_ = groups_.data(), rows_ptr_ = rows_.data();
+        group_ptr_ = groups_.data(), group_at_ptr_ = group_at_.data(), rows_ptr_ = rows_.data();
       }
     }
 #else
@@ -1184,7 +1238,7 @@ class Decoder {
   bool simd() const { return simd_; }
   KVCODEC_TARGET_AVX2 SimdStream simd_stream() {
     SimdStream st;
-    st.groups = group_ptr_, st.rows = rows_ptr_, st.ext = ext_built_ ? ext_.data() : nullptr;
+    st.groups = group_ptr_, st.group_at = group_at_ptr_, st.rows = rows_ptr_, st.ext = ext_built_ ? ext_.data() : nullptr;
     st.n_active = n_active_, st.n_coded = n_coded_, st.i = i_, st.k0 = k0_;
     st.p = p_, st.end = end_, st.dst = dst_, st.packed = packed_;
     st.X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_));
@@ -1269,8 +1323,10 @@ class Decoder {
   std::vector<uint16_t> compact_;
 #ifdef KVCODEC_RANS_AVX2
   std::vector<SimdGroup> groups_;
+  std::vector<uint32_t> group_at_;
   std::vector<int32_t> rows_;
   const SimdGroup* group_ptr_ = nullptr;
+  const uint32_t* group_at_ptr_ = nullptr;
   const int32_t* rows_ptr_ = nullptr;
 #endif
   size_t n_rows_ = 0, n_cols_ = 0, n_active_ = 0, n_coded_ = 0, lanes_used_ = 0, i_ = 0, k0_ = 0;
@@ -1375,9 +1431,12 @@ RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tab
     ext[k] = dec_col(*tables[cols[k % cols.size()]]);
   }
   g.n_active = cols.size();
-  g.usable = build_simd_groups(ext.data(), g.n_active, g.groups, g.rows, g.packed, g.any_scalar, /*windows=*/true);
-  // Not usable: still sized, so the decoder takes the scalar lanes without rebuilding.
-  g.groups.resize(g.n_active);
+  // Not usable: group_at is still sized, so the decoder takes the scalar
+  // lanes without rebuilding.
+  g.usable = build_simd_groups(ext.data(), g.n_active, g.groups, g.group_at, g.rows, g.packed, g.any_scalar,
+                               /*windows=*/true);
+  g.groups.shrink_to_fit();  // held for the tables' lifetime: exact size
+  g.rows.shrink_to_fit();
 #else
   (void)tables;
 #endif
@@ -1455,7 +1514,8 @@ uint64_t RansDecodeTable::held_bytes() const {
 }
 
 uint64_t RansGroupTables::held_bytes() const {
-  return uint64_t(groups.capacity()) * sizeof(Group) + uint64_t(rows.capacity()) * sizeof(int32_t) +
+  return uint64_t(groups.capacity()) * sizeof(Group) + uint64_t(group_at.capacity()) * sizeof(uint32_t) +
+         uint64_t(rows.capacity()) * sizeof(int32_t) +
          uint64_t(built_from.capacity()) * sizeof(const RansDecodeTable*);
 }
 

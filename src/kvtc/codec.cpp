@@ -484,12 +484,12 @@ void HeadParams::build_decoders() {
   proj_int = build_proj_int(*this);
   rans_decode.clear();
   rans_encode.clear();
+  rans_decode.reserve(rans_tables.size());  // held at exact size
+  rans_encode.reserve(rans_tables.size());
   for (const auto& t : rans_tables) {
     rans_decode.emplace_back(t);
     rans_encode.emplace_back(t);
   }
-  basis_t.clear();
-  if (basis.size() == size_t(n_kept()) * size_t(dim)) transpose_basis(*this, basis_t);
   // See recon_skip_zeros: no -0, NaN or infinity in the mean; the basis
   // finite with no nonzero value below 2^-40 in magnitude; steps >= 2^-39
   // (so a nonzero coefficient, |code - offset| >= 1/2 steps, is >= 2^-40).
@@ -504,6 +504,27 @@ void HeadParams::build_decoders() {
     std::vector<const entropy::RansDecodeTable*> tables;
     for (const auto& t : rans_decode) tables.push_back(&t);
     rans_groups = entropy::rans_group_tables(tables);
+    // The columns the scalar lanes decode throughout get their lookup
+    // table: all of them when the group decoder does not apply, else the
+    // small alphabets of its scalar groups (a group holding an alphabet it
+    // cannot search), whose search table is 64 bytes. The other columns
+    // there (34..65 symbols) bisect (RansLookup::kAuto): an 8 KB slot table
+    // each would add 0.34 MB to the tinycode dump's cache at defaults.
+    // Replaced in place: the addresses the group tables were built from
+    // stay valid.
+    const size_t K = rans_decode.size();
+    std::vector<uint8_t> scalar(K, uint8_t(!rans_groups.usable));
+    if (rans_groups.usable && rans_groups.any_scalar) {
+      size_t k0 = 0;
+      do {
+        if (rans_groups.groups[rans_groups.group_at[k0]].scalar)
+          for (size_t j = 0; j < entropy::kRansLanes; ++j) scalar[(k0 + j) % K] = 1;
+        k0 = (k0 + entropy::kRansLanes) % K;
+      } while (k0 != 0);
+    }
+    for (size_t k = 0; k < K; ++k)
+      if (scalar[k] && (!rans_groups.usable || rans_tables[k].alphabet_size <= entropy::kRansSearchMax))
+        rans_decode[k] = entropy::RansDecodeTable(rans_tables[k], entropy::RansLookup::kScalar);
   }
 }
 
@@ -522,7 +543,7 @@ uint64_t HeadParams::derived_held_bytes() const {
   for (const auto& t : rans_decode) n += t.held_bytes();
   n += uint64_t(rans_encode.capacity()) * sizeof(entropy::RansEncodeTable);
   for (const auto& t : rans_encode) n += t.held_bytes();
-  n += rans_groups.held_bytes() + held_bytes(basis_t) + held_bytes(recon_zero2) + held_bytes(recon_scale) +
+  n += rans_groups.held_bytes() + held_bytes(recon_zero2) + held_bytes(recon_scale) +
        held_bytes(recon_w) + held_bytes(proj_w) + held_bytes(proj_qscale);
   return n;
 }
@@ -942,7 +963,9 @@ struct BlockScratch {
   RowMatrix centred, coeffs;
   std::vector<uint16_t> codes;
   std::vector<float> a, b, c;
-  std::vector<float> basis_t;
+  std::vector<float> basis_t;   // the float projection's operand (transpose_basis)
+  std::vector<float> unfit;     // rows the integer projection does not take [m, D]
+  std::vector<uint16_t> unfit_codes;  // and their codes [m, K]
   std::vector<float> vals;      // a row's nonzero coefficients (dequantize_sparse)
   std::vector<int32_t> offs;    // and their basis row offsets
   std::vector<int16_t> doubled; // doubled centred codes [n, Kp] (integer reconstruction)
@@ -1122,11 +1145,21 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
                       bool prescaled = false);
 
 // The codes of the rows that did not fit the integer projection, by the
-// float projection (row by row: a row's codes depend on that row alone).
+// float projection, gathered into one call (a row's codes depend on that
+// row alone, so they are those of the rows one by one).
 void float_rows_unfit(const HeadParams& p, const float* c, int64_t n, const uint8_t* fits, uint16_t* codes) {
   const size_t D = size_t(p.dim), K = size_t(p.n_kept());
-  for (int64_t t = 0; t < n; ++t)
-    if (!fits[t]) quantize_centred(p, c + size_t(t) * D, 1, codes + size_t(t) * K, QuantPath::kFloat);
+  size_t m = 0;
+  for (int64_t t = 0; t < n; ++t) m += !fits[t];
+  if (m == 0) return;
+  BlockScratch& s = scratch();
+  s.unfit.resize(m * D);
+  s.unfit_codes.resize(m * K);
+  for (int64_t t = 0, j = 0; t < n; ++t)
+    if (!fits[t]) std::copy_n(c + size_t(t) * D, D, s.unfit.data() + size_t(j++) * D);
+  quantize_centred(p, s.unfit.data(), int64_t(m), s.unfit_codes.data(), QuantPath::kFloat);
+  for (int64_t t = 0, j = 0; t < n; ++t)
+    if (!fits[t]) std::copy_n(s.unfit_codes.data() + size_t(j++) * K, K, codes + size_t(t) * K);
 }
 
 // Projection and quantisation of centred rows [n, dim] into codes [n, kept]
@@ -1159,11 +1192,9 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
     return;
   }
   const size_t K8 = round_up8(K);
-  const std::vector<float>* bt = &p.basis_t;
-  if (bt->size() != size_t(dim) * K8) {
-    transpose_basis(p, s.basis_t);  // parameters assembled without build_decoders()
-    bt = &s.basis_t;
-  }
+  // Transposed per call, not held: the default (integer) projection does
+  // not need it, and K x D copies are ~1/n of this product's work.
+  transpose_basis(p, s.basis_t);
 #ifdef KVCODEC_KVTC_GEMM
   if (simd_avx2()) {
     // Constants padded to K8 (the kernel reads whole groups of 8).
@@ -1174,13 +1205,13 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
       s.c[k] = float(p.quant[k].levels - 1);
     }
     const QuantConsts q{s.a.data(), s.b.data(), s.c.data()};
-    gemm_quant(c, size_t(dim), bt->data(), K8, size_t(n), K8, size_t(dim), q, codes, K);
+    gemm_quant(c, size_t(dim), s.basis_t.data(), K8, size_t(n), K8, size_t(dim), q, codes, K);
     return;
   }
 #endif
   // Coefficients [n, kept], as gemm_quant's accumulators hold them.
   s.coeffs.resize(n, kept);
-  gemm_plain(c, size_t(dim), bt->data(), K8, size_t(n), K, size_t(dim), nullptr, s.coeffs.data(), K);
+  gemm_plain(c, size_t(dim), s.basis_t.data(), K8, size_t(n), K, size_t(dim), nullptr, s.coeffs.data(), K);
   const size_t ldc = K;
   s.a.resize(K), s.b.resize(K), s.c.resize(K);
   float* const inv_step = s.a.data();

@@ -86,10 +86,6 @@ struct HeadParams {
   // encode_block/decode_block build them on the fly (slowly) when missing.
   std::vector<entropy::RansDecodeTable> rans_decode;
   std::vector<entropy::RansEncodeTable> rans_encode;
-  // basis transposed to [D, K8] (K8 = K rounded up to 8, zero columns), the
-  // operand layout of the projection kernel; rebuilt by build_decoders()
-  // (call it again after editing basis), built per call when missing.
-  std::vector<float> basis_t;
   // The rANS group decoder's tables for rans_decode (see entropy.hpp).
   entropy::RansGroupTables rans_groups;
   // The reconstruction may skip a component whose coefficient in a row is

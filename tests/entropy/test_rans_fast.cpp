@@ -108,15 +108,16 @@ TEST(RansFast, SameBytesAsTheTextbookEncoder) {
   }
 }
 
-// The search lookup (small alphabets) against the slot table: the same
-// stream decoded through a table with its search entries (and no slot table)
-// and through a copy with the slot table filled in instead gives the same
-// symbols, for every scale the search serves and alphabets up to the largest
-// it takes.
+// Three lookups of a slot's symbol: the slot table, the compare search
+// (alphabets <= kRansSearchMax) and, in AVX2 builds with RansLookup::kAuto,
+// no table for the alphabets the group decoder covers (the scalar lanes
+// bisect cum). Each decodes what the slot table decodes, through the group
+// decoder and through the scalar lanes alone (rans_decode_portable: every
+// symbol by the lookup).
 TEST(RansFast, SearchLookupMatchesSlotTable) {
   std::mt19937_64 rng(31);
-  for (int trial = 0; trial < 400; ++trial) {
-    const uint32_t alphabet = 1 + uint32_t(rng() % (kRansSearchMax + 3));
+  for (int trial = 0; trial < 600; ++trial) {
+    const uint32_t alphabet = 1 + uint32_t(rng() % (kRansGroupMaxAlphabet + 3));
     uint32_t min_scale = 1;
     while ((1u << min_scale) < alphabet) ++min_scale;
     const uint32_t scale = min_scale + uint32_t(rng() % (15 - std::min<uint32_t>(min_scale, 14)));
@@ -132,17 +133,26 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
       for (size_t i = 0; i + 1 < cuts.size(); ++i) freq.push_back(cuts[i + 1] - cuts[i]);
     }
     const FrequencyTable t = FrequencyTable::from_freqs(freq, scale);
-    const RansDecodeTable with(t);
-    RansDecodeTable without = with;
-    ASSERT_EQ(!with.search.empty(), alphabet <= kRansSearchMax && scale <= 14) << alphabet << " " << scale;
-    // A table holds one of the two lookups, never both.
-    ASSERT_NE(with.search.empty(), with.slot_symbol.empty());
-    if (!with.search.empty()) {
+    const RansDecodeTable scalar(t, RansLookup::kScalar), with(t);
+    const bool search = alphabet <= kRansSearchMax && scale <= 14;
+    // No table where the AVX2 group decoder runs (chosen at run time).
+    const bool none = simd_avx2() && alphabet <= kRansGroupMaxAlphabet && scale <= kRansGroupMaxScale;
+    ASSERT_EQ(!scalar.search.empty(), search) << alphabet << " " << scale;
+    ASSERT_EQ(scalar.slot_symbol.empty(), search) << alphabet << " " << scale;
+    ASSERT_EQ(with.search.empty() && with.slot_symbol.empty(), none) << alphabet << " " << scale;
+    if (!none) {
+      EXPECT_EQ(with.search, scalar.search);
+      EXPECT_EQ(with.slot_symbol, scalar.slot_symbol);
+    }
+    // The slot table, whichever lookup the constructor chose.
+    RansDecodeTable without = scalar;
+    if (!scalar.search.empty()) {
       std::vector<uint16_t>().swap(without.search);  // gives its memory back (= {} keeps the capacity)
       for (uint32_t s = 0; s < alphabet; ++s) without.slot_symbol.insert(without.slot_symbol.end(), freq[s], uint16_t(s));
       // The bytes held count the lookup each one keeps.
-      EXPECT_EQ(without.held_bytes(), with.held_bytes() - 32 * 2 + without.slot_symbol.capacity() * 2);
+      EXPECT_EQ(without.held_bytes(), scalar.held_bytes() - 32 * 2 + without.slot_symbol.capacity() * 2);
     }
+    if (none) EXPECT_EQ(with.held_bytes(), with.syms.capacity() * sizeof(RansDecodeTable::Sym));
     const size_t rows = 1 + rng() % 600;
     std::vector<uint16_t> sym(rows);
     for (auto& v : sym) v = uint16_t(rng() % alphabet);
@@ -152,6 +162,21 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
     rans_decode(bytes.data(), bytes.size(), rows, 1, {&without}, b.data());
     ASSERT_EQ(a, sym) << trial;
     ASSERT_EQ(b, sym) << trial;
+    rans_decode_portable(bytes.data(), bytes.size(), rows, 1, {&with}, a.data());
+    rans_decode_portable(bytes.data(), bytes.size(), rows, 1, {&without}, b.data());
+    ASSERT_EQ(a, sym) << trial;
+    ASSERT_EQ(b, sym) << trial;
+    rans_decode(bytes.data(), bytes.size(), rows, 1, {&scalar}, a.data());
+    ASSERT_EQ(a, sym) << trial;
+    // symbol_of (the lookup for decoders outside the module) against the
+    // definition, on every table kind: slot table, search, neither.
+    for (uint32_t slot = 0; slot < (1u << scale); slot += 1 + slot / 64) {
+      uint32_t owner = 0;
+      while (owner + 1 < alphabet && cuts[owner + 1] <= slot) ++owner;
+      ASSERT_EQ(with.symbol_of(slot), owner) << trial << " slot " << slot;
+      ASSERT_EQ(scalar.symbol_of(slot), owner) << trial << " slot " << slot;
+      ASSERT_EQ(without.symbol_of(slot), owner) << trial << " slot " << slot;
+    }
   }
 }
 

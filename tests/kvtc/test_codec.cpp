@@ -177,8 +177,7 @@ TEST(Codec, FastPathMatchesReference) {
 // The register-tiled float product kernels (projection and reconstruction) on
 // shapes that exercise every remainder: rows not a multiple of 6 or 4, kept
 // components not a multiple of 8 or 16, dims that are and are not multiples
-// of 8 (the reconstruction kernel needs D % 8 == 0, else Eigen runs); the
-// transposed basis both cached (build_decoders) and built per call.
+// of 8 (the reconstruction kernel needs D % 8 == 0, else Eigen runs).
 TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
   for (int dim : {8, 24, 40, 13, 64}) {
     for (int64_t n : {int64_t(1), int64_t(5), int64_t(7), int64_t(64), int64_t(71)}) {
@@ -187,8 +186,7 @@ TEST(Codec, ProductKernelsMatchReferenceOnRaggedShapes) {
         CodecOptions o;
         o.bit_budget = budget;
         HeadParams p = fit(x, std::max<int64_t>(n, 4 * dim), dim, o);
-        for (bool cached : {true, false}) {
-          if (!cached) p.basis_t.clear();
+        {
           const size_t K = size_t(p.n_kept());
           std::vector<uint16_t> fast(size_t(n) * K), ref(fast.size());
           quantize_block_path(p, x.data(), n, fast.data(), QuantPath::kFloat);
@@ -748,6 +746,75 @@ TEST(Codec, DecodePairMatchesTwoDecodes) {
         EXPECT_EQ(got, want);
       }
     }
+}
+
+// build_decoders() keeps a scalar lookup table only where the scalar lanes
+// decode a column throughout: in AVX2 builds the columns of the group
+// decoder's vector groups (alphabets <= 65) hold none, those of its scalar
+// groups (a 256-level component among them) the 64-byte search table when
+// their alphabet is small enough, and the too-large alphabets their slot
+// table. Whatever each holds, a block decodes to its codes' reconstruction
+// (through the group decoder, the scalar groups, the bisecting tail), and
+// the stored bytes do not depend on it.
+TEST(Codec, DecodeTablesHoldLookupsOnlyWhereTheScalarLanesNeedThem) {
+  const int dim = 64;
+  const int64_t n = 512;
+  const auto x = correlated(n, dim, 77);
+  CodecOptions o;  // dp over 0,1,2,3,4,6,8 bits: 256-, 64-, 16-, ... level components
+  o.bit_budget = 5 * dim;
+  const HeadParams p = fit(x, n, dim, o);
+  ASSERT_EQ(p.coder, CoderChoice::kRans);
+  const size_t K = size_t(p.n_kept());
+  size_t big = 0, bare = 0, searched = 0;
+  for (size_t k = 0; k < K; ++k) {
+    const entropy::RansDecodeTable& t = p.rans_decode[k];
+    const uint32_t a = t.alphabet_size;
+    big += a > entropy::kRansGroupMaxAlphabet;
+    if (a > entropy::kRansGroupMaxAlphabet) EXPECT_EQ(t.slot_symbol.size(), size_t(1) << t.scale_bits) << k;
+    bare += t.slot_symbol.empty() && t.search.empty();
+    searched += !t.search.empty();
+  }
+  ASSERT_GT(big, 0u) << "the fit should give some component 256 levels";
+#ifdef __AVX2__
+  ASSERT_TRUE(p.rans_groups.usable);
+  EXPECT_TRUE(p.rans_groups.any_scalar);
+  // A column lies in several groups when K % 8 != 0: in a scalar one if any.
+  std::vector<bool> in_scalar(K, false);
+  for (size_t k0 = 0;;) {
+    if (p.rans_groups.groups[p.rans_groups.group_at[k0]].scalar)
+      for (size_t j = 0; j < entropy::kRansLanes; ++j) in_scalar[(k0 + j) % K] = true;
+    k0 = (k0 + entropy::kRansLanes) % K;
+    if (k0 == 0) break;
+  }
+  for (size_t k = 0; k < K; ++k) {
+    const entropy::RansDecodeTable& t = p.rans_decode[k];
+    if (t.alphabet_size > entropy::kRansGroupMaxAlphabet) continue;
+    EXPECT_TRUE(t.slot_symbol.empty()) << k;
+    EXPECT_EQ(!t.search.empty(), in_scalar[k] && t.alphabet_size <= entropy::kRansSearchMax) << k;
+  }
+  EXPECT_GT(bare, 0u);
+#endif
+  (void)searched;
+  for (int64_t m : {int64_t(1), int64_t(7), int64_t(64)}) {
+    std::vector<uint16_t> codes(size_t(m) * K);
+    quantize_block(p, x.data(), m, codes.data());
+    std::vector<float> want(size_t(m * dim)), got(want.size());
+    dequantize_block(p, codes.data(), m, want.data());
+    const auto bytes = encode_block(p, x.data(), m);
+    decode_block(p, bytes.data(), bytes.size(), m, got.data());
+    ASSERT_TRUE(same_bits(got, want)) << m;
+    // The same bytes as the portable encoder and the slot-table decoders.
+    std::vector<const entropy::FrequencyTable*> freq;
+    for (const auto& t : p.rans_tables) freq.push_back(&t);
+    EXPECT_EQ(bytes, entropy::rans_encode(codes.data(), size_t(m), K, freq));
+    std::vector<entropy::RansDecodeTable> slots;
+    for (const auto& t : p.rans_tables) slots.emplace_back(t, entropy::RansLookup::kScalar);
+    std::vector<const entropy::RansDecodeTable*> sp;
+    for (const auto& t : slots) sp.push_back(&t);
+    std::vector<uint16_t> back(codes.size());
+    entropy::rans_decode_portable(bytes.data(), bytes.size(), size_t(m), K, sp, back.data());
+    EXPECT_EQ(back, codes) << m;
+  }
 }
 
 TEST(Codec, MoreBudgetLessError) {
