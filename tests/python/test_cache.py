@@ -148,7 +148,7 @@ def test_bad_input_raises_naming_the_problem():
     expect_error(lambda: c.append(k[0], k[0]), _lib.INVALID_ARGUMENT, "expected 4 dims")
     expect_error(lambda: c.append([1, 2], [3]), _lib.INVALID_ARGUMENT, "not list")
     expect_error(lambda: c.append(k, k.astype(np.float16)), _lib.INVALID_ARGUMENT, "values are f16")
-    expect_error(lambda: c.append(k[:, :1], k[:, :1]), _lib.SHAPE_MISMATCH, "expected [B >= 1, 2, S, 64]")
+    expect_error(lambda: c.append(k[:, :1], k[:, :1]), _lib.SHAPE_MISMATCH, "expected [B in 1..1048576, 2, S, 64]")
     expect_error(lambda: c.append(torch.zeros(1, 2, 3, 64, dtype=torch.int32), torch.zeros(1, 2, 3, 64)),
                  _lib.INVALID_ARGUMENT, "torch.int32")
     if torch.cuda.is_available():  # pragma: no cover - CI has no GPU
@@ -156,7 +156,7 @@ def test_bad_input_raises_naming_the_problem():
         expect_error(lambda: c.append(kc, kc), _lib.UNSUPPORTED, "no GPU codec")
     c.append(k, k)
     expect_error(lambda: c.append(np.concatenate([k, k]), np.concatenate([k, k])), _lib.SHAPE_MISMATCH,
-                 "batch differs")
+                 "appended to a cache holding batch 1")
     expect_error(lambda: c.trim(-1), _lib.INVALID_ARGUMENT, "negative")
     expect_error(lambda: c.trim("3"), _lib.INVALID_ARGUMENT, "takes an int")
     expect_error(lambda: c.fetch("f64"), _lib.INVALID_ARGUMENT, "'f64'")
