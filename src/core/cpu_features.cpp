@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+#include <cpuid.h>
+#endif
 
 namespace kvcodec {
 
@@ -29,7 +32,11 @@ bool cpu_has_avx2_paths() {
 #ifdef KVCODEC_HAVE_AVX2_PATHS
   static const bool has = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+    // F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports
+    // does not know "f16c".
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
   }();
   return has;
