@@ -34,7 +34,10 @@ TEST(SimdBytes, CachesSaveAndFetchTheSameBytesWithAndWithoutAvx2) {
   const int layer = 2;
   const TensorView k = f.view4("layers." + std::to_string(layer) + ".key");
   const TensorView v = f.view4("layers." + std::to_string(layer) + ".value");
-  for (const auto& [method, settings] : cases) {
+  for (const auto& one : cases) {
+    // Plain references: clang 14 cannot capture structured bindings in a lambda.
+    const auto& method = one.first;
+    const auto& settings = one.second;
     std::string label = method;
     for (const auto& [key, val] : settings) label += " " + key + "=" + val;
     const auto run = [&](bool on) {
