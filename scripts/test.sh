@@ -6,10 +6,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 # Every stage ends with its wall time, so CI's 25-minute budget is accounted.
-stage_name=""; stage_start=$SECONDS
+# Beside the wall time, the CPU seconds of the stage's commands (user+sys of
+# finished children, from `times`): on a loaded machine the wall time grows,
+# the CPU time says what the stage costs.
+# (`times` must run in this shell, not in a pipe's subshell.)
+cpu_file=$(mktemp)
+trap 'rm -f "$cpu_file" "$cpu_file.sum"' EXIT
+children_cpu() {
+  times >"$cpu_file"
+  awk 'NR==2 { t = 0; for (i = 1; i <= 2; ++i) { split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%d", t }' "$cpu_file"
+}
+stage_name=""; stage_start=$SECONDS; stage_cpu=0
 stage() {
-  [ -n "$stage_name" ] && echo "-- $stage_name: $((SECONDS - stage_start)) s"
-  stage_name=$1; stage_start=$SECONDS
+  local cpu; children_cpu >"$cpu_file.sum"; cpu=$(cat "$cpu_file.sum")
+  [ -n "$stage_name" ] && echo "-- $stage_name: $((SECONDS - stage_start)) s wall, $((cpu - stage_cpu)) s CPU"
+  stage_name=$1; stage_start=$SECONDS; stage_cpu=$cpu
   [ -n "$1" ] && echo "== $1"
   return 0
 }

@@ -93,8 +93,9 @@ class LogprobsServer : public ::testing::Test {
     auto c = server_.client();
     auto r = c.Post(path.c_str(), body.dump(), "application/json");
     std::vector<json> events;
-    EXPECT_TRUE(r && r->status == 200);
+    EXPECT_TRUE(r) << path << ": " << httplib::to_string(r.error());
     if (!r) return events;
+    EXPECT_EQ(r->status, 200) << path << " -> " << r->body.substr(0, 400);
     std::istringstream in(r->body);
     std::string line;
     while (std::getline(in, line))
