@@ -94,7 +94,11 @@ cmake -S . -B "$tsan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" >/dev/null
 cmake --build "$tsan" -j"$jobs" --target test_server test_cache
 export OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
-"$tsan"/src/server/test_server --gtest_filter='-*Dashboard*'
+# The suites where threads or processes meet (HTTP and model threads, the
+# store's writers, Redis, kills); the format suites (logprobs, dashboard,
+# limits' time bounds) run in the two builds above.
+"$tsan"/src/server/test_server \
+  --gtest_filter='ServerConcurrency.*:ServerFaults.*:ServerTest.*:ServerModelIdentity.*:PrefixStore.*:DiskStoreTest.*:DiskStoreKill.*:RedisServers.*:RedisStoreTest.*-*Dashboard*'
 "$tsan"/src/cache/test_cache --gtest_filter='*Contract*:CalibratedCache.*:KvtcLocal.*'
 unset OMP_NUM_THREADS TSAN_OPTIONS
 

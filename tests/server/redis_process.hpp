@@ -9,6 +9,7 @@
 #include <hiredis/hiredis.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -59,6 +60,7 @@ struct RedisProcess {
     std::filesystem::create_directories(dir);
     pid = fork();
     if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // no redis-server outlives a test that died
       const std::string p = std::to_string(port), d = dir.string();
       std::vector<const char*> argv{"redis-server", "--port", p.c_str(), "--bind", "127.0.0.1", "--dir", d.c_str(),
                                     "--save", "", "--daemonize", "no", "--loglevel", "warning",

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -54,6 +55,10 @@ struct ServerProcess {
     p.pid = fork();
     if (p.pid < 0) return p;
     if (p.pid == 0) {
+      // A test process that dies (an abort, a sanitizer's report) takes its
+      // server with it: an orphan would keep the test's pipes open and CI
+      // waiting.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
       close(fds[0]);
       dup2(fds[1], 1);
       int rc = 3;

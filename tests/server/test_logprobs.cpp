@@ -187,7 +187,7 @@ TEST_F(LogprobsServer, ChatShapeAndStreamingCarryTheSameLogprobs) {
   const json body = {{"messages", {{{"role", "user"}, {"content", "write a loop"}}}}, {"max_tokens", 5},
                      {"logprobs", true}, {"top_logprobs", 2}};
   const json r = post("/v1/chat/completions", body);
-  const json& content = r["choices"][0]["logprobs"]["content"];
+  const json& content = r.at("choices").at(0).at("logprobs").at("content");
   ASSERT_EQ(content.size(), 5u) << r.dump();
   std::string text;
   for (const auto& c : content) {
@@ -199,28 +199,29 @@ TEST_F(LogprobsServer, ChatShapeAndStreamingCarryTheSameLogprobs) {
     EXPECT_DOUBLE_EQ(c["logprob"].get<double>(), c["top_logprobs"][0]["logprob"].get<double>());  // greedy
     EXPECT_GE(c["top_logprobs"][0]["logprob"].get<double>(), c["top_logprobs"][1]["logprob"].get<double>());
   }
-  EXPECT_EQ(text, r["choices"][0]["message"]["content"].get<std::string>());
+  EXPECT_EQ(text, r.at("choices").at(0).at("message").at("content").get<std::string>());
   EXPECT_TRUE(post("/v1/chat/completions", {{"messages", body["messages"]}, {"max_tokens", 1}})["choices"][0]["logprobs"].is_null());
 
   json streamed = json::array();
   for (const auto& e : stream("/v1/chat/completions", body))
-    if (!e["choices"].empty() && e["choices"][0]["logprobs"].is_object())
-      for (const auto& c : e["choices"][0]["logprobs"]["content"]) streamed.push_back(c);
+    if (!e.at("choices").empty() && e["choices"].at(0).at("logprobs").is_object())
+      for (const auto& c : e["choices"][0]["logprobs"].at("content")) streamed.push_back(c);
   EXPECT_EQ(streamed, content);
 
   const json cbody = {{"prompt", "import os\n"}, {"max_tokens", 5}, {"logprobs", 2}, {"echo", true}};
-  const json whole = post("/v1/completions", cbody)["choices"][0]["logprobs"];
+  const json whole = post("/v1/completions", cbody).at("choices").at(0).at("logprobs");
   json tokens = json::array(), values = json::array(), offsets = json::array();
   std::string stream_text;
   for (const auto& e : stream("/v1/completions", cbody)) {
-    if (e["choices"].empty()) continue;
-    stream_text += e["choices"][0]["text"].get<std::string>();
-    const json& lp = e["choices"][0]["logprobs"];
+    if (e.at("choices").empty()) continue;
+    stream_text += e["choices"].at(0).at("text").get<std::string>();
+    const json& lp = e["choices"][0].at("logprobs");
     if (!lp.is_object()) continue;
-    for (size_t i = 0; i < lp["tokens"].size(); ++i) {
+    // at(): a chunk whose arrays disagree in length fails here, by name.
+    for (size_t i = 0; i < lp.at("tokens").size(); ++i) {
       tokens.push_back(lp["tokens"][i]);
-      values.push_back(lp["token_logprobs"][i]);
-      offsets.push_back(lp["text_offset"][i]);
+      values.push_back(lp.at("token_logprobs").at(i));
+      offsets.push_back(lp.at("text_offset").at(i));
     }
   }
   EXPECT_EQ(tokens, whole["tokens"]);
