@@ -12,7 +12,9 @@
 #           (docs/eval.md). Needs no ../shared.
 #   speed   docs/data/speed.tsv: kvtc (local, default settings) against zstd -3,
 #           single thread, same run, at head_dim 64 (the shared KV dump) and
-#           128 (made from it by scripts/make_hd128_dump.py). Needs ../shared.
+#           128 (made from it by scripts/make_hd128_dump.py); and kvtc-calibrated
+#           (the shipped model's default: its calibration and kvtc.settings) at
+#           64. Needs ../shared.
 # Usage: scripts/figures.sh [--build DIR (build)] [main] [corpus] [speed]
 # Other docs' figures (the KV-dump sweep, calibrated tables) come from the
 # commands written in those docs.
@@ -71,6 +73,10 @@ part_speed() {
     [[ $d == 128 ]] && kv=$tmp/kv_dump_hd128.safetensors
     "$build/kvcodec" bench --kv "$kv" --methods kvtc,zstd --threads 1 --no-bound --json > "$tmp/speed$d.json"
   done
+  # The shipped model's default kvtc (its calibration and kvtc.settings), head_dim 64 only.
+  "$build/kvcodec" bench --kv "$dump" --methods kvtc,zstd --threads 1 --no-bound --json \
+    --set kvtc.calibration=models/tinycode/kvtc.kvcal --set kvtc.sinks=4 --set kvtc.window=8 --set kvtc.refine=128 \
+    > "$tmp/speed64cal.json"
   python3 - "$tmp" "$out/speed.tsv" <<'PY'
 import json, sys
 tmp, dst = sys.argv[1:3]
@@ -78,10 +84,10 @@ with open(dst, "w") as f:
     print("# kvcodec bench --methods kvtc,zstd --threads 1 --no-bound (11 interleaved repeats; MB/s of the "
           "dump as f16, best repeat; *_vs_zstd: median same-repeat ratio); head_dim 128: scripts/make_hd128_dump.py", file=f)
     print("head_dim\tmethod\tratio\tencode_mb_per_s\tdecode_mb_per_s\tencode_vs_zstd\tdecode_vs_zstd", file=f)
-    for d in (64, 128):
-        for m in json.load(open(f"{tmp}/speed{d}.json")):
+    for d, run, label in ((64, "64", ""), (128, "128", ""), (64, "64cal", "-calibrated")):
+        for m in json.load(open(f"{tmp}/speed{run}.json")):
             vs = lambda k: f"{m[k]:.3f}" if k in m else "-"
-            print(f"{d}\t{m['method']}\t{m['compression_ratio']:.3f}\t{m['encode_mb_per_s']:.1f}\t"
+            print(f"{d}\t{m['method']}{label if m['method'] == 'kvtc' else ''}\t{m['compression_ratio']:.3f}\t{m['encode_mb_per_s']:.1f}\t"
                   f"{m['decode_mb_per_s']:.1f}\t{vs('encode_vs_zstd')}\t{vs('decode_vs_zstd')}", file=f)
 PY
 }
