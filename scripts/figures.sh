@@ -38,29 +38,30 @@ eval_flags=(--methods "$methods" --context 1024 --score 128 --threads 1 --json)
 
 # eval JSON -> TSV; the ppl change and its se are eval's own (pooled ppl
 # against the baseline's; se of the per-window changes).
-eval_tsv() {  # JSON OUT HEADER_COMMENT
+eval_tsv() {  # JSON OUT WINDOWS HEADER_COMMENT
   python3 - "$@" <<'PY'
 import json, sys
-src, dst, comment = sys.argv[1:4]
+src, dst, windows, comment = sys.argv[1:5]
 with open(dst, "w") as f:
     print(f"# {comment}", file=f)
     print("method\tratio_stored\tratio_held\tppl\tppl_change_pct\tppl_change_se_pct\tkl\ttop1\ttokens_per_s", file=f)
     for m in json.load(open(src)):
+        se = f"{m['ppl_change_se_pct']:.2f}" if int(windows) > 1 else "-"  # no spread from one window
         print(f"{m['method']}\t{m['compression_ratio']:.3f}\t{m['resident_ratio']:.3f}\t{m['ppl']:.4f}\t"
-              f"{m['ppl_change_pct']:+.2f}\t{m['ppl_change_se_pct']:.2f}\t{m['kl']:.4e}\t"
+              f"{m['ppl_change_pct']:+.2f}\t{se}\t{m['kl']:.4e}\t"
               f"{m['top1_agreement']:.4f}\t{m['tokens_per_s']:.1f}", file=f)
 PY
 }
 
 part_main() {
   "$build/kvcodec" eval "${eval_flags[@]}" --windows 1 > "$tmp/main.json"
-  eval_tsv "$tmp/main.json" "$out/main_job.tsv" \
-    "the README's eval: window 0 of the default corpus, context 1024, score 128, --threads 1 (se: one window)"
+  eval_tsv "$tmp/main.json" "$out/main_job.tsv" 1 \
+    "the README's eval: window 0 of the default corpus, context 1024, score 128, --threads 1"
 }
 
 part_corpus() {
   "$build/kvcodec" eval "${eval_flags[@]}" --first-window 0 --windows 9 > "$tmp/corpus.json"
-  eval_tsv "$tmp/corpus.json" "$out/default_corpus.tsv" \
+  eval_tsv "$tmp/corpus.json" "$out/default_corpus.tsv" 9 \
     "windows 0-8 of the default corpus, context 1024, score 128, --threads 1; se: standard error of the per-window ppl change"
 }
 
