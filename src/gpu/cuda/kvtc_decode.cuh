@@ -38,35 +38,40 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     // A valid stream has at most 2 bytes per symbol after the states, so the
     // size fits 32 bits from here on; every failure below is warp-uniform.
     fail = __any_sync(0xffffffffu, st < kVariantRansLow) || size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K);
-    const uint32_t size32 = uint32_t(size);
+    const uint32_t size32 = uint32_t(size), last = size32 - 1;
     uint32_t pos = kStateBytes;
     const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
-    int k = 0, pass = 0;
-    for (int s = 0; s < K * passes && !fail; ++s) {
-      const int t = pass * 32 + lane;
+    // Component-outer loops (one table entry per component, not per step)
+    // and no truncation branch per step: reads are clamped to the stream's
+    // last byte and a stream that ran past its end ends with pos > size,
+    // which the final check reports (pos only grows).
+    for (int k = 0; k < K && !fail; ++k) {
       const uint4 c = __ldg(comp + k);  // the same for every lane
-      int ne = 0;
-      if (t < n) {
-        const uint32_t scale = c.w & 0xffu;
-        const uint32_t slot = st & ((1u << scale) - 1u);
-        const uint32_t* ck = cum + c.x;
-        uint32_t base = guide[c.y + (slot >> (c.w >> 8))];
-        uint32_t lo = ck[base], hi = ck[base + 1];
-        while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
-        st = (hi - lo) * (st >> scale) + slot - lo;
-        ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
-        cs[k * kT + t] = CodeT(base);
+      const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
+      const uint32_t* ck = cum + c.x;
+      const CodeT* gk = guide + c.y;
+#pragma unroll
+      for (int pass = 0; pass < kT / 32; ++pass) {
+        if (pass >= passes) break;
+        const int t = pass * 32 + lane;
+        int ne = 0;
+        if (t < n) {
+          const uint32_t slot = st & mask;
+          uint32_t base = gk[slot >> gshift];
+          uint32_t lo = ck[base], hi = ck[base + 1];
+          while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
+          st = (hi - lo) * (st >> scale) + slot - lo;
+          ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
+          cs[k * kT + t] = CodeT(base);
+        }
+        const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
+        const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
+        pos += __popc(b1) + __popc(b2);
+        if (ne >= 1) {
+          st = st << 8 | data[min(pre, last)];
+          if (ne == 2) st = st << 8 | data[min(pre + 1, last)];
+        }
       }
-      const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
-      const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
-      pos += __popc(b1) + __popc(b2);
-      if (pos > size32) {
-        fail = 1;  // truncated (every lane sees it)
-      } else if (ne >= 1) {
-        st = st << 8 | data[pre];
-        if (ne == 2) st = st << 8 | data[pre + 1];
-      }
-      if (++pass == passes) pass = 0, ++k;
     }
     if (!fail && (pos != size32 || st != kVariantRansLow)) fail = 1;
   }
@@ -305,13 +310,24 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
         w[4 * e + 2] = raw[u][e].z;
         w[4 * e + 3] = raw[u][e].w;
       }
+      // The warp's 32 lanes hold 8 k x 4 tiles (lane = 4 (k % 8) + tile);
+      // at step e a lane stores token tq + (e ^ sw) of its 16, sw = {0, 1,
+      // 8, 9}[tile], so the 4 lanes of one k differ in t % 2 and t % 16 / 8
+      // (a_frag_index's bank is 16 (t % 2) + 4 (k % 4) + 2 (k % 8 / 4) +
+      // t % 16 / 8): 32 distinct banks per store (in plain e order the 4
+      // tiles of a k hit one bank).
+      constexpr int per_word = 4 / int(sizeof(CodeT));
+      constexpr uint32_t code_mask = sizeof(CodeT) == 1 ? 0xffu : 0xffffu;
+      const int tile = tq / 16, sw = (tile & 1) | (tile & 2) << 2;
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
-        // Code e of the 16 (little-endian within the words).
-        constexpr int per_word = 4 / int(sizeof(CodeT));
-        const uint32_t code = (w[e / per_word] >> (8 * int(sizeof(CodeT)) * (e % per_word))) &
-                              (sizeof(CodeT) == 1 ? 0xffu : 0xffffu);
-        vs[a_frag_index(tq + e, k)] = k < K ? to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
+        // Code e ^ sw of the 16 (little-endian within the words): word
+        // (e ^ sw) / per_word = e / per_word ^ sw / per_word, picked from two.
+        const uint32_t word = (sw & 8) ? w[(e / per_word) ^ (8 / per_word)] : w[e / per_word];
+        const int sub = (e % per_word) ^ (sw & 1);
+        const uint32_t code = (word >> (8 * int(sizeof(CodeT)) * sub)) & code_mask;
+        const int tt = e ^ sw;
+        vs[a_frag_index(tq + tt, k)] = k < K ? to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
       }
     }
   }
