@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
 // |v_k b_kd| before the bf16 rounding (bound tested in tests/gpu).
 // Both operands sit in fragment order: the basis in global memory (host
 // side, basis_frag: per (head, k-step of 8, 32 dims) each lane's 8 B
-// registers contiguous, one 32-byte load per lane), the coefficients in
+// registers in two halves of 4, each half of the warp's lanes contiguous:
+// two 512-byte warp loads), the coefficients in
 // shared memory (per (k-step, 16 tokens) each lane's 4 A registers, one
 // conflict-free 16-byte load). The WMMA version (load_matrix_sync, scalar
 // loads) was bound by load instructions: 1.96 ms for the dump batch.
@@ -262,7 +263,10 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
   constexpr int NG = D / 32;       // 32-dim column groups
   constexpr int WM = 8 / NG;       // warps along tokens
   constexpr int MT = kT / 16 / WM; // 16-token tiles per warp
-  constexpr int kOutPad = D + 4;   // row stride of the fp32 output staging
+  // Row stride of the fp32 output staging: rows 8 banks apart, so each
+  // half warp's 64-bit accumulator stores (rows g, columns 2 (l % 4)) hit 32
+  // distinct banks (D + 4 made them collide two ways).
+  constexpr int kOutPad = D + 8;
   float* vs = smem;  // [K8 / 8][4][32 lanes][4]: A in fragment order
   const int K = tb.kept[h];
   const int K8 = (K + 7) / 8 * 8;
@@ -341,11 +345,11 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.0f;
-  const float4* bsrc = reinterpret_cast<const float4*>(tb.basis_frag) + (size_t(h) * (KP / 8) * NG + ng) * 64 + lane * 2;
+  const float4* bsrc = reinterpret_cast<const float4*>(tb.basis_frag) + (size_t(h) * (KP / 8) * NG + ng) * 64 + lane;
   const float4* asrc = reinterpret_cast<const float4*>(vs) + wm * MT * 32 + lane;
 #pragma unroll 2
   for (int ks = 0; ks < K8 / 8; ++ks) {
-    const float4 b01 = __ldg(bsrc + size_t(ks) * NG * 64), b23 = __ldg(bsrc + size_t(ks) * NG * 64 + 1);
+    const float4 b01 = __ldg(bsrc + size_t(ks) * NG * 64), b23 = __ldg(bsrc + size_t(ks) * NG * 64 + 32);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       const float4 a = asrc[(ks * 4 + m) * 32];
@@ -414,14 +418,14 @@ __device__ __forceinline__ void warp_tc_reconstruct(const DeviceTables& tb, int 
   const float* isc = tb.inv_scale + size_t(h) * D;
   const float* off = tb.recon_offset + size_t(h) * KP;
   const float* stp = tb.step + size_t(h) * KP;
-  const float4* frag = reinterpret_cast<const float4*>(tb.basis_frag) + size_t(h) * (KP / 8) * NG * 64 + lane * 2;
+  const float4* frag = reinterpret_cast<const float4*>(tb.basis_frag) + size_t(h) * (KP / 8) * NG * 64 + lane;
   uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
   for (int p = 0; p < D / 32; ++p) {
     const int lo = (p / (RD / 32)) * RD + (p % (RD / 32)) * 16, hi = lo + half;
     // This lane's B registers of tiles [lo, lo+16) and [hi, hi+16): one
     // float4 of its 8 registers in the 32-dim group of each.
-    const float4* blo = frag + (lo / 32) * 64 + (lo % 32) / 16;
-    const float4* bhi = frag + (hi / 32) * 64 + (hi % 32) / 16;
+    const float4* blo = frag + (lo / 32) * 64 + (lo % 32) / 16 * 32;
+    const float4* bhi = frag + (hi / 32) * 64 + (hi % 32) / 16 * 32;
     // One 16-token tile at a time: 16 accumulators, so 3 CTAs of 8 warps
     // fit an SM (the rANS steps are latency-bound and want warps).
     for (int m = 0; m < 4; ++m) {
@@ -516,9 +520,9 @@ __global__ void __launch_bounds__(kProjThreads, 3) decode_fused_kernel(DeviceTab
 }
 
 // Shared memory of reconstruct_tc_kernel: the coefficients (k_pad x kT, in
-// fragment order), then (reused) the fp32 output [kT][D + 4].
+// fragment order), then (reused) the fp32 output [kT][D + 8].
 size_t tc_smem_bytes(int k_pad, int dim) {
-  return std::max(size_t(k_pad) * kT, size_t(kT) * size_t(dim + 4)) * 4;
+  return std::max(size_t(k_pad) * kT, size_t(kT) * size_t(dim + 8)) * 4;
 }
 
 // Shared memory of reconstruct_kernel: the coefficients [k_pad][kTilePad],

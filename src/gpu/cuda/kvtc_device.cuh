@@ -109,6 +109,14 @@ __device__ __forceinline__ void load_f32x8(const float* p, float (&v)[8]) {
   const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
   v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
 }
+// The same from shared memory, the upper 16 bytes loaded first when `upper_first`
+// (store_tokens: spreads a quarter warp's loads over all 32 banks).
+__device__ __forceinline__ void load_f32x8_ordered(const float* p, bool upper_first, float (&v)[8]) {
+  const float4 x = *reinterpret_cast<const float4*>(p + (upper_first ? 4 : 0));
+  const float4 y = *reinterpret_cast<const float4*>(p + (upper_first ? 0 : 4));
+  const float4 a = upper_first ? y : x, b = upper_first ? x : y;
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
 __device__ __forceinline__ void ldg_f32x8(const float* p, float (&v)[8]) {
   const float4 x = __ldg(reinterpret_cast<const float4*>(p)), y = __ldg(reinterpret_cast<const float4*>(p + 4));
   v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
@@ -142,13 +150,14 @@ __device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a,
 }
 
 // Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
-// before the mean; pad = D + 4) as bf16: + mean, * inv_scale, RoPE
+// before the mean; pad = D + 4 or D + 8) as bf16: + mean, * inv_scale, RoPE
 // re-applied on keys of the calibrated format at position tok0 + t_first +
 // t, 16-byte stores. Tokens with skip(t) are left untouched. Item v is one
 // pair group q of token t, ordered so that the 8 lanes of each quarter warp
 // (whose 16-byte shared loads are served together) take pair groups q..q+3
 // of two consecutive tokens: 8 distinct 4-bank groups, no conflict (one
-// token's q and q + 4 hit the same banks).
+// token's q and q + 4 hit the same banks). With pad = D + 8 (rows 8 banks
+// apart) odd tokens load the upper half of their 8 floats first for that.
 template <int D, typename Skip>
 __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, const float* os, int pad, int n,
                                              int64_t t_first, uint16_t* __restrict__ yh, Skip skip) {
@@ -163,8 +172,9 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
     const int lo = pair_group_lo(tb, q), hi = lo + half;
     if (t >= n || skip(t)) continue;
     float a[8], b[8];
-    load_f32x8(os + t * pad + lo, a);
-    load_f32x8(os + t * pad + hi, b);
+    const bool upper_first = pad % 32 == 8 && (t & 1);
+    load_f32x8_ordered(os + t * pad + lo, upper_first, a);
+    load_f32x8_ordered(os + t * pad + hi, upper_first, b);
     float ml[8], mh[8], sl[8], sh[8];
     ldg_f32x8(mean + lo, ml);
     ldg_f32x8(mean + hi, mh);
