@@ -482,8 +482,7 @@ __device__ __forceinline__ void warp_tc_reconstruct(const DeviceTables& tb, int 
               rope_one(va[e], vb[e], __ldg(tb.rope_cos + r), __ldg(tb.rope_sin + r), /*remove=*/false);
             }
           }
-          const uint32_t wl = uint32_t(f32_to_bf16_dev(va[0])) | uint32_t(f32_to_bf16_dev(va[1])) << 16;
-          const uint32_t wh = uint32_t(f32_to_bf16_dev(vb[0])) | uint32_t(f32_to_bf16_dev(vb[1])) << 16;
+          const uint32_t wl = pack_bf16x2(va[0], va[1]), wh = pack_bf16x2(vb[0], vb[1]);
           __stcs(reinterpret_cast<unsigned int*>(yh + size_t(row) * D + dl), wl);
           __stcs(reinterpret_cast<unsigned int*>(yh + size_t(row) * D + dh), wh);
         }

@@ -78,10 +78,22 @@ __device__ __forceinline__ void load_bf16x8(const uint16_t* p, float (&v)[8]) {
   }
 }
 
+// Two values as bf16 (lo in the low half): one hardware round-to-nearest-
+// even conversion (cvt.rn.bf16x2.f32, a third of the integer rounding's
+// instructions), the same bits as f32_to_bf16_dev except for NaN, which
+// takes f32_to_bf16_dev's quiet NaN (the reference's) instead of the
+// canonical one.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t w;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  if (lo != lo || hi != hi) w = uint32_t(f32_to_bf16_dev(lo)) | uint32_t(f32_to_bf16_dev(hi)) << 16;
+  return w;
+}
+
 __device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
   uint32_t w[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) w[e] = uint32_t(f32_to_bf16_dev(v[2 * e])) | uint32_t(f32_to_bf16_dev(v[2 * e + 1])) << 16;
+  for (int e = 0; e < 4; ++e) w[e] = pack_bf16x2(v[2 * e], v[2 * e + 1]);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
