@@ -114,13 +114,15 @@ __device__ __forceinline__ void flag_stream(int64_t stream, bool any, uint8_t* b
 // bucket's symbol boundaries (usually none: >= 4 buckets per symbol). This
 // replaced a binary search of ceil(log2(levels)) dependent shared loads per
 // symbol; the result is the same symbol (the one s with cum[s] <= slot <
-// cum[s+1]), so bytes and codes are unchanged.
-template <typename CodeT>
+// cum[s+1]), so bytes and codes are unchanged. Where the tables sit is a
+// template parameter: with it known, the look-ups compile to shared loads
+// with 32-bit addresses (LDS), not generic 64-bit ones.
+template <typename CodeT, bool kTablesInSmem>
 __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
                                                                       uint64_t in_size,
                                                                       const uint64_t* __restrict__ offsets,
                                                                       int64_t tokens, int64_t nb, int head0,
-                                                                      int64_t groups_per_head, int tables_in_smem,
+                                                                      int64_t groups_per_head,
                                                                       CodeT* __restrict__ codes,
                                                                       uint8_t* __restrict__ bad, int* __restrict__ err) {
   extern __shared__ __align__(16) uint32_t ssm[];
@@ -128,7 +130,7 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
   const int64_t blk = (blockIdx.x % groups_per_head) * kRansWarps + threadIdx.x / 32;
   const uint32_t* cum;
   const CodeT* guide;
-  head_tables(tb, h, tables_in_smem, ssm, cum, guide);
+  head_tables(tb, h, kTablesInSmem ? 1 : 0, ssm, cum, guide);
   if (blk >= nb) return;
   const int64_t stream = int64_t(h) * nb + blk;
   const int64_t t0 = blk * kT;

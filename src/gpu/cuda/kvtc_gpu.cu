@@ -184,8 +184,14 @@ struct KvtcGpuCodec::Impl {
   void launch_rans_decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, int h0,
                           int h1, cudaStream_t s) {
     const int64_t nb = n_blocks(tokens, kT), groups = (nb + kRansWarps - 1) / kRansWarps;
-    rans_decode_kernel<CodeT><<<unsigned(int64_t(h1 - h0) * groups), 32 * kRansWarps, cum_smem, s>>>(
-        dev, in, in_size, offsets, tokens, nb, h0, groups, cum_smem > 0 ? 1 : 0, static_cast<CodeT*>(codes), bad, err);
+    const unsigned grid = unsigned(int64_t(h1 - h0) * groups);
+    CodeT* c = static_cast<CodeT*>(codes);
+    if (cum_smem > 0)
+      rans_decode_kernel<CodeT, true><<<grid, 32 * kRansWarps, cum_smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
+                                                                            groups, c, bad, err);
+    else
+      rans_decode_kernel<CodeT, false><<<grid, 32 * kRansWarps, 0, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
+                                                                      groups, c, bad, err);
     check_cuda(cudaGetLastError(), "rans_decode_kernel launch");
   }
   template <typename CodeT>
