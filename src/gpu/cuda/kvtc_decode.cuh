@@ -45,7 +45,8 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     // and no truncation branch per step: reads are clamped to the stream's
     // last byte and a stream that ran past its end ends with pos > size,
     // which the final check reports (pos only grows).
-    for (int k = 0; k < K && !fail; ++k) {
+    CodeT* out = cs + lane;  // component k's slot of token lane (+32 per pass), kept as a running pointer
+    for (int k = 0; k < K && !fail; ++k, out += kT) {
       const uint4 c = __ldg(comp + k);  // the same for every lane
       const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
       const uint32_t* ck = cum + c.x;
@@ -62,7 +63,7 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
           while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
           st = (hi - lo) * (st >> scale) + slot - lo;
           ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
-          cs[k * kT + t] = CodeT(base);
+          out[pass * 32] = CodeT(base);
         }
         const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
         const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
