@@ -54,23 +54,26 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
 #pragma unroll
       for (int pass = 0; pass < kT / 32; ++pass) {
         if (pass >= passes) break;
-        const int t = pass * 32 + lane;
-        int ne = 0;
-        if (t < n) {
-          const uint32_t slot = st & mask;
-          uint32_t base = gk[slot >> gshift];
-          uint32_t lo = ck[base], hi = ck[base + 1];
-          while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
-          st = (hi - lo) * (st >> scale) + slot - lo;
-          ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
+        // Lanes past n (a ragged last stream) look their unchanged state up
+        // too (in range: slot < 2^scale) and keep it: predicated, no branch.
+        const bool active = pass * 32 + lane < n;
+        const uint32_t slot = st & mask;
+        uint32_t base = gk[slot >> gshift];
+        uint32_t lo = ck[base], hi = ck[base + 1];
+        while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
+        const uint32_t next = (hi - lo) * (st >> scale) + slot - lo;
+        if (active) {
+          st = next;
           out[pass * 32] = CodeT(base);
         }
-        const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
+        // One byte while st < 2^23, a second while st < 2^15 (st << 8 < 2^23).
+        const bool one = active && st < kVariantRansLow, two = active && st < (kVariantRansLow >> 8);
+        const unsigned b1 = __ballot_sync(0xffffffffu, one), b2 = __ballot_sync(0xffffffffu, two);
         const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
         pos += __popc(b1) + __popc(b2);
-        if (ne >= 1) {
+        if (one) {
           st = st << 8 | data[min(pre, last)];
-          if (ne == 2) st = st << 8 | data[min(pre + 1, last)];
+          if (two) st = st << 8 | data[min(pre + 1, last)];
         }
       }
     }
