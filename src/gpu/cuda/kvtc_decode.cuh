@@ -329,15 +329,22 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
       constexpr int per_word = 4 / int(sizeof(CodeT));
       constexpr uint32_t code_mask = sizeof(CodeT) == 1 ? 0xffu : 0xffffu;
       const int tile = tq / 16, sw = (tile & 1) | (tile & 2) << 2;
+      // a_frag_index(tq + tt, k) = base + f(tt), f(tt) = 16 (tt % 8) + tt / 8
+      // and base on other bits, so for tt = e ^ sw it is (base | f(sw)) ^
+      // f(e): one XOR with a constant per code.
+      const int fixed = a_frag_index(tq, k) | ((sw & 1) * 16 + (sw >> 3));
+      // The 16 codes permuted once so that slot e holds code e ^ sw: the 8s
+      // bit of the index swaps the halves of w, its 1s bit neighbouring codes
+      // within each word (one byte permute with a per-lane selector).
+      constexpr int W = 4 * kVec;  // words of 16 codes
+      const uint32_t swap_sel = (sw & 1) ? (sizeof(CodeT) == 1 ? 0x2301u : 0x1032u) : 0x3210u;
+      uint32_t v[W];
+#pragma unroll
+      for (int i = 0; i < W; ++i) v[i] = __byte_perm((sw & 8) ? w[i ^ (W / 2)] : w[i], 0u, swap_sel);
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
-        // Code e ^ sw of the 16 (little-endian within the words): word
-        // (e ^ sw) / per_word = e / per_word ^ sw / per_word, picked from two.
-        const uint32_t word = (sw & 8) ? w[(e / per_word) ^ (8 / per_word)] : w[e / per_word];
-        const int sub = (e % per_word) ^ (sw & 1);
-        const uint32_t code = (word >> (8 * int(sizeof(CodeT)) * sub)) & code_mask;
-        const int tt = e ^ sw;
-        vs[a_frag_index(tq + tt, k)] = k < K ? to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
+        const uint32_t code = (v[e / per_word] >> (8 * int(sizeof(CodeT)) * (e % per_word))) & code_mask;
+        vs[fixed ^ (16 * (e % 8) + e / 8)] = k < K ? to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
       }
     }
   }
