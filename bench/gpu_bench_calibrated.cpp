@@ -3,8 +3,8 @@
 // tokens, RoPE removed at their own positions, tiled along the sequence with
 // a per-row offset and rotated again at their new positions), bf16
 // [S, H * D] per head. Times encode, exact decode, fused TF32 decode and
-// the two-kernel TF32 decode against a device-to-device copy in the same
-// run; checks two heads (layer 0's key and value of row 0) against the CPU
+// the two-kernel TF32 decode (also pipelined over 2, 4 and 8 head ranges)
+// against a device-to-device copy in the same run; checks two heads (layer 0's key and value of row 0) against the CPU
 // reference: bytes, exact reconstruction, TF32 bound. Prints one JSON line.
 // Usage: gpu_bench_calibrated CAL.kvcal KV_DUMP [BATCH=21] [S=16384] [SINKS=4] [WINDOW=128]
 #include <cstdio>
@@ -76,6 +76,20 @@ int main(int argc, char** argv) {
   codec.check_errors();
   std::vector<uint16_t> y_split(elems);
   CK(cudaMemcpy(y_split.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  // The same decode pipelined over head ranges (set_pipeline_chunks: the
+  // rANS decode of range c + 1 beside the reconstruction of range c).
+  std::string piped_json;
+  bool piped_equal = true;
+  for (const int chunks : {2, 4, 8}) {
+    codec.set_pipeline_chunks(chunks);
+    const double ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+    codec.check_errors();
+    std::vector<uint16_t> y_piped(elems);
+    CK(cudaMemcpy(y_piped.data(), dy, bytes, cudaMemcpyDeviceToHost));
+    piped_equal = piped_equal && y_piped == y_split;
+    piped_json += (piped_json.empty() ? "" : ", ") + std::to_string(chunks) + ", " + std::to_string(ms);
+  }
+  codec.set_pipeline_chunks(1);
   codec.set_phase_timing(true);
   codec.decode(dout, total, doff, S, dy);
   const std::vector<double> split_ph = codec.last_phase_ms();
@@ -124,15 +138,17 @@ int main(int argc, char** argv) {
       "\"decode_exact_ms\": %.3f, \"decode_exact_gb_s\": %.1f, \"decode_exact_frac_copy\": %.3f, "
       "\"decode_tc_fused_ms\": %.3f, \"decode_tc_fused_gb_s\": %.1f, \"decode_tc_fused_frac_copy\": %.3f, "
       "\"decode_tc_split_ms\": %.3f, \"decode_tc_split_phases_ms\": [%.3f, %.3f], "
+      "\"decode_tc_split_pipelined_chunks_ms\": [%s], \"pipelined_equals_split\": %s, "
       "\"encode_phases_ms\": [%.3f, %.3f, %.3f], \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s, "
       "\"fused_equals_split\": %s, \"tc_checked_outputs\": %zu, \"tc_outputs_differ\": %zu, "
       "\"tc_bound_violations\": %zu}\n",
       argv[1], L, B, (long long)S, D, sinks, window, bytes, (unsigned long long)total, double(bytes) / double(total),
       bench::rel_mse(x.data(), y.data(), elems), copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms,
       bytes * gbs / dec_ms, copy_ms / dec_ms, dec_tc_ms, bytes * gbs / dec_tc_ms, copy_ms / dec_tc_ms, dec_split_ms,
-      split_ph.size() > 1 ? split_ph[0] : -1.0, split_ph.size() > 1 ? split_ph[1] : -1.0,
+      split_ph.size() > 1 ? split_ph[0] : -1.0, split_ph.size() > 1 ? split_ph[1] : -1.0, piped_json.c_str(),
+      piped_equal ? "true" : "false",
       enc_ph.size() > 2 ? enc_ph[0] : -1.0, enc_ph.size() > 2 ? enc_ph[1] : -1.0, enc_ph.size() > 2 ? enc_ph[2] : -1.0,
       bytes_equal ? "true" : "false", recon_equal ? "true" : "false", fused_equals_split ? "true" : "false",
       y2_tc.size(), tc_diff, tc_viol);
-  return bytes_equal && recon_equal && fused_equals_split && tc_viol == 0 ? 0 : 2;
+  return bytes_equal && recon_equal && fused_equals_split && piped_equal && tc_viol == 0 ? 0 : 2;
 }

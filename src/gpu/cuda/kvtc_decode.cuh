@@ -38,35 +38,44 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     // A valid stream has at most 2 bytes per symbol after the states, so the
     // size fits 32 bits from here on; every failure below is warp-uniform.
     fail = __any_sync(0xffffffffu, st < kVariantRansLow) || size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K);
-    const uint32_t size32 = uint32_t(size);
+    const uint32_t size32 = uint32_t(size), last = size32 - 1;
     uint32_t pos = kStateBytes;
     const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
-    int k = 0, pass = 0;
-    for (int s = 0; s < K * passes && !fail; ++s) {
-      const int t = pass * 32 + lane;
+    // Component-outer loops (one table entry per component, not per step)
+    // and no truncation branch per step: reads are clamped to the stream's
+    // last byte and a stream that ran past its end ends with pos > size,
+    // which the final check reports (pos only grows).
+    CodeT* out = cs + lane;  // component k's slot of token lane (+32 per pass), kept as a running pointer
+    for (int k = 0; k < K && !fail; ++k, out += kT) {
       const uint4 c = __ldg(comp + k);  // the same for every lane
-      int ne = 0;
-      if (t < n) {
-        const uint32_t scale = c.w & 0xffu;
-        const uint32_t slot = st & ((1u << scale) - 1u);
-        const uint32_t* ck = cum + c.x;
-        uint32_t base = guide[c.y + (slot >> (c.w >> 8))];
+      const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
+      const uint32_t* ck = cum + c.x;
+      const CodeT* gk = guide + c.y;
+#pragma unroll
+      for (int pass = 0; pass < kT / 32; ++pass) {
+        if (pass >= passes) break;
+        // Lanes past n (a ragged last stream) look their unchanged state up
+        // too (in range: slot < 2^scale) and keep it: predicated, no branch.
+        const bool active = pass * 32 + lane < n;
+        const uint32_t slot = st & mask;
+        uint32_t base = gk[slot >> gshift];
         uint32_t lo = ck[base], hi = ck[base + 1];
         while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
-        st = (hi - lo) * (st >> scale) + slot - lo;
-        ne = st >= kVariantRansLow ? 0 : ((st << 8) >= kVariantRansLow ? 1 : 2);
-        cs[k * kT + t] = CodeT(base);
+        const uint32_t next = (hi - lo) * (st >> scale) + slot - lo;
+        if (active) {
+          st = next;
+          out[pass * 32] = CodeT(base);
+        }
+        // One byte while st < 2^23, a second while st < 2^15 (st << 8 < 2^23).
+        const bool one = active && st < kVariantRansLow, two = active && st < (kVariantRansLow >> 8);
+        const unsigned b1 = __ballot_sync(0xffffffffu, one), b2 = __ballot_sync(0xffffffffu, two);
+        const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
+        pos += __popc(b1) + __popc(b2);
+        if (one) {
+          st = st << 8 | data[min(pre, last)];
+          if (two) st = st << 8 | data[min(pre + 1, last)];
+        }
       }
-      const unsigned b1 = __ballot_sync(0xffffffffu, ne >= 1), b2 = __ballot_sync(0xffffffffu, ne >= 2);
-      const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
-      pos += __popc(b1) + __popc(b2);
-      if (pos > size32) {
-        fail = 1;  // truncated (every lane sees it)
-      } else if (ne >= 1) {
-        st = st << 8 | data[pre];
-        if (ne == 2) st = st << 8 | data[pre + 1];
-      }
-      if (++pass == passes) pass = 0, ++k;
     }
     if (!fail && (pos != size32 || st != kVariantRansLow)) fail = 1;
   }
@@ -109,13 +118,15 @@ __device__ __forceinline__ void flag_stream(int64_t stream, bool any, uint8_t* b
 // bucket's symbol boundaries (usually none: >= 4 buckets per symbol). This
 // replaced a binary search of ceil(log2(levels)) dependent shared loads per
 // symbol; the result is the same symbol (the one s with cum[s] <= slot <
-// cum[s+1]), so bytes and codes are unchanged.
-template <typename CodeT>
+// cum[s+1]), so bytes and codes are unchanged. Where the tables sit is a
+// template parameter: with it known, the look-ups compile to shared loads
+// with 32-bit addresses (LDS), not generic 64-bit ones.
+template <typename CodeT, bool kTablesInSmem>
 __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTables tb, const uint8_t* __restrict__ in,
                                                                       uint64_t in_size,
                                                                       const uint64_t* __restrict__ offsets,
                                                                       int64_t tokens, int64_t nb, int head0,
-                                                                      int64_t groups_per_head, int tables_in_smem,
+                                                                      int64_t groups_per_head,
                                                                       CodeT* __restrict__ codes,
                                                                       uint8_t* __restrict__ bad, int* __restrict__ err) {
   extern __shared__ __align__(16) uint32_t ssm[];
@@ -123,7 +134,7 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_decode_kernel(DeviceTabl
   const int64_t blk = (blockIdx.x % groups_per_head) * kRansWarps + threadIdx.x / 32;
   const uint32_t* cum;
   const CodeT* guide;
-  head_tables(tb, h, tables_in_smem, ssm, cum, guide);
+  head_tables(tb, h, kTablesInSmem ? 1 : 0, ssm, cum, guide);
   if (blk >= nb) return;
   const int64_t stream = int64_t(h) * nb + blk;
   const int64_t t0 = blk * kT;
@@ -221,7 +232,8 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
 // |v_k b_kd| before the bf16 rounding (bound tested in tests/gpu).
 // Both operands sit in fragment order: the basis in global memory (host
 // side, basis_frag: per (head, k-step of 8, 32 dims) each lane's 8 B
-// registers contiguous, one 32-byte load per lane), the coefficients in
+// registers in two halves of 4, each half of the warp's lanes contiguous:
+// two 512-byte warp loads), the coefficients in
 // shared memory (per (k-step, 16 tokens) each lane's 4 A registers, one
 // conflict-free 16-byte load). The WMMA version (load_matrix_sync, scalar
 // loads) was bound by load instructions: 1.96 ms for the dump batch.
@@ -257,7 +269,10 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
   constexpr int NG = D / 32;       // 32-dim column groups
   constexpr int WM = 8 / NG;       // warps along tokens
   constexpr int MT = kT / 16 / WM; // 16-token tiles per warp
-  constexpr int kOutPad = D + 4;   // row stride of the fp32 output staging
+  // Row stride of the fp32 output staging: rows 8 banks apart, so each
+  // half warp's 64-bit accumulator stores (rows g, columns 2 (l % 4)) hit 32
+  // distinct banks (D + 4 made them collide two ways).
+  constexpr int kOutPad = D + 8;
   float* vs = smem;  // [K8 / 8][4][32 lanes][4]: A in fragment order
   const int K = tb.kept[h];
   const int K8 = (K + 7) / 8 * 8;
@@ -305,13 +320,31 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
         w[4 * e + 2] = raw[u][e].z;
         w[4 * e + 3] = raw[u][e].w;
       }
+      // The warp's 32 lanes hold 8 k x 4 tiles (lane = 4 (k % 8) + tile);
+      // at step e a lane stores token tq + (e ^ sw) of its 16, sw = {0, 1,
+      // 8, 9}[tile], so the 4 lanes of one k differ in t % 2 and t % 16 / 8
+      // (a_frag_index's bank is 16 (t % 2) + 4 (k % 4) + 2 (k % 8 / 4) +
+      // t % 16 / 8): 32 distinct banks per store (in plain e order the 4
+      // tiles of a k hit one bank).
+      constexpr int per_word = 4 / int(sizeof(CodeT));
+      constexpr uint32_t code_mask = sizeof(CodeT) == 1 ? 0xffu : 0xffffu;
+      const int tile = tq / 16, sw = (tile & 1) | (tile & 2) << 2;
+      // a_frag_index(tq + tt, k) = base + f(tt), f(tt) = 16 (tt % 8) + tt / 8
+      // and base on other bits, so for tt = e ^ sw it is (base | f(sw)) ^
+      // f(e): one XOR with a constant per code.
+      const int fixed = a_frag_index(tq, k) | ((sw & 1) * 16 + (sw >> 3));
+      // The 16 codes permuted once so that slot e holds code e ^ sw: the 8s
+      // bit of the index swaps the halves of w, its 1s bit neighbouring codes
+      // within each word (one byte permute with a per-lane selector).
+      constexpr int W = 4 * kVec;  // words of 16 codes
+      const uint32_t swap_sel = (sw & 1) ? (sizeof(CodeT) == 1 ? 0x2301u : 0x1032u) : 0x3210u;
+      uint32_t v[W];
+#pragma unroll
+      for (int i = 0; i < W; ++i) v[i] = __byte_perm((sw & 8) ? w[i ^ (W / 2)] : w[i], 0u, swap_sel);
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
-        // Code e of the 16 (little-endian within the words).
-        constexpr int per_word = 4 / int(sizeof(CodeT));
-        const uint32_t code = (w[e / per_word] >> (8 * int(sizeof(CodeT)) * (e % per_word))) &
-                              (sizeof(CodeT) == 1 ? 0xffu : 0xffffu);
-        vs[a_frag_index(tq + e, k)] = k < K ? to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
+        const uint32_t code = (v[e / per_word] >> (8 * int(sizeof(CodeT)) * (e % per_word))) & code_mask;
+        vs[fixed ^ (16 * (e % 8) + e / 8)] = k < K ? to_tf32(__fmul_rn(__fsub_rn(float(code), off[u]), stp[u])) : 0.0f;
       }
     }
   }
@@ -325,11 +358,11 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.0f;
-  const float4* bsrc = reinterpret_cast<const float4*>(tb.basis_frag) + (size_t(h) * (KP / 8) * NG + ng) * 64 + lane * 2;
+  const float4* bsrc = reinterpret_cast<const float4*>(tb.basis_frag) + (size_t(h) * (KP / 8) * NG + ng) * 64 + lane;
   const float4* asrc = reinterpret_cast<const float4*>(vs) + wm * MT * 32 + lane;
 #pragma unroll 2
   for (int ks = 0; ks < K8 / 8; ++ks) {
-    const float4 b01 = __ldg(bsrc + size_t(ks) * NG * 64), b23 = __ldg(bsrc + size_t(ks) * NG * 64 + 1);
+    const float4 b01 = __ldg(bsrc + size_t(ks) * NG * 64), b23 = __ldg(bsrc + size_t(ks) * NG * 64 + 32);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       const float4 a = asrc[(ks * 4 + m) * 32];
@@ -398,14 +431,14 @@ __device__ __forceinline__ void warp_tc_reconstruct(const DeviceTables& tb, int 
   const float* isc = tb.inv_scale + size_t(h) * D;
   const float* off = tb.recon_offset + size_t(h) * KP;
   const float* stp = tb.step + size_t(h) * KP;
-  const float4* frag = reinterpret_cast<const float4*>(tb.basis_frag) + size_t(h) * (KP / 8) * NG * 64 + lane * 2;
+  const float4* frag = reinterpret_cast<const float4*>(tb.basis_frag) + size_t(h) * (KP / 8) * NG * 64 + lane;
   uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
   for (int p = 0; p < D / 32; ++p) {
     const int lo = (p / (RD / 32)) * RD + (p % (RD / 32)) * 16, hi = lo + half;
     // This lane's B registers of tiles [lo, lo+16) and [hi, hi+16): one
     // float4 of its 8 registers in the 32-dim group of each.
-    const float4* blo = frag + (lo / 32) * 64 + (lo % 32) / 16;
-    const float4* bhi = frag + (hi / 32) * 64 + (hi % 32) / 16;
+    const float4* blo = frag + (lo / 32) * 64 + (lo % 32) / 16 * 32;
+    const float4* bhi = frag + (hi / 32) * 64 + (hi % 32) / 16 * 32;
     // One 16-token tile at a time: 16 accumulators, so 3 CTAs of 8 warps
     // fit an SM (the rANS steps are latency-bound and want warps).
     for (int m = 0; m < 4; ++m) {
@@ -462,8 +495,7 @@ __device__ __forceinline__ void warp_tc_reconstruct(const DeviceTables& tb, int 
               rope_one(va[e], vb[e], __ldg(tb.rope_cos + r), __ldg(tb.rope_sin + r), /*remove=*/false);
             }
           }
-          const uint32_t wl = uint32_t(f32_to_bf16_dev(va[0])) | uint32_t(f32_to_bf16_dev(va[1])) << 16;
-          const uint32_t wh = uint32_t(f32_to_bf16_dev(vb[0])) | uint32_t(f32_to_bf16_dev(vb[1])) << 16;
+          const uint32_t wl = pack_bf16x2(va[0], va[1]), wh = pack_bf16x2(vb[0], vb[1]);
           __stcs(reinterpret_cast<unsigned int*>(yh + size_t(row) * D + dl), wl);
           __stcs(reinterpret_cast<unsigned int*>(yh + size_t(row) * D + dh), wh);
         }
@@ -500,9 +532,9 @@ __global__ void __launch_bounds__(kProjThreads, 3) decode_fused_kernel(DeviceTab
 }
 
 // Shared memory of reconstruct_tc_kernel: the coefficients (k_pad x kT, in
-// fragment order), then (reused) the fp32 output [kT][D + 4].
+// fragment order), then (reused) the fp32 output [kT][D + 8].
 size_t tc_smem_bytes(int k_pad, int dim) {
-  return std::max(size_t(k_pad) * kT, size_t(kT) * size_t(dim + 4)) * 4;
+  return std::max(size_t(k_pad) * kT, size_t(kT) * size_t(dim + 8)) * 4;
 }
 
 // Shared memory of reconstruct_kernel: the coefficients [k_pad][kTilePad],

@@ -78,10 +78,22 @@ __device__ __forceinline__ void load_bf16x8(const uint16_t* p, float (&v)[8]) {
   }
 }
 
+// Two values as bf16 (lo in the low half): one hardware round-to-nearest-
+// even conversion (cvt.rn.bf16x2.f32, a third of the integer rounding's
+// instructions), the same bits as f32_to_bf16_dev except for NaN, which
+// takes f32_to_bf16_dev's quiet NaN (the reference's) instead of the
+// canonical one.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t w;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  if (lo != lo || hi != hi) w = uint32_t(f32_to_bf16_dev(lo)) | uint32_t(f32_to_bf16_dev(hi)) << 16;
+  return w;
+}
+
 __device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
   uint32_t w[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) w[e] = uint32_t(f32_to_bf16_dev(v[2 * e])) | uint32_t(f32_to_bf16_dev(v[2 * e + 1])) << 16;
+  for (int e = 0; e < 4; ++e) w[e] = pack_bf16x2(v[2 * e], v[2 * e + 1]);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
@@ -104,24 +116,36 @@ __device__ __forceinline__ void rope_one(float& a, float& b, float c, float s, b
   }
 }
 
-// RoPE on 8 pairs at `position`, frequencies i0..i0+7.
-__device__ __forceinline__ void rope_pairs(const DeviceTables& tb, int64_t position, int i0, bool remove,
-                                           float (&a)[8], float (&b)[8]) {
-  const int half = tb.rope_dim / 2;
-  const float* c = tb.rope_cos + size_t(position) * half + i0;
-  const float* sn = tb.rope_sin + size_t(position) * half + i0;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) rope_one(a[e], b[e], __ldg(c + e), __ldg(sn + e), remove);
-}
-
 // 8 floats from 16-byte aligned shared (load) or read-only global (ldg) memory.
 __device__ __forceinline__ void load_f32x8(const float* p, float (&v)[8]) {
   const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
   v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
 }
+// The same from shared memory, the upper 16 bytes loaded first when `upper_first`
+// (store_tokens: spreads a quarter warp's loads over all 32 banks).
+__device__ __forceinline__ void load_f32x8_ordered(const float* p, bool upper_first, float (&v)[8]) {
+  const float4 x = *reinterpret_cast<const float4*>(p + (upper_first ? 4 : 0));
+  const float4 y = *reinterpret_cast<const float4*>(p + (upper_first ? 0 : 4));
+  const float4 a = upper_first ? y : x, b = upper_first ? x : y;
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
 __device__ __forceinline__ void ldg_f32x8(const float* p, float (&v)[8]) {
   const float4 x = __ldg(reinterpret_cast<const float4*>(p)), y = __ldg(reinterpret_cast<const float4*>(p + 4));
   v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+}
+
+// RoPE on 8 pairs at `position`, frequencies i0..i0+7 (i0 a multiple of 8:
+// the table rows are rope_dim / 2 floats, a multiple of 16, so the 8 cos and
+// 8 sin are two 16-byte loads each; scalar loads cost the decode's store
+// phase 3x the L1 wavefronts).
+__device__ __forceinline__ void rope_pairs(const DeviceTables& tb, int64_t position, int i0, bool remove,
+                                           float (&a)[8], float (&b)[8]) {
+  const int half = tb.rope_dim / 2;
+  float c[8], sn[8];
+  ldg_f32x8(tb.rope_cos + size_t(position) * half + i0, c);
+  ldg_f32x8(tb.rope_sin + size_t(position) * half + i0, sn);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) rope_one(a[e], b[e], c[e], sn[e], remove);
 }
 
 // acc[i][j] += a[i] * b[j] (fp32 fma, the variant's order) for the 8 values
@@ -138,9 +162,14 @@ __device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a,
 }
 
 // Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
-// before the mean) as bf16: + mean, * inv_scale, RoPE re-applied on keys of
-// the calibrated format at position tok0 + t_first + t, 16-byte stores.
-// Tokens with skip(t) are left untouched.
+// before the mean; pad = D + 4 or D + 8) as bf16: + mean, * inv_scale, RoPE
+// re-applied on keys of the calibrated format at position tok0 + t_first +
+// t, 16-byte stores. Tokens with skip(t) are left untouched. Item v is one
+// pair group q of token t, ordered so that the 8 lanes of each quarter warp
+// (whose 16-byte shared loads are served together) take pair groups q..q+3
+// of two consecutive tokens: 8 distinct 4-bank groups, no conflict (one
+// token's q and q + 4 hit the same banks). With pad = D + 8 (rows 8 banks
+// apart) odd tokens load the upper half of their 8 floats first for that.
 template <int D, typename Skip>
 __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, const float* os, int pad, int n,
                                              int64_t t_first, uint16_t* __restrict__ yh, Skip skip) {
@@ -148,12 +177,16 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
   const float* isc = tb.inv_scale + size_t(h) * D;
   const bool rope = tb.rope[h] != 0;
   const int half = tb.rope_dim / 2;
-  for (int v = threadIdx.x; v < n * (D / 16); v += blockDim.x) {
-    const int t = v / (D / 16), lo = pair_group_lo(tb, v % (D / 16)), hi = lo + half;
-    if (skip(t)) continue;
+  constexpr int QP = D / 16;  // pair groups per token
+  for (int v = threadIdx.x; v < (n + 1) / 2 * 2 * QP; v += blockDim.x) {
+    const int r = v % (2 * QP);
+    const int t = 2 * (v / (2 * QP)) + ((r / 4) & 1), q = r % 4 + 4 * (r / 8);
+    const int lo = pair_group_lo(tb, q), hi = lo + half;
+    if (t >= n || skip(t)) continue;
     float a[8], b[8];
-    load_f32x8(os + t * pad + lo, a);
-    load_f32x8(os + t * pad + hi, b);
+    const bool upper_first = pad % 32 == 8 && (t & 1);
+    load_f32x8_ordered(os + t * pad + lo, upper_first, a);
+    load_f32x8_ordered(os + t * pad + hi, upper_first, b);
     float ml[8], mh[8], sl[8], sh[8];
     ldg_f32x8(mean + lo, ml);
     ldg_f32x8(mean + hi, mh);

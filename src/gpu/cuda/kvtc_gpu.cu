@@ -184,8 +184,14 @@ struct KvtcGpuCodec::Impl {
   void launch_rans_decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, int h0,
                           int h1, cudaStream_t s) {
     const int64_t nb = n_blocks(tokens, kT), groups = (nb + kRansWarps - 1) / kRansWarps;
-    rans_decode_kernel<CodeT><<<unsigned(int64_t(h1 - h0) * groups), 32 * kRansWarps, cum_smem, s>>>(
-        dev, in, in_size, offsets, tokens, nb, h0, groups, cum_smem > 0 ? 1 : 0, static_cast<CodeT*>(codes), bad, err);
+    const unsigned grid = unsigned(int64_t(h1 - h0) * groups);
+    CodeT* c = static_cast<CodeT*>(codes);
+    if (cum_smem > 0)
+      rans_decode_kernel<CodeT, true><<<grid, 32 * kRansWarps, cum_smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
+                                                                            groups, c, bad, err);
+    else
+      rans_decode_kernel<CodeT, false><<<grid, 32 * kRansWarps, 0, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
+                                                                      groups, c, bad, err);
     check_cuda(cudaGetLastError(), "rans_decode_kernel launch");
   }
   template <typename CodeT>
@@ -320,9 +326,12 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   {
     // B operand of the tensor-core reconstruction: the basis rounded to
     // nearest TF32 (ties away, as cvt.rna.tf32.f32), laid out per (head,
-    // k-step of 8, group of 32 dims) as 32 lanes x 8 registers: lane l holds
-    // for its four 8-dim tiles i the m16n8k8 B registers (k = 8ks + l%4 + 4r,
-    // n = 32g + 8i + l/4), r = 0, 1, at index 2i + r.
+    // k-step of 8, group of 32 dims) as 2 halves x 32 lanes x 4 registers:
+    // lane l's 8 registers are, for its four 8-dim tiles i, the m16n8k8 B
+    // registers (k = 8ks + l%4 + 4r, n = 32g + 8i + l/4), r = 0, 1, register
+    // j = 2i + r in half j / 4 at j % 4. A warp's 16-byte load of one half
+    // is 512 contiguous bytes (lane-contiguous 32-byte pairs made each load
+    // use half of every sector).
     const int D = f.dim, KP = f.k_pad;
     std::vector<float> frag(f.basis.size());
     for (int h = 0; h < f.n_heads; ++h)
@@ -335,9 +344,8 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
               uint32_t u;
               std::memcpy(&u, &f.basis[(size_t(h) * KP + size_t(k)) * D + size_t(d)], 4);
               if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
-              std::memcpy(&frag[((((size_t(h) * (KP / 8) + size_t(ks)) * (D / 32) + size_t(g)) * 32 + size_t(l)) * 8) +
-                                size_t(j)],
-                          &u, 4);
+              const size_t group = (size_t(h) * (KP / 8) + size_t(ks)) * (D / 32) + size_t(g);
+              std::memcpy(&frag[((group * 2 + size_t(j / 4)) * 32 + size_t(l)) * 4 + size_t(j % 4)], &u, 4);
             }
     m.dev.basis_frag = upload(frag, m.owned);
   }
