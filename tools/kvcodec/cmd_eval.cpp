@@ -34,6 +34,7 @@ struct EvalArgs {
   std::string baseline = "fp16";
   std::vector<std::string> sets;
   model::EvalOptions options;
+  std::string protocol = "streaming";
   bool json = false;
   int threads = 0;
 };
@@ -168,7 +169,9 @@ void run(const EvalArgs& a) {
   std::printf("%s; %lld windows of %lld from %lld of %s; %s; baseline %s\n", dir.c_str(), (long long)o.windows,
               (long long)o.window_length, (long long)o.first_window, corpus.source.c_str(),
               o.whole_window ? fmt::format("whole window ({} predictions each)", o.window_length - 1).c_str()
-                             : fmt::format("context {}, score {}", o.context, o.score).c_str(),
+              : o.stored_prefix
+                  ? fmt::format("stored prefix of {} tokens, score {}", o.context - 1, o.score).c_str()
+                  : fmt::format("context {}, score {}", o.context, o.score).c_str(),
               a.baseline.c_str());
   for (const std::string& note : notes) std::printf("%s\n", note.c_str());
   // held: f16 / bytes held in memory (shared calibration apart), beside the stored ratio.
@@ -204,11 +207,19 @@ void register_eval(CLI::App& app) {
   cmd->add_option("--window-length", args->options.window_length, "Tokens per window (default 2048 with --tokens, context + score with text)");
   cmd->add_flag("--whole-window", args->options.whole_window,
                 "Score every position of each window from one prefill through the cache (W-1 predictions)");
+  cmd->add_option("--protocol", args->protocol,
+                  "streaming: the context and scored tokens go through the method's caches; prefix: the first "
+                  "context-1 tokens are stored by the method as a whole (ratio of the stored prefix), the scored "
+                  "tokens run on top in baseline caches (docs/eval.md)")
+      ->capture_default_str();
   cmd->add_option("--set", args->sets, "Method setting <method>.<field>=<value> (repeatable)");
   cmd->add_flag("--json", args->json, "One JSON array on stdout");
   cmd->add_option("--threads", args->threads, "OpenMP threads (0: the cores not busy now, from the load average)")->capture_default_str();
   cmd->callback([args, cmd] {
     args->window_length_given = cmd->count("--window-length") > 0;
+    if (args->protocol != "streaming" && args->protocol != "prefix")
+      throw_config_error("--protocol", args->protocol, "streaming or prefix");
+    args->options.stored_prefix = args->protocol == "prefix";
     if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: automatic)");
     omp_set_num_threads(args->threads > 0 ? args->threads : model::auto_thread_count());
     run(*args);

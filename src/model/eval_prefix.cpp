@@ -1,0 +1,51 @@
+#include "model/eval_prefix.hpp"
+
+#include <memory>
+#include <string>
+
+#include "kvcodec/error.hpp"
+
+namespace kvcodec::model {
+
+namespace {
+
+CacheConfig layer_config(const ModelConfig& c, int layer) {
+  CacheConfig cc;
+  cc.layer = layer;
+  cc.n_layers = c.n_layers;
+  cc.n_kv_heads = c.n_kv_heads;
+  cc.head_dim = c.head_dim;
+  cc.rope_theta = c.rope_theta;
+  return cc;
+}
+
+}  // namespace
+
+PrefixCoder per_layer_prefix_coder(CacheFactory factory) {
+  return [factory = std::move(factory)](const ModelConfig& c, const std::vector<KVPair>& prefix) {
+    if (prefix.size() != size_t(c.n_layers))
+      throw Error(ErrorCode::kShapeMismatch, "stored prefix: " + std::to_string(prefix.size()) + " layers, model has " +
+                                                 std::to_string(c.n_layers));
+    StoredPrefix out;
+    for (int l = 0; l < c.n_layers; ++l) {
+      std::unique_ptr<KVCache> cache = factory(layer_config(c, l));
+      cache->append(prefix[size_t(l)].keys.view(), prefix[size_t(l)].values.view());
+      out.stats += cache->stats();
+      out.restored.push_back(cache->fetch(DType::kF32));
+    }
+    return out;
+  };
+}
+
+CacheFactory prefilled_factory(CacheFactory factory, std::shared_ptr<const std::vector<KVPair>> restored) {
+  return [factory = std::move(factory), restored = std::move(restored)](const CacheConfig& cc) {
+    if (cc.layer < 0 || size_t(cc.layer) >= restored->size())
+      throw Error(ErrorCode::kInternal, "stored prefix: no restored layer " + std::to_string(cc.layer));
+    std::unique_ptr<KVCache> cache = factory(cc);
+    const KVPair& kv = (*restored)[size_t(cc.layer)];
+    cache->append(kv.keys.view(), kv.values.view());
+    return cache;
+  };
+}
+
+}  // namespace kvcodec::model
