@@ -12,6 +12,7 @@
 #include <functional>
 #include <vector>
 
+#include "cache/kvtc_calibrated.hpp"
 #include "kvcodec/cache.hpp"
 #include "model/llama.hpp"
 
@@ -34,6 +35,13 @@ using PrefixCoder = std::function<StoredPrefix(const ModelConfig& config, const 
 // sinks), stored bytes = that cache's compressed bytes (everything it holds),
 // restored = its fetch().
 PrefixCoder per_layer_prefix_coder(CacheFactory factory);
+
+// The cross-layer store (cache/kvtc_crosslayer.hpp): all but `sinks` tokens
+// coded across layers in blocks of `block`; stored bytes = the two streams
+// (header, raw sinks, block sizes, payloads), restored from those bytes. The
+// calibration's held bytes are reported apart (stats.shared). Throws Error(kShapeMismatch) at the first
+// prefix when the calibration does not fit the model.
+PrefixCoder cross_layer_prefix_coder(std::shared_ptr<const KvtcCalibration> calibration, int sinks, int block = 64);
 
 // Caches of `factory`, one per layer, each first appended `restored[layer]`:
 // what the scored tokens run on top of.

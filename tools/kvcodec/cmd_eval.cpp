@@ -14,6 +14,7 @@
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "cache/kvtc_crosslayer.hpp"
 #include "model/calibrate.hpp"
 #include "model/corpus.hpp"
 #include "model/eval.hpp"
@@ -97,6 +98,34 @@ Corpus read_corpus(const EvalArgs& a, const std::string& dir, model::EvalOptions
                                 c.content_hash)};
 }
 
+// xkvtc: the cross-layer kvtc store of stored prefixes (docs/calibrated.md),
+// fields calibration=FILE (from kvcodec calibrate --cross-layer), sinks [4],
+// block [64].
+model::MethodSpec cross_layer_spec(const std::string& name, const Settings& settings, const model::EvalOptions& o,
+                                   const model::ModelConfig& config) {
+  if (!o.stored_prefix) throw_config_error("--methods", name, "xkvtc with --protocol prefix (it stores whole prefixes)");
+  auto int_field = [&](const char* field, int fallback, int lo) {
+    if (!settings.count(field)) return fallback;
+    const std::string& v = settings.at(field);
+    char* end = nullptr;
+    const long x = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || x < lo || x > 1 << 20)
+      throw_config_error(std::string("xkvtc.") + field, v, "an integer >= " + std::to_string(lo));
+    return int(x);
+  };
+  for (const auto& [field, value] : settings)
+    if (field != "calibration" && field != "sinks" && field != "block")
+      throw_config_error("xkvtc." + field, value, "one of calibration, sinks, block");
+  if (!settings.count("calibration"))
+    throw_config_error("xkvtc.calibration", "(unset)", "a cross-layer calibration file (kvcodec calibrate --cross-layer)");
+  auto cal = KvtcCalibration::load_shared(settings.at("calibration"));
+  check_cross_layer_calibration(*cal, config.n_layers, config.n_kv_heads, config.head_dim, config.rope_theta,
+                                settings.at("calibration"));
+  model::MethodSpec s{name, model::method_cache_factory("fp16")};
+  s.prefix_coder = model::cross_layer_prefix_coder(cal, int_field("sinks", 4, 0), int_field("block", 64, 1));
+  return s;
+}
+
 void run(const EvalArgs& a) {
   const std::string dir = a.model_dir.empty() ? model::default_model_dir() : a.model_dir;
   const model::LlamaModel m = model::LlamaModel::load(dir);
@@ -124,6 +153,7 @@ void run(const EvalArgs& a) {
     Settings settings = settings_for_method(a.sets, base);
     if (colon != std::string::npos)
       for (const auto& [field, value] : settings_for_method(a.sets, name)) settings[field] = value;
+    if (base == "xkvtc") return cross_layer_spec(name, settings, options, m.config());
     if (Settings with = model::with_model_defaults(dir, base, settings); with != settings) {
       std::string used;
       for (const auto& [field, value] : with)
