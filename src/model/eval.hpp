@@ -20,9 +20,13 @@
 // context - 1 tokens are prefilled through the BASELINE's caches (exact), and
 // their keys and values, every layer at once, go through the method's
 // PrefixCoder (as a prefix store stores a prompt); the scored tokens, from
-// token context - 1 on (so the same `score` targets as above), then run one
-// decode step at a time on top of the restored prefix in baseline caches.
-// The ratio is the prefix's f16 bytes over every byte stored for it.
+// token context - 1 on (so the same `score` targets as above), then run on
+// top of the restored prefix in baseline caches, as one forward pass with
+// logits at every position (baseline caches hold them as given, so this
+// equals decoding them one at a time up to float summation order). The
+// ratio is the prefix's f16 bytes over every byte stored for it; tokens/s
+// counts the scored tokens over the time spent storing, restoring and
+// scoring.
 #pragma once
 
 #include <cstdint>
