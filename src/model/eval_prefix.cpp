@@ -8,20 +8,6 @@
 
 namespace kvcodec::model {
 
-namespace {
-
-CacheConfig layer_config(const ModelConfig& c, int layer) {
-  CacheConfig cc;
-  cc.layer = layer;
-  cc.n_layers = c.n_layers;
-  cc.n_kv_heads = c.n_kv_heads;
-  cc.head_dim = c.head_dim;
-  cc.rope_theta = c.rope_theta;
-  return cc;
-}
-
-}  // namespace
-
 PrefixCoder per_layer_prefix_coder(CacheFactory factory) {
   return [factory = std::move(factory)](const ModelConfig& c, const std::vector<KVPair>& prefix) {
     if (prefix.size() != size_t(c.n_layers))
@@ -29,7 +15,7 @@ PrefixCoder per_layer_prefix_coder(CacheFactory factory) {
                                                  std::to_string(c.n_layers));
     StoredPrefix out;
     for (int l = 0; l < c.n_layers; ++l) {
-      std::unique_ptr<KVCache> cache = factory(layer_config(c, l));
+      std::unique_ptr<KVCache> cache = factory(layer_cache_config(c, l));
       cache->append(prefix[size_t(l)].keys.view(), prefix[size_t(l)].values.view());
       out.stats += cache->stats();
       out.restored.push_back(cache->fetch(DType::kF32));

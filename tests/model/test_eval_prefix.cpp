@@ -16,12 +16,7 @@ namespace {
 using testing::RawF32Cache;
 using testing::raw_factory;
 
-std::vector<int32_t> random_tokens(int64_t n, int vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(rng() % uint32_t(vocab));
-  return t;
-}
+using testing::random_tokens;
 
 // A known perturbation of a layer's keys [1, H, S, D] (element index i).
 float perturbed(float x, int64_t i) { return x + 0.3f * float((i * 7919) % 11 - 5) / 5.0f; }
