@@ -7,6 +7,7 @@
 # Usage: scripts/figures.sh [BUILD_DIR (build)] [LAST_WINDOW (17)]
 # Needs only the repository and the install step (no ../shared). Other docs'
 # figures (KV-dump sweep, calibrated tables) come from the commands in their docs.
+# The stored-prefix table of docs/calibrated.md (issue 21): scripts/stored_prefix_figures.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
