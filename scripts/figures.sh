@@ -18,6 +18,7 @@
 # Usage: scripts/figures.sh [--build DIR (build)] [main] [corpus] [speed]
 # Other docs' figures (the KV-dump sweep, calibrated tables) come from the
 # commands written in those docs.
+# The stored-prefix table of docs/calibrated.md (issue 21): scripts/stored_prefix_figures.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build

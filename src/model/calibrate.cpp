@@ -418,6 +418,31 @@ kvtc::HeadParams fit_one(const std::vector<float>& x, int64_t n, int dim, const 
   return p;
 }
 
+}  // namespace
+
+std::vector<kvtc::HeadParams> fit_tensor_at_ratios(const std::vector<float>& x, int64_t n, int dim,
+                                                   const CalibrateOptions& o, const std::vector<double>& targets,
+                                                   std::vector<double>* achieved) {
+  if (n < 64 || int64_t(x.size()) != n * dim)
+    throw Error(ErrorCode::kInvalidArgument, "fit_tensor_at_ratios: x holds " + std::to_string(x.size()) +
+                                                 " values, expected " + std::to_string(n) + " x " + std::to_string(dim) +
+                                                 " with at least 64 tokens");
+  std::vector<kvtc::HeadParams> out;
+  if (achieved) achieved->assign(targets.size(), 0.0);
+  if (!o.measured_allocation) {
+    for (size_t i = 0; i < targets.size(); ++i) out.push_back(fit_one(x, n, dim, o, targets[i], achieved ? &(*achieved)[i] : nullptr));
+    return out;
+  }
+  // One PCA and one set of measured tables serve every target.
+  const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
+  const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, o.codec.bit_choices,
+                                                    o.quantizers);
+  for (size_t i = 0; i < targets.size(); ++i)
+    out.push_back(fit_measured(t, pca, x, n, dim, o, targets[i], achieved ? &(*achieved)[i] : nullptr));
+  return out;
+}
+
+namespace {
 
 // --- sensitivity-weighted allocation across tensors -------------------------
 

@@ -175,6 +175,30 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
 kvtc::HeadParams build_head_params(const MeasuredTables& tables, const float* x, int64_t n, int dim,
                                    const std::vector<double>& eigenvalues, const std::vector<int>& bits);
 
+// The codec of one tensor fitted on x [n, dim] (n >= 64) at each payload
+// ratio of `targets` (f16 bytes / entropy-coded bytes on x's whole blocks of
+// 64), as fit_calibration fits one layer's tensor: the measured allocator
+// with o.quantizers when o.measured_allocation (one PCA and one set of
+// measured tables for all targets), kvtc::fit_head's otherwise. `achieved`
+// receives each fit's payload ratio on x.
+std::vector<kvtc::HeadParams> fit_tensor_at_ratios(const std::vector<float>& x, int64_t n, int dim,
+                                                   const CalibrateOptions& o, const std::vector<double>& targets,
+                                                   std::vector<double>* achieved = nullptr);
+
+// One cross-layer calibration (cache/kvtc_crosslayer.hpp) per payload target
+// of `targets` (keys and values alike, or o.key_target_ratio /
+// o.value_target_ratio when set, which then override every target), from
+// per-layer samples: each token's keys of every layer (RoPE removed) times
+// the layer's attention weights (o.attention_weighting) and divided by that
+// layer's RMS on the samples form one vector of L * H_kv * D values; its
+// values likewise. The sensitivity allocation and refinement do not apply
+// (one tensor each for K and V). `model` is needed with attention weighting.
+std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& config, const std::string& config_hash,
+                                                          const CalibrationSamples& samples, const CalibrateOptions& o,
+                                                          const std::vector<double>& targets,
+                                                          const CalibrationProgress& progress = {},
+                                                          const LlamaModel* model = nullptr);
+
 // Hex XXH3-64 of DIR/config.json: the model identity stored in calibrations.
 std::string model_config_hash(const std::string& model_dir);
 

@@ -29,12 +29,59 @@ struct WindowRun {
   CacheStats stats;
 };
 
+// Stored-prefix mode, the part every method shares: the first context - 1
+// tokens prefilled through the baseline's caches, each layer's keys and
+// values [1, H_kv, S, D] f32.
+std::vector<KVPair> exact_prefix(const LlamaModel& model, const CacheFactory& baseline, const int32_t* window,
+                                 const EvalOptions& o) {
+  std::vector<float> logits;
+  Session exact(model, baseline);
+  exact.forward(window, o.context - 1, logits, false);
+  std::vector<KVPair> prefix;
+  for (const auto& cache : exact.caches()) prefix.push_back(cache->fetch(DType::kF32));
+  return prefix;
+}
+
+// Stored-prefix mode: `prefix` stored by `coder`, the scored tokens run on
+// top of the restored prefix in fresh baseline caches. They go in as one
+// forward pass with logits at every position: the baseline caches on top
+// hold them as given, so each position's attention reads what one decode
+// step at a time would (up to float summation order), at a tenth of the time.
+WindowRun run_stored_prefix(const LlamaModel& model, const CacheFactory& baseline, const PrefixCoder& coder,
+                            const std::vector<KVPair>& prefix, const int32_t* window, const EvalOptions& o,
+                            const std::function<void()>& tick) {
+  const int64_t stored = o.context - 1;
+  WindowRun run;
+  const auto t0 = std::chrono::steady_clock::now();
+  StoredPrefix sp = coder(model.config(), prefix);
+  if (sp.restored.size() != prefix.size())
+    throw Error(ErrorCode::kShapeMismatch, "stored prefix: " + std::to_string(sp.restored.size()) +
+                                               " layers restored, " + std::to_string(prefix.size()) + " stored");
+  for (size_t l = 0; l < sp.restored.size(); ++l)
+    if (sp.restored[l].keys.shape() != prefix[l].keys.shape() || sp.restored[l].values.shape() != prefix[l].values.shape())
+      throw Error(ErrorCode::kShapeMismatch, "stored prefix: layer " + std::to_string(l) + " restored as " +
+                                                 shape_string(sp.restored[l].keys.shape()) + ", stored " +
+                                                 shape_string(prefix[l].keys.shape()));
+  Session on_top(model, prefilled_factory(baseline, std::make_shared<const std::vector<KVPair>>(std::move(sp.restored))));
+  on_top.forward(window + stored, o.score, run.logits, true);
+  for (int64_t i = 0; i < o.score; ++i) tick();
+  run.fed = o.score;
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  run.stats = sp.stats;
+  return run;
+}
+
 // Runs one window through a fresh set of caches, collecting the logits of
 // every scored prediction.
-WindowRun run_window(const LlamaModel& model, const CacheFactory& factory, const int32_t* window,
-                     const EvalOptions& o, const std::function<void()>& tick) {
+WindowRun run_window(const LlamaModel& model, const MethodSpec& method, const MethodSpec& baseline,
+                     const std::vector<KVPair>& prefix, const int32_t* window, const EvalOptions& o,
+                     const std::function<void()>& tick) {
+  if (o.stored_prefix)
+    return run_stored_prefix(model, baseline.factory,
+                             method.prefix_coder ? method.prefix_coder : per_layer_prefix_coder(method.factory),
+                             prefix, window, o, tick);
   const int vocab = model.config().vocab_size;
-  Session session(model, factory);
+  Session session(model, method.factory);
   WindowRun run;
   std::vector<float> step;
   const auto t0 = std::chrono::steady_clock::now();
@@ -72,9 +119,12 @@ void validate(const EvalOptions& o, int64_t n_tokens) {
     throw_config_error("windows", std::to_string(o.windows),
                        "[1, " + std::to_string(available - o.first_window) + "] from window " +
                            std::to_string(o.first_window));
+  if (o.whole_window && o.stored_prefix) throw_config_error("stored_prefix", "true", "not with whole_window");
   if (o.whole_window) return;
-  if (o.context < 1 || o.context >= o.window_length)
-    throw_config_error("context", std::to_string(o.context), "[1, " + std::to_string(o.window_length - 1) + "]");
+  if (o.context < (o.stored_prefix ? 2 : 1) || o.context >= o.window_length)
+    throw_config_error("context", std::to_string(o.context),
+                       "[" + std::string(o.stored_prefix ? "2" : "1") + ", " + std::to_string(o.window_length - 1) +
+                           "]" + (o.stored_prefix ? " (a stored prefix of context - 1 tokens)" : ""));
   if (o.score < 1 || o.context + o.score > o.window_length)
     throw_config_error("score", std::to_string(o.score),
                        "[1, " + std::to_string(o.window_length - o.context) + "] (context + score <= window " +
@@ -157,8 +207,9 @@ std::vector<EvalResult> evaluate(const LlamaModel& model, const std::vector<int3
     // Prediction i is scored against target[i].
     const int32_t* target = o.whole_window ? window + 1 : window + o.context;
     const int64_t n_pred = o.whole_window ? o.window_length - 1 : o.score;
+    const std::vector<KVPair> prefix = o.stored_prefix ? exact_prefix(model, baseline.factory, window, o) : std::vector<KVPair>{};
     for (size_t r = 0; r < runs.size(); ++r) {
-      WindowRun run = run_window(model, runs[r]->factory, window, o, tick);
+      WindowRun run = run_window(model, *runs[r], baseline, prefix, window, o, tick);
       Acc& a = acc[r];
       a.seconds += run.seconds;
       a.fed += run.fed;

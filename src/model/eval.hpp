@@ -15,6 +15,18 @@
 // reconstruction of the keys/values up to and including itself, so a lossy
 // method's error is seen by every prediction. This is the protocol of the
 // "whole window scored" reference figure.
+//
+// Stored-prefix mode (stored_prefix = true, docs/eval.md): the first
+// context - 1 tokens are prefilled through the BASELINE's caches (exact), and
+// their keys and values, every layer at once, go through the method's
+// PrefixCoder (as a prefix store stores a prompt); the scored tokens, from
+// token context - 1 on (so the same `score` targets as above), then run on
+// top of the restored prefix in baseline caches, as one forward pass with
+// logits at every position (baseline caches hold them as given, so this
+// equals decoding them one at a time up to float summation order). The
+// ratio is the prefix's f16 bytes over every byte stored for it; tokens/s
+// counts the scored tokens over the time spent storing, restoring and
+// scoring.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +35,7 @@
 #include <vector>
 
 #include "kvcodec/cache.hpp"
+#include "model/eval_prefix.hpp"
 #include "model/llama.hpp"
 
 namespace kvcodec::model {
@@ -34,11 +47,15 @@ struct EvalOptions {
   int64_t first_window = 0;
   int64_t window_length = 2048;
   bool whole_window = false;  // see above; context/score are then ignored
+  bool stored_prefix = false;  // see above; excludes whole_window
 };
 
 struct MethodSpec {
   std::string name;
   CacheFactory factory;
+  // Stored-prefix mode only: how the prefix is stored; empty = each layer
+  // through one fresh cache of `factory` (per_layer_prefix_coder).
+  PrefixCoder prefix_coder = {};
 };
 
 struct EvalResult {
@@ -50,10 +67,10 @@ struct EvalResult {
   double ppl_change_se = 0.0;  // standard error of the per-window ppl change across windows (0 for one window)
   double kl = 0.0;           // mean KL(p_baseline || p_method), nats
   double top1 = 0.0;         // share of positions whose argmax equals the baseline's
-  double compression_ratio = 0.0;
+  double compression_ratio = 0.0;  // stored-prefix mode: of the stored prefixes
   double tokens_per_s = 0.0;  // tokens fed through the model per second of forward passes
   double seconds = 0.0;
-  CacheStats stats;          // summed over layers and windows
+  CacheStats stats;          // summed over layers and windows (stored-prefix mode: of the stored prefixes)
 };
 
 // Reads a .u16 token file (little-endian uint16). Throws Error(kIo / kFormat).

@@ -128,16 +128,20 @@ LlamaModel::LlamaModel(ModelConfig config, ModelWeights weights)
 
 // --- Session --------------------------------------------------------------------
 
+CacheConfig layer_cache_config(const ModelConfig& c, int layer) {
+  CacheConfig cc;
+  cc.layer = layer;
+  cc.n_layers = c.n_layers;
+  cc.n_kv_heads = c.n_kv_heads;
+  cc.head_dim = c.head_dim;
+  cc.rope_theta = c.rope_theta;
+  return cc;
+}
+
 Session::Session(const LlamaModel& model, const CacheFactory& factory) : model_(&model) {
   const ModelConfig& c = model.config();
   for (int l = 0; l < c.n_layers; ++l) {
-    CacheConfig cc;
-    cc.layer = l;
-    cc.n_layers = c.n_layers;
-    cc.n_kv_heads = c.n_kv_heads;
-    cc.head_dim = c.head_dim;
-    cc.rope_theta = c.rope_theta;
-    std::unique_ptr<KVCache> cache = factory(cc);
+    std::unique_ptr<KVCache> cache = factory(layer_cache_config(c, l));
     if (!cache) throw Error(ErrorCode::kInvalidArgument, "cache factory returned no cache for layer " + std::to_string(l));
     caches_.push_back(std::move(cache));
   }

@@ -67,6 +67,9 @@ class LlamaModel {
   ModelWeights weights_;
 };
 
+// The CacheConfig of layer `layer` of a model of config c.
+CacheConfig layer_cache_config(const ModelConfig& c, int layer);
+
 // Makes the cache of one layer (called once per layer with its CacheConfig).
 using CacheFactory = std::function<std::unique_ptr<KVCache>(const CacheConfig&)>;
 

@@ -66,6 +66,14 @@ inline LlamaModel tiny_model(const ModelConfig& c, uint32_t seed = 7) {
   return LlamaModel(c, std::move(w));
 }
 
+// n token ids in [0, vocab), from seed.
+inline std::vector<int32_t> random_tokens(int64_t n, int vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(rng() % uint32_t(vocab));
+  return t;
+}
+
 // Window w of eval_tokens.u16 (2048 uint16 tokens per window), as int32.
 inline std::vector<int32_t> eval_window(const std::string& path, int64_t window, int64_t count) {
   std::ifstream in(path, std::ios::binary);

@@ -29,12 +29,7 @@ class NoisyCache : public RawF32Cache {
   }
 };
 
-std::vector<int32_t> random_tokens(int64_t n, int vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(rng() % uint32_t(vocab));
-  return t;
-}
+using testing::random_tokens;
 
 // NLL of predictions [from, to) of one window computed directly from one
 // all-logits prefill.

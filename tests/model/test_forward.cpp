@@ -19,12 +19,7 @@ namespace {
 
 using testing::raw_factory;
 
-std::vector<int32_t> random_tokens(int n, int vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(rng() % uint32_t(vocab));
-  return t;
-}
+using testing::random_tokens;
 
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());

@@ -34,6 +34,7 @@ struct CalibrateArgs {
   std::string allocators;
   std::string weightings;
   std::string quantizers;
+  bool cross_layer = false;
 };
 
 // "a,b,,c" -> {a, b, c}.
@@ -193,6 +194,34 @@ void run_calibrate(const CalibrateArgs& a) {
       variants("--weightings", a.weightings, {"none", "attention"}, "{weighting}");
   const std::vector<std::string> families = variants("--quantizers", a.quantizers, {"midrise", "midtread"}, "{quant}");
   const std::string hash = model::model_config_hash(dir);
+  if (a.cross_layer) {
+    // One cross-layer calibration per target (stored prefixes; xkvtc in eval).
+    if (!a.allocators.empty() || !a.weightings.empty() || !a.quantizers.empty() || o.refine_ratio > 0 ||
+        sensitivity_given)
+      throw_config_error("--cross-layer", "set",
+                         "without --allocators / --weightings / --quantizers / refine_ratio / sensitivity");
+    std::vector<double> targets;
+    for (const std::string& r : ratios) {
+      char* end = nullptr;
+      const double t = r.empty() ? o.target_ratio : std::strtod(r.c_str(), &end);
+      if ((!r.empty() && end != r.c_str() + r.size()) || !(t >= 1.0) || !(t <= 1000.0))
+        throw_config_error("--target-ratios / kvtc.target_ratio", r.empty() ? "(unset)" : r,
+                           "ratios in [1, 1000] (--cross-layer fits for a target ratio)");
+      targets.push_back(t);
+    }
+    const auto cals = model::fit_cross_layer_calibrations(m.config(), hash, samples, o, targets, progress, &m);
+    for (size_t i = 0; i < cals.size(); ++i) {
+      std::string path = a.output;
+      if (!ratios[i].empty()) path.replace(path.find("{}"), 2, ratios[i]);
+      cals[i].write_file(path);
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("wrote %s: cross-layer over %d layers (%s), %llu parameter bytes, %lld tokens per layer, %.1f s\n",
+                  path.c_str(), m.config().n_layers, cals[i].shape_string().c_str(),
+                  (unsigned long long)cals[i].params_bytes(), (long long)samples.tokens, sec);
+      std::fflush(stdout);
+    }
+    return;
+  }
   for (const std::string& qf : families)
   for (const std::string& wt : weightings)
   for (const std::string& al : allocators)
@@ -259,6 +288,9 @@ void register_calibrate(CLI::App& app) {
                   "Comma-separated weightings (none, attention): one calibration each; -o must contain {weighting}");
   cmd->add_option("--quantizers", args->quantizers,
                   "Comma-separated quantizer families (midrise, midtread): one calibration each; -o must contain {quant}");
+  cmd->add_flag("--cross-layer", args->cross_layer,
+                "One codec per tensor over every layer of a token (stored prefixes: eval --protocol prefix, method "
+                "xkvtc); with kvtc.target_ratio or --target-ratios");
   cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
   cmd->callback([args] {
     if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");

@@ -14,6 +14,7 @@
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
+#include "cache/kvtc_crosslayer.hpp"
 #include "model/calibrate.hpp"
 #include "model/corpus.hpp"
 #include "model/eval.hpp"
@@ -34,6 +35,7 @@ struct EvalArgs {
   std::string baseline = "fp16";
   std::vector<std::string> sets;
   model::EvalOptions options;
+  std::string protocol = "streaming";
   bool json = false;
   int threads = 0;
 };
@@ -96,6 +98,34 @@ Corpus read_corpus(const EvalArgs& a, const std::string& dir, model::EvalOptions
                                 c.content_hash)};
 }
 
+// xkvtc: the cross-layer kvtc store of stored prefixes (docs/calibrated.md),
+// fields calibration=FILE (from kvcodec calibrate --cross-layer), sinks [4],
+// block [64].
+model::MethodSpec cross_layer_spec(const std::string& name, const Settings& settings, const model::EvalOptions& o,
+                                   const model::ModelConfig& config) {
+  if (!o.stored_prefix) throw_config_error("--methods", name, "xkvtc with --protocol prefix (it stores whole prefixes)");
+  auto int_field = [&](const char* field, int fallback, int lo) {
+    if (!settings.count(field)) return fallback;
+    const std::string& v = settings.at(field);
+    char* end = nullptr;
+    const long x = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || x < lo || x > 1 << 20)
+      throw_config_error(std::string("xkvtc.") + field, v, "an integer >= " + std::to_string(lo));
+    return int(x);
+  };
+  for (const auto& [field, value] : settings)
+    if (field != "calibration" && field != "sinks" && field != "block")
+      throw_config_error("xkvtc." + field, value, "one of calibration, sinks, block");
+  if (!settings.count("calibration"))
+    throw_config_error("xkvtc.calibration", "(unset)", "a cross-layer calibration file (kvcodec calibrate --cross-layer)");
+  auto cal = KvtcCalibration::load_shared(settings.at("calibration"));
+  check_cross_layer_calibration(*cal, config.n_layers, config.n_kv_heads, config.head_dim, config.rope_theta,
+                                settings.at("calibration"));
+  model::MethodSpec s{name, model::method_cache_factory("fp16")};
+  s.prefix_coder = model::cross_layer_prefix_coder(cal, int_field("sinks", 4, 0), int_field("block", 64, 1));
+  return s;
+}
+
 void run(const EvalArgs& a) {
   const std::string dir = a.model_dir.empty() ? model::default_model_dir() : a.model_dir;
   const model::LlamaModel m = model::LlamaModel::load(dir);
@@ -123,6 +153,7 @@ void run(const EvalArgs& a) {
     Settings settings = settings_for_method(a.sets, base);
     if (colon != std::string::npos)
       for (const auto& [field, value] : settings_for_method(a.sets, name)) settings[field] = value;
+    if (base == "xkvtc") return cross_layer_spec(name, settings, options, m.config());
     if (Settings with = model::with_model_defaults(dir, base, settings); with != settings) {
       std::string used;
       for (const auto& [field, value] : with)
@@ -168,7 +199,9 @@ void run(const EvalArgs& a) {
   std::printf("%s; %lld windows of %lld from %lld of %s; %s; baseline %s\n", dir.c_str(), (long long)o.windows,
               (long long)o.window_length, (long long)o.first_window, corpus.source.c_str(),
               o.whole_window ? fmt::format("whole window ({} predictions each)", o.window_length - 1).c_str()
-                             : fmt::format("context {}, score {}", o.context, o.score).c_str(),
+              : o.stored_prefix
+                  ? fmt::format("stored prefix of {} tokens, score {}", o.context - 1, o.score).c_str()
+                  : fmt::format("context {}, score {}", o.context, o.score).c_str(),
               a.baseline.c_str());
   for (const std::string& note : notes) std::printf("%s\n", note.c_str());
   // held: f16 / bytes held in memory (shared calibration apart), beside the stored ratio.
@@ -204,11 +237,19 @@ void register_eval(CLI::App& app) {
   cmd->add_option("--window-length", args->options.window_length, "Tokens per window (default 2048 with --tokens, context + score with text)");
   cmd->add_flag("--whole-window", args->options.whole_window,
                 "Score every position of each window from one prefill through the cache (W-1 predictions)");
+  cmd->add_option("--protocol", args->protocol,
+                  "streaming: the context and scored tokens go through the method's caches; prefix: the first "
+                  "context-1 tokens are stored by the method as a whole (ratio of the stored prefix), the scored "
+                  "tokens run on top in baseline caches (docs/eval.md)")
+      ->capture_default_str();
   cmd->add_option("--set", args->sets, "Method setting <method>.<field>=<value> (repeatable)");
   cmd->add_flag("--json", args->json, "One JSON array on stdout");
   cmd->add_option("--threads", args->threads, "OpenMP threads (0: the cores not busy now, from the load average)")->capture_default_str();
   cmd->callback([args, cmd] {
     args->window_length_given = cmd->count("--window-length") > 0;
+    if (args->protocol != "streaming" && args->protocol != "prefix")
+      throw_config_error("--protocol", args->protocol, "streaming or prefix");
+    args->options.stored_prefix = args->protocol == "prefix";
     if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: automatic)");
     omp_set_num_threads(args->threads > 0 ? args->threads : model::auto_thread_count());
     run(*args);
