@@ -65,6 +65,15 @@ constexpr int64_t kRefineGroup = 32;
 // converted at load.
 constexpr int kLayoutVersion = 2;
 
+// Reserves room for `need` elements, growing by an eighth rather than the
+// vector's doubling: a cache's vectors are resident_bytes, and a raw tail
+// of a few tokens doubled on a one-token append held twice its bytes.
+// Amortised O(1) still (geometric growth).
+template <typename T>
+void grow_by_eighths(std::vector<T>& v, size_t need) {
+  if (v.capacity() < need) v.reserve(need + need / 8);
+}
+
 struct Stream {
   std::vector<Block> blocks;
   std::deque<RefineGroup> refine;  // oldest first, contiguous up to the newest coded token
@@ -82,9 +91,6 @@ class CalibratedKvtcCache final : public KVCache {
     if (config_.head_dim % 2 != 0)
       throw Error(ErrorCode::kUnsupported, "kvtc calibrated: RoPE needs an even head_dim, got " +
                                                std::to_string(config_.head_dim));
-    for (const bool is_key : {true, false})
-      if (const float* w = scale(is_key))
-        for (int64_t d = 0; d < vdim(); ++d) inverse_scale_[is_key ? 0 : 1].push_back(1.0f / w[d]);
     if (options_.refine > 0 && !calibration_->refined())
       throw Error(ErrorCode::kConfig, "kvtc calibrated: refine=" + std::to_string(options_.refine) + " needs a "
                                       "calibration with refinement parameters (kvcodec calibrate --set "
@@ -118,9 +124,6 @@ class CalibratedKvtcCache final : public KVCache {
   }
   void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m, bool closes);
   void drop_aged_refinement();
-  const float* inverse_scale(bool is_key) const {
-    return inverse_scale_[is_key ? 0 : 1].empty() ? nullptr : inverse_scale_[is_key ? 0 : 1].data();
-  }
   int64_t encoded_tokens() const { return encoded_; }
   int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
   int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
@@ -142,7 +145,6 @@ class CalibratedKvtcCache final : public KVCache {
   Settings settings_;
   KvtcSettings options_;
   std::shared_ptr<const KvtcCalibration> calibration_;
-  std::vector<float> inverse_scale_[2];     // [key, value] 1 / scale, or empty
   std::shared_ptr<const RopeTable> rope_;  // covers every position held (grown in append / load)
   int64_t batch_ = 0;
   DType raw_dtype_ = DType::kF16;
@@ -169,6 +171,7 @@ void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& value
     for (int64_t b = 0; b < batch_; ++b) {
       auto& raw = stream->raw[size_t(b)];
       const size_t base = raw.size();
+      grow_by_eighths(raw, base + size_t(S * H * D));
       raw.resize(base + size_t(S * H * D));
       for (int64_t h = 0; h < H; ++h) {
         TensorView one = src;
@@ -218,6 +221,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
           payload[size_t(b)].reserve(previous->payload[size_t(b)].size() + 64);
       };
       if (!grow) {
+        grow_by_eighths(stream->blocks, stream->blocks.size() + 1);
         stream->blocks.emplace_back();
         open_payloads(stream->blocks.back().payload,
                       block_closes || stream->blocks.size() < 2 ? nullptr : &stream->blocks[stream->blocks.size() - 2]);
@@ -287,6 +291,22 @@ void CalibratedKvtcCache::encode_ready_blocks() {
     encoded_ += m;
     drop_aged_refinement();
   }
+  // The tail now holds the sinks and the window (and, with whole_blocks, up
+  // to a block more): held within an eighth of what it regrows to, not the
+  // 2x slack of the loop's shrink (with the shipped settings the raw vectors
+  // were 5x their 12 tokens: a third of the cache's resident bytes).
+  const size_t regrows = size_t(options_.sinks + options_.window + (options_.whole_blocks ? options_.block : 1)) *
+                         size_t(V);
+  for (Stream* stream : {&key_, &value_})
+    for (auto& raw : stream->raw) {
+      const size_t need = std::max(raw.size(), std::min(regrows, raw.size() + size_t(V)));
+      if (raw.capacity() > need + need / 8 + size_t(V)) {
+        std::vector<uint16_t> exact;
+        exact.reserve(need + need / 8);
+        exact.assign(raw.begin(), raw.end());
+        raw.swap(exact);
+      }
+    }
 }
 
 // Appends m tokens' refinement codes of residual [m, V] to batch row b of
@@ -328,9 +348,14 @@ void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_co
       for (size_t i = 0; i < fine.size(); ++i) dst[i] += fine[i];
     }
   }
-  if (const float* w = inverse_scale(is_key))
+  if (const float* w = scale(is_key)) {
+    // 1 / scale per call (the same floats a per-cache copy held: 1 KB per
+    // layer and sequence, where a block's decode is 64 x V products).
+    std::vector<float> inverse(static_cast<size_t>(vdim()));
+    for (int64_t d = 0; d < vdim(); ++d) inverse[size_t(d)] = 1.0f / w[d];
     for (int64_t t = 0; t < blk.tokens; ++t)
-      for (int64_t d = 0; d < vdim(); ++d) out[t * vdim() + d] *= w[d];
+      for (int64_t d = 0; d < vdim(); ++d) out[t * vdim() + d] *= inverse[size_t(d)];
+  }
   if (is_key)
     rope_->rotate(out, blk.tokens, vdim(), config_.n_kv_heads, sink_tokens() + first_coded, /*inverse=*/false);
 }
@@ -479,10 +504,9 @@ CacheStats CalibratedKvtcCache::stats() const {
     for (const auto& blk : s->blocks) st.resident_bytes += kvcodec::held_bytes(blk.payload);
     for (const auto& g : s->refine) st.resident_bytes += sizeof(RefineGroup) + kvcodec::held_bytes(g.codes.payload);
   }
-  // Scratch kept between calls and this cache's own copies; the calibration
-  // and the RoPE table are held once for every cache using them.
-  st.resident_bytes += sizeof(*this) +
-                       kvcodec::held_bytes(inverse_scale_[0]) + kvcodec::held_bytes(inverse_scale_[1]);
+  // The calibration and the RoPE table are held once for every cache using
+  // them (shared); the cache keeps no scratch between calls.
+  st.resident_bytes += sizeof(*this);
   st.shared["kvtc calibration " + options_.calibration + " @" + address_text(calibration_.get())] =
       calibration_->held_bytes();
   if (rope_) st.shared["rope table @" + address_text(rope_.get())] = rope_->held_bytes();
