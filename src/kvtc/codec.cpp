@@ -398,33 +398,42 @@ bool build_recon_int(HeadParams& p) {
   for (float v : p.basis)
     if (!std::isfinite(v)) return false;
   const size_t kp2 = (K + 1) / 2;
-  std::vector<float> scale(D);
+  std::vector<float> scale(D, 0.0f);
   std::vector<int16_t> w(((D + 7) / 8) * kp2 * 16, 0);
-  std::vector<double> exact(K);
-  for (size_t d = 0; d < D; ++d) {
-    double amax = 0, sum = 0;
-    for (size_t k = 0; k < K; ++k) {
-      exact[k] = double(p.quant[k].step) * double(p.basis[k * D + d]) / 2;
-      amax = std::max(amax, std::fabs(exact[k]));
-      sum += cmax[k] * std::fabs(exact[k]);
+  // Row by row (k outer, d inner: contiguous loops the compiler vectorises;
+  // a cache opens these per call), every column's sums still taken in
+  // ascending k, so each value is the column-by-column loop's.
+  std::vector<double> exact(K * D), amax(D, 0.0), sum(D, 0.0), unit_of(D), bound(D, 0.0);
+  for (size_t k = 0; k < K; ++k)
+    for (size_t d = 0; d < D; ++d) {
+      const double e = double(p.quant[k].step) * double(p.basis[k * D + d]) / 2;
+      exact[k * D + d] = e;
+      amax[d] = std::max(amax[d], std::fabs(e));
+      sum[d] += cmax[k] * std::fabs(e);
     }
-    if (!(amax > 0)) continue;  // a column of zero weights: x = mean
+  for (size_t d = 0; d < D; ++d) {
+    unit_of[d] = 1.0;  // a column of zero weights (x = mean): its weights round to 0, scale 0
+    if (!(amax[d] > 0)) continue;
     // 15 bits for the largest weight, unless the worst-case sum of valid
     // codes needs a coarser unit to stay below 2^30 (+ the roundings).
-    double unit = std::max(amax / 32767, sum / 1073741824.0);
+    double unit = std::max(amax[d] / 32767, sum[d] / 1073741824.0);
     float su = float(unit);
     if (double(su) < unit) su = std::nextafter(su, std::numeric_limits<float>::infinity());
     if (!std::isfinite(su) || !std::isnormal(su)) return false;
-    double bound = 0;
-    for (size_t k = 0; k < K; ++k) {
-      const double r = round_even(exact[k] / double(su));
-      if (std::fabs(r) > 32767) return false;  // not reached: su >= amax / 32767
-      w[recon_w_index(k, d, kp2)] = int16_t(r);
-      bound += cmax[k] * std::fabs(r);
-    }
-    if (bound > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
     scale[d] = su;
+    unit_of[d] = double(su);
   }
+  bool fits = true;
+  for (size_t k = 0; k < K; ++k)
+    for (size_t d = 0; d < D; ++d) {
+      const double r = round_even(exact[k * D + d] / unit_of[d]);
+      fits &= std::fabs(r) <= 32767;  // not failed: su >= amax / 32767
+      w[recon_w_index(k, d, kp2)] = int16_t(r);
+      bound[d] += cmax[k] * std::fabs(r);
+    }
+  if (!fits) return false;
+  for (size_t d = 0; d < D; ++d)
+    if (bound[d] > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
   p.recon_zero2 = std::move(zero2), p.recon_scale = std::move(scale), p.recon_w = std::move(w);
   return true;
 }
