@@ -1,5 +1,6 @@
 #include "cache/kvtc_cache.hpp"
 #include "cache/append_checks.hpp"
+#include "cache/kvtc_base.hpp"
 #include "cache/kvtc_calibrated.hpp"
 
 #include <algorithm>
@@ -53,28 +54,22 @@ struct Stream {
   std::vector<std::vector<uint16_t>> raw;  // [B*H][tokens * D]
 };
 
-class KvtcCache final : public KVCache {
+class KvtcCache final : public cache_impl::KvtcCacheBase {
  public:
   KvtcCache(const CacheConfig& config, const Settings& settings)
-      : config_(config), settings_(settings), options_(parse_kvtc_settings(settings, config)) {}
-
-  std::string method() const override { return "kvtc"; }
-  const CacheConfig& config() const override { return config_; }
-  int64_t offset() const override { return offset_; }
-  bool is_trimmable() const override { return true; }
+      : KvtcCacheBase(config, settings, parse_kvtc_settings(settings, config), "kvtc") {}
 
   void append(const TensorView& keys, const TensorView& values) override;
   void for_each_block(const BlockVisitor& visit) const override;
-  int64_t trim(int64_t n) override;
   std::vector<uint8_t> save() const override;
   void load(const uint8_t* data, size_t size) override;
   CacheStats stats() const override;
 
  private:
   int64_t heads_total() const { return batch_ * config_.n_kv_heads; }
-  int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
-  int64_t encoded_tokens() const { return int64_t(key_.blocks.size()) * options_.block; }
-  int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
+  int64_t encoded_tokens() const override { return int64_t(key_.blocks.size()) * options_.block; }
+  void cut_raw(int64_t count) override;
+  void uncode_newest_block() override;
   // Blocks the tail holds ready to be coded (window newer tokens after them).
   int64_t ready_blocks() const {
     const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
@@ -95,7 +90,7 @@ class KvtcCache final : public KVCache {
   void encode_ready_blocks(const OpenHeads& open);
   void encode_direct(const OpenHeads& open, const TensorView& keys, const TensorView& values, int64_t n);
   void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
-  void reset();
+  void reset() override;
   // Decodes every block once and drops the result: load() refuses a corrupt
   // payload there, not at a later fetch.
   void decode_every_block(const OpenHeads& open) const;
@@ -115,12 +110,6 @@ class KvtcCache final : public KVCache {
     }
   }
 
-  CacheConfig config_;
-  Settings settings_;
-  KvtcSettings options_;
-  int64_t batch_ = 0;
-  DType raw_dtype_ = DType::kF16;
-  int64_t offset_ = 0;
   bool fitted_ = false;
   uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
@@ -376,43 +365,28 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
 }
 
-int64_t KvtcCache::trim(int64_t n) {
-  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc: trim(" + std::to_string(n) + ")");
-  const int64_t dropped = std::min(n, offset_);
-  const int64_t D = config_.head_dim;
-  int64_t left = dropped;
-  while (left > 0) {
-    const int64_t tail = raw_tokens() - sink_tokens();
-    if (tail > 0 || key_.blocks.empty()) {
-      // Drop from the raw tail (or the sinks, once no block is left).
-      // With blocks left, only the tail may go: the sinks sit before the blocks.
-      const int64_t cut = std::min(left, key_.blocks.empty() ? raw_tokens() : tail);
-      for (Stream* s : {&key_, &value_})
-        for (auto& raw : s->raw) raw.resize(raw.size() - size_t(cut * D));
-      offset_ -= cut;
-      left -= cut;
-      continue;
+void KvtcCache::cut_raw(int64_t count) {
+  for (Stream* s : {&key_, &value_})
+    for (auto& raw : s->raw) raw.resize(raw.size() - size_t(count * config_.head_dim));
+  offset_ -= count;
+}
+
+void KvtcCache::uncode_newest_block() {
+  const int64_t B = options_.block, D = config_.head_dim;
+  std::vector<float> x(size_t(B * D));
+  std::vector<uint16_t> row(size_t(B * D));
+  const OpenHeads open = open_heads(kvtc::KernelSet::kDecode);
+  for (Stream* s : {&key_, &value_}) {
+    const EncodedBlock& blk = s->blocks.back();
+    for (int64_t h = 0; h < heads_total(); ++h) {
+      const auto& pl = blk.payload[size_t(h)];
+      kvtc::decode_block(open.of(*s, *this)[size_t(h)], pl.data(), pl.size(), B, x.data());
+      convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
+      auto& raw = s->raw[size_t(h)];
+      raw.insert(raw.end(), row.begin(), row.end());
     }
-    // The newest block must be cut: decode it back into the raw tail (its
-    // reconstruction, stored raw and counted as such), then drop from there.
-    const int64_t B = options_.block;
-    std::vector<float> x(size_t(B * D));
-    std::vector<uint16_t> row(size_t(B * D));
-    const OpenHeads open = open_heads(kvtc::KernelSet::kDecode);
-    for (Stream* s : {&key_, &value_}) {
-      const EncodedBlock& blk = s->blocks.back();
-      for (int64_t h = 0; h < heads_total(); ++h) {
-        const auto& pl = blk.payload[size_t(h)];
-        kvtc::decode_block(open.of(*s, *this)[size_t(h)], pl.data(), pl.size(), B, x.data());
-        convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
-        auto& raw = s->raw[size_t(h)];
-        raw.insert(raw.end(), row.begin(), row.end());
-      }
-      s->blocks.pop_back();
-    }
+    s->blocks.pop_back();
   }
-  if (offset_ == 0) reset();
-  return dropped;
 }
 
 CacheStats KvtcCache::stats() const {
@@ -473,13 +447,7 @@ CacheStats KvtcCache::stats() const {
 
 std::vector<uint8_t> KvtcCache::save() const {
   ContainerWriter w(ContainerKind::kCache);
-  w.set_meta("method", "kvtc");
-  w.set_meta("settings", encode_settings(settings_));
-  w.set_meta("config.layer", std::to_string(config_.layer));
-  w.set_meta("config.n_layers", std::to_string(config_.n_layers));
-  w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
-  w.set_meta("config.head_dim", std::to_string(config_.head_dim));
-  w.set_meta("config.rope_theta", cache_impl::double_text(config_.rope_theta));
+  write_saved_meta(w);
   cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
   state.u64(uint64_t(batch_));

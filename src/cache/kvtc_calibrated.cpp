@@ -8,6 +8,7 @@
 
 #include "cache/append_checks.hpp"
 #include "cache/append_coder.hpp"
+#include "cache/kvtc_base.hpp"
 #include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "core/first_exception.hpp"
@@ -82,10 +83,10 @@ struct Stream {
   std::vector<std::vector<uint16_t>> raw;  // [B][tokens * H * D]
 };
 
-class CalibratedKvtcCache final : public KVCache {
+class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
  public:
   CalibratedKvtcCache(const CacheConfig& config, const Settings& settings, const KvtcSettings& options)
-      : config_(config), settings_(settings), options_(options) {
+      : KvtcCacheBase(config, settings, options, "kvtc calibrated") {
     calibration_ = KvtcCalibration::load_shared(options_.calibration);
     check_calibration_matches(*calibration_, config_, options_.rope_theta, options_.calibration);
     if (config_.head_dim % 2 != 0)
@@ -97,13 +98,8 @@ class CalibratedKvtcCache final : public KVCache {
                                       "kvtc.refine_ratio=R); " + options_.calibration + " has none");
   }
 
-  std::string method() const override { return "kvtc"; }
-  const CacheConfig& config() const override { return config_; }
-  int64_t offset() const override { return offset_; }
-  bool is_trimmable() const override { return true; }
   void append(const TensorView& keys, const TensorView& values) override;
   void for_each_block(const BlockVisitor& visit) const override;
-  int64_t trim(int64_t n) override;
   std::vector<uint8_t> save() const override;
   void load(const uint8_t* data, size_t size) override;
   CacheStats stats() const override;
@@ -124,9 +120,9 @@ class CalibratedKvtcCache final : public KVCache {
   }
   void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m, bool closes);
   void drop_aged_refinement();
-  int64_t encoded_tokens() const { return encoded_; }
-  int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
-  int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
+  int64_t encoded_tokens() const override { return encoded_; }
+  void cut_raw(int64_t count) override;
+  void uncode_newest_block() override;
   void encode_ready_blocks();
   // first_coded: coded-token index of blk's first token (its position - sinks).
   void decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
@@ -134,21 +130,15 @@ class CalibratedKvtcCache final : public KVCache {
     if (!rope_ || rope_->positions() < positions)
       rope_ = RopeTable::get(config_.head_dim, options_.rope_theta, positions);
   }
-  void reset() {
+  void reset() override {
     offset_ = 0;
     encoded_ = 0;
     key_ = Stream{};
     value_ = Stream{};
   }
 
-  CacheConfig config_;
-  Settings settings_;
-  KvtcSettings options_;
   std::shared_ptr<const KvtcCalibration> calibration_;
   std::shared_ptr<const RopeTable> rope_;  // covers every position held (grown in append / load)
-  int64_t batch_ = 0;
-  DType raw_dtype_ = DType::kF16;
-  int64_t offset_ = 0;
   int64_t encoded_ = 0;  // tokens in blocks (same for keys and values)
   uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
@@ -424,44 +414,31 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
 }
 
-int64_t CalibratedKvtcCache::trim(int64_t n) {
-  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc calibrated: trim(" + std::to_string(n) + ")");
-  const int64_t dropped = std::min(n, offset_);
+void CalibratedKvtcCache::cut_raw(int64_t count) {
+  for (Stream* s : {&key_, &value_})
+    for (auto& raw : s->raw) raw.resize(raw.size() - size_t(count * vdim()));
+  offset_ -= count;
+}
+
+void CalibratedKvtcCache::uncode_newest_block() {
   const int64_t V = vdim();
-  int64_t left = dropped;
-  while (left > 0) {
-    const int64_t tail = raw_tokens() - sink_tokens();
-    if (tail > 0 || key_.blocks.empty()) {
-      // Only the tail while blocks remain (the sinks sit before the blocks).
-      const int64_t cut = std::min(left, key_.blocks.empty() ? raw_tokens() : tail);
-      for (Stream* s : {&key_, &value_})
-        for (auto& raw : s->raw) raw.resize(raw.size() - size_t(cut * V));
-      offset_ -= cut;
-      left -= cut;
-      continue;
+  const int64_t bn = key_.blocks.back().tokens;
+  const int64_t first = encoded_tokens() - bn;  // coded-token index
+  std::vector<float> x(size_t(bn * V));
+  std::vector<uint16_t> row(size_t(bn * V));
+  for (Stream* s : {&key_, &value_}) {
+    for (int64_t b = 0; b < batch_; ++b) {
+      decode(s == &key_, s->blocks.back(), first, b, x.data());
+      convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
+      auto& raw = s->raw[size_t(b)];
+      raw.insert(raw.end(), row.begin(), row.end());
     }
-    // The newest block must be cut: its reconstruction goes back to the raw
-    // tail (stored raw and counted as such), then the tail is cut.
-    const int64_t bn = key_.blocks.back().tokens;
-    const int64_t first = encoded_tokens() - bn;  // coded-token index
-    std::vector<float> x(size_t(bn * V));
-    std::vector<uint16_t> row(size_t(bn * V));
-    for (Stream* s : {&key_, &value_}) {
-      for (int64_t b = 0; b < batch_; ++b) {
-        decode(s == &key_, s->blocks.back(), first, b, x.data());
-        convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
-        auto& raw = s->raw[size_t(b)];
-        raw.insert(raw.end(), row.begin(), row.end());
-      }
-      s->blocks.pop_back();
-    }
-    encoded_ -= bn;
-    // The block's refinement groups went with it (they never cross blocks).
-    for (Stream* s : {&key_, &value_})
-      while (!s->refine.empty() && s->refine.back().first >= encoded_) s->refine.pop_back();
+    s->blocks.pop_back();
   }
-  if (offset_ == 0) reset();
-  return dropped;
+  encoded_ -= bn;
+  // The block's refinement groups went with it (they never cross blocks).
+  for (Stream* s : {&key_, &value_})
+    while (!s->refine.empty() && s->refine.back().first >= encoded_) s->refine.pop_back();
 }
 
 CacheStats CalibratedKvtcCache::stats() const {
@@ -544,13 +521,7 @@ std::string params_hash(const KvtcCalibration& c, int layer) {
 
 std::vector<uint8_t> CalibratedKvtcCache::save() const {
   ContainerWriter w(ContainerKind::kCache);
-  w.set_meta("method", "kvtc");
-  w.set_meta("settings", encode_settings(settings_));
-  w.set_meta("config.layer", std::to_string(config_.layer));
-  w.set_meta("config.n_layers", std::to_string(config_.n_layers));
-  w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
-  w.set_meta("config.head_dim", std::to_string(config_.head_dim));
-  w.set_meta("config.rope_theta", cache_impl::double_text(config_.rope_theta));
+  write_saved_meta(w);
   w.set_meta("calibration.params_hash", params_hash(*calibration_, config_.layer));
   cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;

@@ -13,6 +13,21 @@
 
 using namespace kvcodec;
 
+namespace {
+
+// The cache config of one layer of the dump (tinycode's rope_theta).
+CacheConfig layer_config(const dump::KvDump& kv, int layer) {
+  CacheConfig cfg;
+  cfg.layer = layer;
+  cfg.n_layers = kv.n_layers();
+  cfg.n_kv_heads = int(kv.shape[1]);
+  cfg.head_dim = int(kv.shape[3]);
+  cfg.rope_theta = 10000.0;
+  return cfg;
+}
+
+}  // namespace
+
 // resident / stored was 4.33 before the decoder tables were cut (slot tables
 // only where the scalar lanes need them, group tables of the reachable
 // column starts only, no cached transposed basis), 2.42 before the cache
@@ -25,12 +40,7 @@ TEST(ResidentDump, LocalKvtcHoldsCloseToWhatItStores) {
   ASSERT_EQ(kv.n_layers(), 6);
   CacheStats fresh;
   for (int layer = 0; layer < kv.n_layers(); ++layer) {
-    CacheConfig cfg;
-    cfg.layer = layer;
-    cfg.n_layers = kv.n_layers();
-    cfg.n_kv_heads = int(kv.shape[1]);
-    cfg.head_dim = int(kv.shape[3]);
-    auto cache = make_cache("kvtc", cfg, {});
+    auto cache = make_cache("kvtc", layer_config(kv, layer), {});
     cache->append(kv.keys[size_t(layer)], kv.values[size_t(layer)]);
     fresh += cache->stats();
   }
@@ -63,13 +73,7 @@ TEST(ResidentDump, CalibratedKvtcHoldsCloseToWhatItStores) {
   const dump::KvDump kv = dump::read_kv_dump(path);
   CacheStats total;
   for (int layer = 0; layer < kv.n_layers(); ++layer) {
-    CacheConfig cfg;
-    cfg.layer = layer;
-    cfg.n_layers = kv.n_layers();
-    cfg.n_kv_heads = int(kv.shape[1]);
-    cfg.head_dim = int(kv.shape[3]);
-    cfg.rope_theta = 10000.0;  // tinycode's config.json
-    auto cache = make_cache("kvtc", cfg,
+    auto cache = make_cache("kvtc", layer_config(kv, layer),
                             {{"calibration", calibration}, {"sinks", "4"}, {"window", "8"}, {"refine", "128"}});
     const TensorView k = kv.keys[size_t(layer)], v = kv.values[size_t(layer)];
     cache->append(k.slice_tokens(0, 1024), v.slice_tokens(0, 1024));
