@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 #include "cache/saved_meta.hpp"
@@ -114,6 +115,17 @@ class KvtcCache final : public cache_impl::KvtcCacheBase {
   uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
   OpenHeads encoder_;  // the encoder's heads between small appends (see append), else empty
+  // The decoder's heads kept between fetches while the cache is fed in
+  // pieces smaller than a block (a decode loop fetches every step: opening
+  // 4 heads per layer per step cost ~35% of a 1K-token fetch), counted.
+  // Concurrent fetches (for_each_block is const) share them behind the
+  // mutex; a moved-to cache takes the moved-from one's mutex with them.
+  struct KeptDecoder {
+    std::unique_ptr<std::mutex> mutex = std::make_unique<std::mutex>();
+    std::shared_ptr<const OpenHeads> heads;
+    bool keep = false;  // the last append was smaller than a block
+  };
+  mutable KeptDecoder decoder_;
   // Symbols of n_blocks new blocks of every head of s (one code per kept
   // component and token), added to coded_symbols_.
   void count_coded(const Stream& s, int64_t n_blocks) {
@@ -127,6 +139,7 @@ void KvtcCache::reset() {
   key_ = Stream{};
   value_ = Stream{};
   encoder_ = {};
+  decoder_.heads.reset();
 }
 
 KvtcCache::OpenHeads KvtcCache::open_heads(kvtc::KernelSet kernels) const {
@@ -233,6 +246,8 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   // resident_bytes. One fed in bulk (a prefill, kvcodec compress) drops
   // them: the next bulk call rebuilds them for many blocks at once.
   if (S >= options_.block) encoder_ = {};
+  decoder_.keep = S < options_.block;  // and the same for the decoder's, kept by the next fetch
+  if (!decoder_.keep) decoder_.heads.reset();
 }
 
 KvtcCache::OpenHeads KvtcCache::fit() {
@@ -351,7 +366,20 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   emit_raw(0, sinks, 0);
   const int64_t B = options_.block;
   Tensor k(DType::kF32, {batch_, H, B, D}), v(DType::kF32, {batch_, H, B, D});
-  const OpenHeads open = key_.blocks.empty() ? OpenHeads{} : open_heads(kvtc::KernelSet::kDecode);
+  std::shared_ptr<const OpenHeads> kept;
+  if (!key_.blocks.empty()) {
+    {
+      const std::lock_guard<std::mutex> lock(*decoder_.mutex);
+      kept = decoder_.heads;
+    }
+    if (!kept) {
+      kept = std::make_shared<const OpenHeads>(open_heads(kvtc::KernelSet::kDecode));
+      const std::lock_guard<std::mutex> lock(*decoder_.mutex);
+      if (decoder_.keep) decoder_.heads = kept;
+    }
+  }
+  static const OpenHeads kNoHeads;  // no block to decode
+  const OpenHeads& open = kept ? *kept : kNoHeads;
   for (size_t j = 0; j < key_.blocks.size(); ++j) {
     parallel_heads(heads, [&](int64_t h) {
       const auto& kp = key_.blocks[j].payload[size_t(h)];
@@ -423,11 +451,21 @@ CacheStats KvtcCache::stats() const {
     for (size_t h = 0; h < s->n_kept.size(); ++h)
       st.extras[prefix + "n_survived." + std::to_string(h)] = double(s->n_kept[h]);
   }
-  // The encoder's heads kept between small appends: parameters and kernels.
-  uint64_t encoder_held = held_bytes(encoder_.key) + held_bytes(encoder_.value);
+  // The heads kept between small appends (encoder) and fetches (decoder):
+  // parameters and kernels.
+  uint64_t kept_held = held_bytes(encoder_.key) + held_bytes(encoder_.value);
   for (const auto* heads : {&encoder_.key, &encoder_.value})
-    for (const auto& h : *heads) encoder_held += h.params_held_bytes() + h.derived_held_bytes();
-  st.resident_bytes += encoder_held;  // memory, not state: not in extras (equal for equal caches)
+    for (const auto& h : *heads) kept_held += h.params_held_bytes() + h.derived_held_bytes();
+  {
+    // The decoder's heads kept between fetches (a decode loop).
+    const std::lock_guard<std::mutex> lock(*decoder_.mutex);
+    if (decoder_.heads) {
+      kept_held += sizeof(OpenHeads) + held_bytes(decoder_.heads->key) + held_bytes(decoder_.heads->value);
+      for (const auto* heads : {&decoder_.heads->key, &decoder_.heads->value})
+        for (const auto& h : *heads) kept_held += h.params_held_bytes() + h.derived_held_bytes();
+    }
+  }
+  st.resident_bytes += kept_held;  // memory, not state: not in extras (equal for equal caches)
   st.extras["bit_budget"] = double(options_.codec.bit_budget > 0 ? options_.codec.bit_budget : 4 * config_.head_dim);
   st.resident_bytes += sizeof(*this);
   st.coded_symbols = coded_symbols_;

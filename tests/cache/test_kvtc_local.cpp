@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <iomanip>
 #include <random>
 
@@ -144,9 +145,10 @@ TEST(KvtcLocal, PerTensorTargets) {
 // codec's tables per call, so after a one-call prefill it holds about what
 // it stores: payloads, parameters, no raw copy of the prefill, no tables.
 // Fed one token at a time it keeps the encoder's heads between appends (a
-// block every 64 calls would rebuild them), and counts them: their f32
-// basis alone is 2 x 64 x 64 x 4 bytes per tensor here.
-TEST(KvtcLocal, ResidentBytesHoldWhatIsStoredAndCountTheKeptEncoder) {
+// block every 64 calls would rebuild them) and the decoder's between
+// fetches, and counts them: their f32 basis alone is 2 x 64 x 64 x 4
+// bytes per tensor here.
+TEST(KvtcLocal, ResidentBytesHoldWhatIsStoredAndCountTheKeptHeads) {
   CacheConfig cfg;
   cfg.n_kv_heads = 2;
   cfg.head_dim = 64;
@@ -173,7 +175,20 @@ TEST(KvtcLocal, ResidentBytesHoldWhatIsStoredAndCountTheKeptEncoder) {
     for (int64_t t = 256; t < S; ++t) streamed->append(kv.slice_tokens(t, 1), kv.slice_tokens(t, 1));
     const CacheStats ss = streamed->stats();
     EXPECT_GE(ss.resident_bytes, ss.compressed_bytes() + 2 * 2 * 64 * 64 * 4) << coder;
-    // A bulk append (>= one block) drops the kept encoder again.
+    // A fetch in that decode loop keeps the decoder's heads as well
+    // (counted), and the next fetch, from them, decodes what a reloaded
+    // copy (which opens its heads per call) decodes.
+    const KVPair first = streamed->fetch(DType::kF32);
+    EXPECT_GE(streamed->stats().resident_bytes, ss.resident_bytes + 2 * 2 * 64 * 64 * 4) << coder;
+    const KVPair again = streamed->fetch(DType::kF32);
+    const std::vector<uint8_t> streamed_saved = streamed->save();
+    const KVPair reloaded = load_cache(streamed_saved.data(), streamed_saved.size())->fetch(DType::kF32);
+    for (const KVPair* p : {&first, &again}) {
+      ASSERT_EQ(p->keys.nbytes(), reloaded.keys.nbytes());
+      EXPECT_EQ(std::memcmp(p->keys.data(), reloaded.keys.data(), reloaded.keys.nbytes()), 0) << coder;
+      EXPECT_EQ(std::memcmp(p->values.data(), reloaded.values.data(), reloaded.values.nbytes()), 0) << coder;
+    }
+    // A bulk append (>= one block) drops the kept heads again.
     streamed->append(kv.slice_tokens(0, 128), kv.slice_tokens(0, 128));
     const CacheStats sb = streamed->stats();
     EXPECT_LE(sb.resident_bytes - sb.compressed_bytes() + 2 * 2 * 64 * 64 * 4,
