@@ -114,18 +114,35 @@ class KvtcCache final : public cache_impl::KvtcCacheBase {
   bool fitted_ = false;
   uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
-  OpenHeads encoder_;  // the encoder's heads between small appends (see append), else empty
-  // The decoder's heads kept between fetches while the cache is fed in
-  // pieces smaller than a block (a decode loop fetches every step: opening
-  // 4 heads per layer per step cost ~35% of a 1K-token fetch), counted.
+  // Both halves of the heads (KernelSet::kBoth), kept between calls while
+  // the cache is fed in pieces smaller than a block: a decode loop codes a
+  // block every few appends and fetches every step, and opening them per
+  // call cost ~25x a token's append and 1.55x a 1K-token fetch
+  // (docs/kvtc.md); counted in resident_bytes. A bulk append drops them.
   // Concurrent fetches (for_each_block is const) share them behind the
   // mutex; a moved-to cache takes the moved-from one's mutex with them.
-  struct KeptDecoder {
+  struct KeptHeads {
     std::unique_ptr<std::mutex> mutex = std::make_unique<std::mutex>();
     std::shared_ptr<const OpenHeads> heads;
     bool keep = false;  // the last append was smaller than a block
+    std::shared_ptr<const OpenHeads> get() const {
+      const std::lock_guard<std::mutex> lock(*mutex);
+      return heads;
+    }
+    void set(std::shared_ptr<const OpenHeads> h) {
+      const std::lock_guard<std::mutex> lock(*mutex);
+      heads = std::move(h);
+    }
   };
-  mutable KeptDecoder decoder_;
+  mutable KeptHeads kept_;
+  // This call's heads: the kept ones, else built with `kernels` (kBoth and
+  // kept when the cache keeps them).
+  std::shared_ptr<const OpenHeads> heads_for_call(kvtc::KernelSet kernels) const {
+    if (auto kept = kept_.get()) return kept;
+    auto built = std::make_shared<const OpenHeads>(open_heads(kept_.keep ? kvtc::KernelSet::kBoth : kernels));
+    if (kept_.keep) kept_.set(built);
+    return built;
+  }
   // Symbols of n_blocks new blocks of every head of s (one code per kept
   // component and token), added to coded_symbols_.
   void count_coded(const Stream& s, int64_t n_blocks) {
@@ -138,8 +155,7 @@ void KvtcCache::reset() {
   fitted_ = false;
   key_ = Stream{};
   value_ = Stream{};
-  encoder_ = {};
-  decoder_.heads.reset();
+  kept_.set(nullptr);
 }
 
 KvtcCache::OpenHeads KvtcCache::open_heads(kvtc::KernelSet kernels) const {
@@ -199,15 +215,16 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   if (fitted_ && raw_tokens() == sink_tokens() && rows_ok(keys) && rows_ok(values) && S > options_.window)
     direct = (S - options_.window) / options_.block * options_.block;
   // The encoder's heads, built at most once per call and only when a block
-  // is coded; kept for the next call only when this one is smaller than a
-  // block (see the end).
-  OpenHeads& open = encoder_;
+  // is coded (kept between calls only while they are small: see kept_).
+  kept_.keep = S < options_.block;
+  if (!kept_.keep) kept_.set(nullptr);
+  std::shared_ptr<const OpenHeads> open;
   const auto need_encoder = [&] {
-    if (open.key.empty()) open = open_heads(kvtc::KernelSet::kEncode);
+    if (!open) open = heads_for_call(kvtc::KernelSet::kEncode);
   };
   if (direct > 0) {
     need_encoder();
-    encode_direct(open, keys, values, direct);
+    encode_direct(*open, keys, values, direct);
   }
   const int64_t S_raw = S - direct;
   for (Stream* stream : {&key_, &value_}) {
@@ -235,19 +252,14 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
       }
   }
   offset_ += S;
-  if (!fitted_ && offset_ - options_.sinks >= options_.min_fit_tokens) open = fit();
+  if (!fitted_ && offset_ - options_.sinks >= options_.min_fit_tokens) {
+    open = std::make_shared<const OpenHeads>(fit());  // both halves, as fitted
+    if (kept_.keep) kept_.set(open);
+  }
   if (fitted_ && ready_blocks() > 0) {
     need_encoder();
-    encode_ready_blocks(open);
+    encode_ready_blocks(*open);
   }
-  // A cache fed in pieces smaller than a block (a decode loop) codes a block
-  // every few calls, and rebuilding the encoder's tables for each block
-  // cost ~25x a token's append (bench_append): it keeps them, counted in
-  // resident_bytes. One fed in bulk (a prefill, kvcodec compress) drops
-  // them: the next bulk call rebuilds them for many blocks at once.
-  if (S >= options_.block) encoder_ = {};
-  decoder_.keep = S < options_.block;  // and the same for the decoder's, kept by the next fetch
-  if (!decoder_.keep) decoder_.heads.reset();
 }
 
 KvtcCache::OpenHeads KvtcCache::fit() {
@@ -366,18 +378,8 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   emit_raw(0, sinks, 0);
   const int64_t B = options_.block;
   Tensor k(DType::kF32, {batch_, H, B, D}), v(DType::kF32, {batch_, H, B, D});
-  std::shared_ptr<const OpenHeads> kept;
-  if (!key_.blocks.empty()) {
-    {
-      const std::lock_guard<std::mutex> lock(*decoder_.mutex);
-      kept = decoder_.heads;
-    }
-    if (!kept) {
-      kept = std::make_shared<const OpenHeads>(open_heads(kvtc::KernelSet::kDecode));
-      const std::lock_guard<std::mutex> lock(*decoder_.mutex);
-      if (decoder_.keep) decoder_.heads = kept;
-    }
-  }
+  const std::shared_ptr<const OpenHeads> kept =
+      key_.blocks.empty() ? nullptr : heads_for_call(kvtc::KernelSet::kDecode);
   static const OpenHeads kNoHeads;  // no block to decode
   const OpenHeads& open = kept ? *kept : kNoHeads;
   for (size_t j = 0; j < key_.blocks.size(); ++j) {
@@ -451,19 +453,12 @@ CacheStats KvtcCache::stats() const {
     for (size_t h = 0; h < s->n_kept.size(); ++h)
       st.extras[prefix + "n_survived." + std::to_string(h)] = double(s->n_kept[h]);
   }
-  // The heads kept between small appends (encoder) and fetches (decoder):
-  // parameters and kernels.
-  uint64_t kept_held = held_bytes(encoder_.key) + held_bytes(encoder_.value);
-  for (const auto* heads : {&encoder_.key, &encoder_.value})
-    for (const auto& h : *heads) kept_held += h.params_held_bytes() + h.derived_held_bytes();
-  {
-    // The decoder's heads kept between fetches (a decode loop).
-    const std::lock_guard<std::mutex> lock(*decoder_.mutex);
-    if (decoder_.heads) {
-      kept_held += sizeof(OpenHeads) + held_bytes(decoder_.heads->key) + held_bytes(decoder_.heads->value);
-      for (const auto* heads : {&decoder_.heads->key, &decoder_.heads->value})
-        for (const auto& h : *heads) kept_held += h.params_held_bytes() + h.derived_held_bytes();
-    }
+  // The heads kept between calls (a decode loop): parameters and kernels.
+  uint64_t kept_held = 0;
+  if (const auto kept = kept_.get()) {
+    kept_held = sizeof(OpenHeads) + held_bytes(kept->key) + held_bytes(kept->value);
+    for (const auto* heads : {&kept->key, &kept->value})
+      for (const auto& h : *heads) kept_held += h.params_held_bytes() + h.derived_held_bytes();
   }
   st.resident_bytes += kept_held;  // memory, not state: not in extras (equal for equal caches)
   st.extras["bit_budget"] = double(options_.codec.bit_budget > 0 ? options_.codec.bit_budget : 4 * config_.head_dim);
