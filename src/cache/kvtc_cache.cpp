@@ -552,9 +552,10 @@ void KvtcCache::load(const uint8_t* data, size_t size) {
       for (int64_t h = 0; h < heads; ++h) parsed.push_back(kvtc::HeadParams::deserialize(params, D, kvtc::KernelSet::kDecode));
     params.expect_end();
     hold_params(*s, parsed);
-    for (auto& payloads : cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, layout.rows,
-                                                          "kvtc " + prefix + "blocks"))
-      s->blocks.push_back(EncodedBlock{std::move(payloads)});
+    auto blocks = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, layout.rows,
+                                                  "kvtc " + prefix + "blocks");
+    s->blocks.reserve(blocks.size());  // exact: a loaded cache holds no growth slack
+    for (auto& payloads : blocks) s->blocks.push_back(EncodedBlock{std::move(payloads)});
     s->raw = cache_impl::read_raw_rows(r.section(prefix + "raw"), layout.rows,
                                        cache_impl::checked_mul(layout.raw_tokens(), layout.token_words, "kvtc raw"),
                                        "kvtc " + prefix + "raw");

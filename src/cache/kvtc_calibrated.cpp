@@ -613,6 +613,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
                                        "kvtc " + prefix + "raw");
     auto payloads = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, batch,
                                                     "kvtc " + prefix + "blocks");
+    s->blocks.reserve(payloads.size());  // exact: a loaded cache holds no growth slack
     for (uint64_t j = 0; j < n_blocks; ++j)
       s->blocks.push_back(Block{j + 1 == n_blocks ? int64_t(last_tokens) : options_.block, false, std::move(payloads[j])});
     if (r.has(prefix + "refine")) {
