@@ -1,10 +1,12 @@
 #include "cache/kvtc_cache.hpp"
 #include "cache/append_checks.hpp"
+#include "cache/kvtc_base.hpp"
 #include "cache/kvtc_calibrated.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 #include "cache/saved_meta.hpp"
@@ -38,42 +40,61 @@ struct EncodedBlock {
 
 // One tensor's (K or V) compressed state.
 struct Stream {
-  std::vector<kvtc::HeadParams> heads;  // [B*H] once fitted
+  // Every (batch, head)'s frozen parameters [B*H] once fitted, held as
+  // serialised (HeadParams::serialize, the stored bytes): the codec's
+  // in-memory form (f32 basis, frequency and coder tables, integer kernels)
+  // is 2-3x their size, so it is built from these bytes for one encode or
+  // decode call (open_heads) and dropped after it.
+  std::vector<std::vector<uint8_t>> params;
+  // Per head: kept components and payload bits per token before entropy
+  // coding (stats(), coded-symbol counts) without parsing the parameters.
+  std::vector<int> n_kept;
+  std::vector<uint32_t> code_bits;
   std::vector<EncodedBlock> blocks;
   // Raw tokens, per (batch, head), in the raw dtype: sinks first, then the tail.
   std::vector<std::vector<uint16_t>> raw;  // [B*H][tokens * D]
 };
 
-class KvtcCache final : public KVCache {
+class KvtcCache final : public cache_impl::KvtcCacheBase {
  public:
   KvtcCache(const CacheConfig& config, const Settings& settings)
-      : config_(config), settings_(settings), options_(parse_kvtc_settings(settings, config)) {}
-
-  std::string method() const override { return "kvtc"; }
-  const CacheConfig& config() const override { return config_; }
-  int64_t offset() const override { return offset_; }
-  bool is_trimmable() const override { return true; }
+      : KvtcCacheBase(config, settings, parse_kvtc_settings(settings, config), "kvtc") {}
 
   void append(const TensorView& keys, const TensorView& values) override;
   void for_each_block(const BlockVisitor& visit) const override;
-  int64_t trim(int64_t n) override;
   std::vector<uint8_t> save() const override;
   void load(const uint8_t* data, size_t size) override;
   CacheStats stats() const override;
 
  private:
   int64_t heads_total() const { return batch_ * config_.n_kv_heads; }
-  int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
-  int64_t encoded_tokens() const { return int64_t(key_.blocks.size()) * options_.block; }
-  int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
-  void fit();
-  void encode_ready_blocks();
-  void encode_direct(const TensorView& keys, const TensorView& values, int64_t n);
+  int64_t encoded_tokens() const override { return int64_t(key_.blocks.size()) * options_.block; }
+  void cut_raw(int64_t count) override;
+  void uncode_newest_block() override;
+  // Blocks the tail holds ready to be coded (window newer tokens after them).
+  int64_t ready_blocks() const {
+    const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
+    return ready >= options_.block ? ready / options_.block : 0;
+  }
+  // The codec's form of both tensors' parameters ([B*H] each), built from the
+  // held bytes for the call that needs them (see Stream::params).
+  struct OpenHeads {
+    std::vector<kvtc::HeadParams> key, value;
+    const std::vector<kvtc::HeadParams>& of(const Stream& s, const KvtcCache& c) const {
+      return &s == &c.key_ ? key : value;
+    }
+  };
+  OpenHeads open_heads(kvtc::KernelSet kernels) const;
+  // Keeps fitted (or loaded) parameters as their serialised bytes.
+  static void hold_params(Stream& s, const std::vector<kvtc::HeadParams>& heads);
+  OpenHeads fit();
+  void encode_ready_blocks(const OpenHeads& open);
+  void encode_direct(const OpenHeads& open, const TensorView& keys, const TensorView& values, int64_t n);
   void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
-  void reset();
+  void reset() override;
   // Decodes every block once and drops the result: load() refuses a corrupt
   // payload there, not at a later fetch.
-  void decode_every_block() const;
+  void decode_every_block(const OpenHeads& open) const;
   // Runs body(h) for every (batch, head): an OpenMP team when threads > 1,
   // a plain loop otherwise (a team per 64-token block costs more than the
   // block's decode at one thread).
@@ -90,19 +111,42 @@ class KvtcCache final : public KVCache {
     }
   }
 
-  CacheConfig config_;
-  Settings settings_;
-  KvtcSettings options_;
-  int64_t batch_ = 0;
-  DType raw_dtype_ = DType::kF16;
-  int64_t offset_ = 0;
   bool fitted_ = false;
   uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
+  // Both halves of the heads (KernelSet::kBoth), kept between calls while
+  // the cache is fed in pieces smaller than a block: a decode loop codes a
+  // block every few appends and fetches every step, and opening them per
+  // call cost ~25x a token's append and 1.55x a 1K-token fetch
+  // (docs/kvtc.md); counted in resident_bytes. A bulk append drops them.
+  // Concurrent fetches (for_each_block is const) share them behind the
+  // mutex; a moved-to cache takes the moved-from one's mutex with them.
+  struct KeptHeads {
+    std::unique_ptr<std::mutex> mutex = std::make_unique<std::mutex>();
+    std::shared_ptr<const OpenHeads> heads;
+    bool keep = false;  // the last append was smaller than a block
+    std::shared_ptr<const OpenHeads> get() const {
+      const std::lock_guard<std::mutex> lock(*mutex);
+      return heads;
+    }
+    void set(std::shared_ptr<const OpenHeads> h) {
+      const std::lock_guard<std::mutex> lock(*mutex);
+      heads = std::move(h);
+    }
+  };
+  mutable KeptHeads kept_;
+  // This call's heads: the kept ones, else built with `kernels` (kBoth and
+  // kept when the cache keeps them).
+  std::shared_ptr<const OpenHeads> heads_for_call(kvtc::KernelSet kernels) const {
+    if (auto kept = kept_.get()) return kept;
+    auto built = std::make_shared<const OpenHeads>(open_heads(kept_.keep ? kvtc::KernelSet::kBoth : kernels));
+    if (kept_.keep) kept_.set(built);
+    return built;
+  }
   // Symbols of n_blocks new blocks of every head of s (one code per kept
   // component and token), added to coded_symbols_.
   void count_coded(const Stream& s, int64_t n_blocks) {
-    for (const auto& h : s.heads) coded_symbols_ += uint64_t(n_blocks) * uint64_t(options_.block) * uint64_t(h.n_kept());
+    for (int k : s.n_kept) coded_symbols_ += uint64_t(n_blocks) * uint64_t(options_.block) * uint64_t(k);
   }
 };
 
@@ -111,6 +155,37 @@ void KvtcCache::reset() {
   fitted_ = false;
   key_ = Stream{};
   value_ = Stream{};
+  kept_.set(nullptr);
+}
+
+KvtcCache::OpenHeads KvtcCache::open_heads(kvtc::KernelSet kernels) const {
+  OpenHeads open;
+  for (const Stream* s : {&key_, &value_}) {
+    auto& heads = s == &key_ ? open.key : open.value;
+    heads.resize(s->params.size());
+    parallel_heads(int64_t(heads.size()), [&](int64_t h) {
+      const auto& bytes = s->params[size_t(h)];
+      ByteReader in(bytes.data(), bytes.size(), "kvtc head params");
+      heads[size_t(h)] = kvtc::HeadParams::deserialize(in, config_.head_dim, kernels);
+    });
+  }
+  return open;
+}
+
+void KvtcCache::hold_params(Stream& s, const std::vector<kvtc::HeadParams>& heads) {
+  s.params.clear();
+  s.n_kept.clear();
+  s.code_bits.clear();
+  for (const auto& h : heads) {
+    ByteWriter w;
+    h.serialize(w);
+    s.params.push_back(w.take());
+    s.params.back().shrink_to_fit();
+    s.n_kept.push_back(h.n_kept());
+    uint32_t bits = 0;
+    for (uint8_t width : h.fixed_widths) bits += width;
+    s.code_bits.push_back(bits);
+  }
 }
 
 void KvtcCache::raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const {
@@ -139,7 +214,18 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   };
   if (fitted_ && raw_tokens() == sink_tokens() && rows_ok(keys) && rows_ok(values) && S > options_.window)
     direct = (S - options_.window) / options_.block * options_.block;
-  if (direct > 0) encode_direct(keys, values, direct);
+  // The encoder's heads, built at most once per call and only when a block
+  // is coded (kept between calls only while they are small: see kept_).
+  kept_.keep = S < options_.block;
+  if (!kept_.keep) kept_.set(nullptr);
+  std::shared_ptr<const OpenHeads> open;
+  const auto need_encoder = [&] {
+    if (!open) open = heads_for_call(kvtc::KernelSet::kEncode);
+  };
+  if (direct > 0) {
+    need_encoder();
+    encode_direct(*open, keys, values, direct);
+  }
   const int64_t S_raw = S - direct;
   for (Stream* stream : {&key_, &value_}) {
     if (S_raw == 0) break;
@@ -166,20 +252,28 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
       }
   }
   offset_ += S;
-  if (!fitted_ && offset_ - options_.sinks >= options_.min_fit_tokens) fit();
-  if (fitted_) encode_ready_blocks();
+  if (!fitted_ && offset_ - options_.sinks >= options_.min_fit_tokens) {
+    open = std::make_shared<const OpenHeads>(fit());  // both halves, as fitted
+    if (kept_.keep) kept_.set(open);
+  }
+  if (fitted_ && ready_blocks() > 0) {
+    need_encoder();
+    encode_ready_blocks(*open);
+  }
 }
 
-void KvtcCache::fit() {
+KvtcCache::OpenHeads KvtcCache::fit() {
   const int D = config_.head_dim;
   const int64_t heads = heads_total();
   const int64_t first = options_.sinks;          // sinks stay raw and out of the fit
   const int64_t n = offset_ - first;
+  OpenHeads open;
   for (Stream* stream : {&key_, &value_}) {
+    std::vector<kvtc::HeadParams>& fitted = stream == &key_ ? open.key : open.value;
     std::vector<float> x(size_t(heads) * size_t(n) * size_t(D));
     for (int64_t h = 0; h < heads; ++h) raw_to_f32(stream->raw[size_t(h)], first, n, &x[size_t(h * n) * size_t(D)]);
     const std::vector<linalg::PcaBasis> pcas = linalg::fit_pca_batched(x.data(), heads, n, D, options_.threads);
-    stream->heads.assign(size_t(heads), {});
+    fitted.assign(size_t(heads), {});
     FirstException failure;
 #pragma omp parallel for num_threads(options_.threads) schedule(dynamic)
     for (int64_t h = 0; h < heads; ++h) failure.capture([&] {
@@ -202,20 +296,24 @@ void KvtcCache::fit() {
         }
         codec.bit_budget = std::max(lo, 1);
       }
-      stream->heads[size_t(h)] = kvtc::fit_head(xh, n, D, pca.mean, pca.components, pca.eigenvalues, codec);
+      fitted[size_t(h)] = kvtc::fit_head(xh, n, D, pca.mean, pca.components, pca.eigenvalues, codec);
     });
     failure.rethrow();
+    hold_params(*stream, fitted);
   }
   fitted_ = true;
+  return open;
 }
 
-void KvtcCache::encode_direct(const TensorView& keys, const TensorView& values, int64_t n) {
+void KvtcCache::encode_direct(const OpenHeads& open, const TensorView& keys, const TensorView& values,
+                              int64_t n) {
   const int64_t B = options_.block;
   const int64_t heads = heads_total();
   const int64_t H = config_.n_kv_heads;
   const size_t n_blocks = size_t(n / B);
   for (Stream* stream : {&key_, &value_}) {
     const TensorView& src = stream == &key_ ? keys : values;
+    const auto& params = open.of(*stream, *this);
     const size_t first = stream->blocks.size();
     stream->blocks.resize(first + n_blocks);
     for (size_t j = 0; j < n_blocks; ++j) stream->blocks[first + j].payload.resize(size_t(heads));
@@ -224,26 +322,26 @@ void KvtcCache::encode_direct(const TensorView& keys, const TensorView& values, 
       for (size_t j = 0; j < n_blocks; ++j) {
         // The rounding to the raw dtype fused into the encoder's centring.
         stream->blocks[first + j].payload[size_t(h)] = kvtc::encode_block_rows(
-            stream->heads[size_t(h)], base + int64_t(j) * B * src.strides[2], src.strides[2], B, raw_dtype_);
+            params[size_t(h)], base + int64_t(j) * B * src.strides[2], src.strides[2], B, raw_dtype_);
       }
     });
     count_coded(*stream, int64_t(n_blocks));
   }
 }
 
-void KvtcCache::encode_ready_blocks() {
+void KvtcCache::encode_ready_blocks(const OpenHeads& open) {
   const int D = config_.head_dim;
   const int64_t heads = heads_total();
   const int64_t B = options_.block;
   // Every block that is ready now, encoded in one pass; the raw tail is then
   // cut once (erasing block by block would move the tail once per block:
   // quadratic in the tokens of one append).
-  const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
-  const int64_t n_new = ready >= B ? ready / B : 0;
+  const int64_t n_new = ready_blocks();
   if (n_new == 0) return;
   // The oldest tail tokens: raw index sinks (they sit right after the sinks).
   const int64_t sinks = sink_tokens();
   for (Stream* stream : {&key_, &value_}) {
+    const auto& params = open.of(*stream, *this);
     const size_t first = stream->blocks.size();
     stream->blocks.resize(first + size_t(n_new));
     for (int64_t j = 0; j < n_new; ++j) stream->blocks[first + size_t(j)].payload.resize(size_t(heads));
@@ -252,7 +350,7 @@ void KvtcCache::encode_ready_blocks() {
       auto& raw = stream->raw[size_t(h)];
       for (int64_t j = 0; j < n_new; ++j) {
         raw_to_f32(raw, sinks + j * B, B, x.data());
-        stream->blocks[first + size_t(j)].payload[size_t(h)] = kvtc::encode_block(stream->heads[size_t(h)], x.data(), B);
+        stream->blocks[first + size_t(j)].payload[size_t(h)] = kvtc::encode_block(params[size_t(h)], x.data(), B);
       }
       raw.erase(raw.begin() + sinks * D, raw.begin() + (sinks + n_new * B) * D);
       shrink_if_oversized(raw, size_t(sinks + B + options_.window) * D);
@@ -280,55 +378,45 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   emit_raw(0, sinks, 0);
   const int64_t B = options_.block;
   Tensor k(DType::kF32, {batch_, H, B, D}), v(DType::kF32, {batch_, H, B, D});
+  const std::shared_ptr<const OpenHeads> kept =
+      key_.blocks.empty() ? nullptr : heads_for_call(kvtc::KernelSet::kDecode);
+  static const OpenHeads kNoHeads;  // no block to decode
+  const OpenHeads& open = kept ? *kept : kNoHeads;
   for (size_t j = 0; j < key_.blocks.size(); ++j) {
     parallel_heads(heads, [&](int64_t h) {
       const auto& kp = key_.blocks[j].payload[size_t(h)];
       const auto& vp = value_.blocks[j].payload[size_t(h)];
       // Keys and values together: their two rANS streams decode interleaved.
-      kvtc::decode_block_pair(key_.heads[size_t(h)], kp.data(), kp.size(), k.data_as<float>() + h * B * D,
-                              value_.heads[size_t(h)], vp.data(), vp.size(), v.data_as<float>() + h * B * D, B);
+      kvtc::decode_block_pair(open.key[size_t(h)], kp.data(), kp.size(), k.data_as<float>() + h * B * D,
+                              open.value[size_t(h)], vp.data(), vp.size(), v.data_as<float>() + h * B * D, B);
     });
     visit(sinks + int64_t(j) * B, k.view(), v.view());
   }
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
 }
 
-int64_t KvtcCache::trim(int64_t n) {
-  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc: trim(" + std::to_string(n) + ")");
-  const int64_t dropped = std::min(n, offset_);
-  const int64_t D = config_.head_dim;
-  int64_t left = dropped;
-  while (left > 0) {
-    const int64_t tail = raw_tokens() - sink_tokens();
-    if (tail > 0 || key_.blocks.empty()) {
-      // Drop from the raw tail (or the sinks, once no block is left).
-      // With blocks left, only the tail may go: the sinks sit before the blocks.
-      const int64_t cut = std::min(left, key_.blocks.empty() ? raw_tokens() : tail);
-      for (Stream* s : {&key_, &value_})
-        for (auto& raw : s->raw) raw.resize(raw.size() - size_t(cut * D));
-      offset_ -= cut;
-      left -= cut;
-      continue;
+void KvtcCache::cut_raw(int64_t count) {
+  for (Stream* s : {&key_, &value_})
+    for (auto& raw : s->raw) raw.resize(raw.size() - size_t(count * config_.head_dim));
+  offset_ -= count;
+}
+
+void KvtcCache::uncode_newest_block() {
+  const int64_t B = options_.block, D = config_.head_dim;
+  std::vector<float> x(size_t(B * D));
+  std::vector<uint16_t> row(size_t(B * D));
+  const OpenHeads open = open_heads(kvtc::KernelSet::kDecode);
+  for (Stream* s : {&key_, &value_}) {
+    const EncodedBlock& blk = s->blocks.back();
+    for (int64_t h = 0; h < heads_total(); ++h) {
+      const auto& pl = blk.payload[size_t(h)];
+      kvtc::decode_block(open.of(*s, *this)[size_t(h)], pl.data(), pl.size(), B, x.data());
+      convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
+      auto& raw = s->raw[size_t(h)];
+      raw.insert(raw.end(), row.begin(), row.end());
     }
-    // The newest block must be cut: decode it back into the raw tail (its
-    // reconstruction, stored raw and counted as such), then drop from there.
-    const int64_t B = options_.block;
-    std::vector<float> x(size_t(B * D));
-    std::vector<uint16_t> row(size_t(B * D));
-    for (Stream* s : {&key_, &value_}) {
-      const EncodedBlock& blk = s->blocks.back();
-      for (int64_t h = 0; h < heads_total(); ++h) {
-        const auto& pl = blk.payload[size_t(h)];
-        kvtc::decode_block(s->heads[size_t(h)], pl.data(), pl.size(), B, x.data());
-        convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
-        auto& raw = s->raw[size_t(h)];
-        raw.insert(raw.end(), row.begin(), row.end());
-      }
-      s->blocks.pop_back();
-    }
+    s->blocks.pop_back();
   }
-  if (offset_ == 0) reset();
-  return dropped;
 }
 
 CacheStats KvtcCache::stats() const {
@@ -341,14 +429,11 @@ CacheStats KvtcCache::stats() const {
   for (const Stream* s : {&key_, &value_}) {
     const std::string prefix = s == &key_ ? "key." : "value.";
     uint64_t side = 0, payload = 0, pre_entropy = 0, raw = 0;
-    for (const auto& h : s->heads) side += h.serialized_size();
+    for (const auto& bytes : s->params) side += bytes.size();
     for (const auto& blk : s->blocks) {
       payload += blk.serialized_size();
-      for (size_t h = 0; h < blk.payload.size(); ++h) {
-        uint64_t bits = 0;
-        for (uint8_t w : s->heads[h].fixed_widths) bits += w;
-        pre_entropy += (bits * uint64_t(options_.block) + 7) / 8;
-      }
+      for (size_t h = 0; h < blk.payload.size(); ++h)
+        pre_entropy += (uint64_t(s->code_bits[h]) * uint64_t(options_.block) + 7) / 8;
     }
     for (const auto& r : s->raw) raw += r.size() * 2;
     const uint64_t total = side + payload + raw;
@@ -359,20 +444,23 @@ CacheStats KvtcCache::stats() const {
     st.extras[prefix + "pre_entropy_bytes"] = double(pre_entropy);
     st.extras[prefix + "raw_bytes"] = double(raw);
     st.extras[prefix + "entropy_coding_gain"] = payload ? double(pre_entropy) / double(payload) : 0.0;
-    // As held: the payload and raw vectors by capacity, every head's
-    // parameters and the tables derived from them.
-    uint64_t params_held = held_bytes(s->heads), tables_held = 0;
-    for (const auto& h : s->heads) {
-      params_held += h.params_held_bytes();
-      tables_held += h.derived_held_bytes();
-    }
+    // As held: the payload, raw and parameter vectors by capacity (the
+    // codec's tables are built per call from the parameters, not held).
     uint64_t blocks_held = uint64_t(s->blocks.capacity()) * sizeof(EncodedBlock);
     for (const auto& blk : s->blocks) blocks_held += held_bytes(blk.payload);
-    st.resident_bytes += params_held + tables_held + blocks_held + held_bytes(s->raw);
-    st.extras[prefix + "table_bytes"] = double(tables_held);
-    for (size_t h = 0; h < s->heads.size(); ++h)
-      st.extras[prefix + "n_survived." + std::to_string(h)] = double(s->heads[h].n_kept());
+    st.resident_bytes += held_bytes(s->params) + held_bytes(s->n_kept) + held_bytes(s->code_bits) + blocks_held +
+                         held_bytes(s->raw);
+    for (size_t h = 0; h < s->n_kept.size(); ++h)
+      st.extras[prefix + "n_survived." + std::to_string(h)] = double(s->n_kept[h]);
   }
+  // The heads kept between calls (a decode loop): parameters and kernels.
+  uint64_t kept_held = 0;
+  if (const auto kept = kept_.get()) {
+    kept_held = sizeof(OpenHeads) + held_bytes(kept->key) + held_bytes(kept->value);
+    for (const auto* heads : {&kept->key, &kept->value})
+      for (const auto& h : *heads) kept_held += h.params_held_bytes() + h.derived_held_bytes();
+  }
+  st.resident_bytes += kept_held;  // memory, not state: not in extras (equal for equal caches)
   st.extras["bit_budget"] = double(options_.codec.bit_budget > 0 ? options_.codec.bit_budget : 4 * config_.head_dim);
   st.resident_bytes += sizeof(*this);
   st.coded_symbols = coded_symbols_;
@@ -392,13 +480,7 @@ CacheStats KvtcCache::stats() const {
 
 std::vector<uint8_t> KvtcCache::save() const {
   ContainerWriter w(ContainerKind::kCache);
-  w.set_meta("method", "kvtc");
-  w.set_meta("settings", encode_settings(settings_));
-  w.set_meta("config.layer", std::to_string(config_.layer));
-  w.set_meta("config.n_layers", std::to_string(config_.n_layers));
-  w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
-  w.set_meta("config.head_dim", std::to_string(config_.head_dim));
-  w.set_meta("config.rope_theta", cache_impl::double_text(config_.rope_theta));
+  write_saved_meta(w);
   cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
   state.u64(uint64_t(batch_));
@@ -409,9 +491,9 @@ std::vector<uint8_t> KvtcCache::save() const {
   w.add_section("state", state.take());
   for (const Stream* s : {&key_, &value_}) {
     const std::string prefix = s == &key_ ? "key." : "value.";
-    ByteWriter params;
-    for (const auto& h : s->heads) h.serialize(params);
-    w.add_section(prefix + "params", params.take());
+    std::vector<uint8_t> params;
+    for (const auto& bytes : s->params) params.insert(params.end(), bytes.begin(), bytes.end());
+    w.add_section(prefix + "params", std::move(params));
     std::vector<uint8_t> blocks;
     for (const auto& blk : s->blocks) cache_impl::append_block_payloads(blocks, blk.payload);
     w.add_section(prefix + "blocks", std::move(blocks));
@@ -460,25 +542,29 @@ void KvtcCache::load(const uint8_t* data, size_t size) {
   fresh.offset_ = int64_t(offset);
   fresh.fitted_ = fitted != 0;
   fresh.raw_dtype_ = DType(raw_dtype);
+  OpenHeads open;  // parsed once here: bad parameters are refused now, and every block decoded with them
   for (Stream* s : {&fresh.key_, &fresh.value_}) {
     const std::string prefix = s == &fresh.key_ ? "key." : "value.";
     ByteReader params(r.section(prefix + "params"), "kvtc " + prefix + "params");
+    auto& parsed = s == &fresh.key_ ? open.key : open.value;
     // Each head's parameters take bytes, so this loop is bounded by the section.
     if (fresh.fitted_)
-      for (int64_t h = 0; h < heads; ++h) s->heads.push_back(kvtc::HeadParams::deserialize(params, D));
+      for (int64_t h = 0; h < heads; ++h) parsed.push_back(kvtc::HeadParams::deserialize(params, D, kvtc::KernelSet::kDecode));
     params.expect_end();
-    for (auto& payloads : cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, layout.rows,
-                                                          "kvtc " + prefix + "blocks"))
-      s->blocks.push_back(EncodedBlock{std::move(payloads)});
+    hold_params(*s, parsed);
+    auto blocks = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, layout.rows,
+                                                  "kvtc " + prefix + "blocks");
+    s->blocks.reserve(blocks.size());  // exact: a loaded cache holds no growth slack
+    for (auto& payloads : blocks) s->blocks.push_back(EncodedBlock{std::move(payloads)});
     s->raw = cache_impl::read_raw_rows(r.section(prefix + "raw"), layout.rows,
                                        cache_impl::checked_mul(layout.raw_tokens(), layout.token_words, "kvtc raw"),
                                        "kvtc " + prefix + "raw");
   }
-  fresh.decode_every_block();
+  fresh.decode_every_block(open);
   *this = std::move(fresh);
 }
 
-void KvtcCache::decode_every_block() const {
+void KvtcCache::decode_every_block(const OpenHeads& open) const {
   const int64_t B = options_.block, D = config_.head_dim;
   for (size_t j = 0; j < key_.blocks.size(); ++j)
     parallel_heads(heads_total(), [&](int64_t h) {
@@ -487,7 +573,7 @@ void KvtcCache::decode_every_block() const {
       v.resize(size_t(B * D));
       const auto& kp = key_.blocks[j].payload[size_t(h)];
       const auto& vp = value_.blocks[j].payload[size_t(h)];
-      kvtc::decode_block_pair(key_.heads[size_t(h)], kp.data(), kp.size(), k.data(), value_.heads[size_t(h)],
+      kvtc::decode_block_pair(open.key[size_t(h)], kp.data(), kp.size(), k.data(), open.value[size_t(h)],
                               vp.data(), vp.size(), v.data(), B);
     });
 }

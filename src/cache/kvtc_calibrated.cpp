@@ -8,6 +8,7 @@
 
 #include "cache/append_checks.hpp"
 #include "cache/append_coder.hpp"
+#include "cache/kvtc_base.hpp"
 #include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "core/first_exception.hpp"
@@ -65,6 +66,15 @@ constexpr int64_t kRefineGroup = 32;
 // converted at load.
 constexpr int kLayoutVersion = 2;
 
+// Reserves room for `need` elements, growing by an eighth rather than the
+// vector's doubling: a cache's vectors are resident_bytes, and a raw tail
+// of a few tokens doubled on a one-token append held twice its bytes.
+// Amortised O(1) still (geometric growth).
+template <typename T>
+void grow_by_eighths(std::vector<T>& v, size_t need) {
+  if (v.capacity() < need) v.reserve(need + need / 8);
+}
+
 struct Stream {
   std::vector<Block> blocks;
   std::deque<RefineGroup> refine;  // oldest first, contiguous up to the newest coded token
@@ -73,31 +83,23 @@ struct Stream {
   std::vector<std::vector<uint16_t>> raw;  // [B][tokens * H * D]
 };
 
-class CalibratedKvtcCache final : public KVCache {
+class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
  public:
   CalibratedKvtcCache(const CacheConfig& config, const Settings& settings, const KvtcSettings& options)
-      : config_(config), settings_(settings), options_(options) {
+      : KvtcCacheBase(config, settings, options, "kvtc calibrated") {
     calibration_ = KvtcCalibration::load_shared(options_.calibration);
     check_calibration_matches(*calibration_, config_, options_.rope_theta, options_.calibration);
     if (config_.head_dim % 2 != 0)
       throw Error(ErrorCode::kUnsupported, "kvtc calibrated: RoPE needs an even head_dim, got " +
                                                std::to_string(config_.head_dim));
-    for (const bool is_key : {true, false})
-      if (const float* w = scale(is_key))
-        for (int64_t d = 0; d < vdim(); ++d) inverse_scale_[is_key ? 0 : 1].push_back(1.0f / w[d]);
     if (options_.refine > 0 && !calibration_->refined())
       throw Error(ErrorCode::kConfig, "kvtc calibrated: refine=" + std::to_string(options_.refine) + " needs a "
                                       "calibration with refinement parameters (kvcodec calibrate --set "
                                       "kvtc.refine_ratio=R); " + options_.calibration + " has none");
   }
 
-  std::string method() const override { return "kvtc"; }
-  const CacheConfig& config() const override { return config_; }
-  int64_t offset() const override { return offset_; }
-  bool is_trimmable() const override { return true; }
   void append(const TensorView& keys, const TensorView& values) override;
   void for_each_block(const BlockVisitor& visit) const override;
-  int64_t trim(int64_t n) override;
   std::vector<uint8_t> save() const override;
   void load(const uint8_t* data, size_t size) override;
   CacheStats stats() const override;
@@ -118,12 +120,9 @@ class CalibratedKvtcCache final : public KVCache {
   }
   void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m, bool closes);
   void drop_aged_refinement();
-  const float* inverse_scale(bool is_key) const {
-    return inverse_scale_[is_key ? 0 : 1].empty() ? nullptr : inverse_scale_[is_key ? 0 : 1].data();
-  }
-  int64_t encoded_tokens() const { return encoded_; }
-  int64_t raw_tokens() const { return offset_ - encoded_tokens(); }
-  int64_t sink_tokens() const { return std::min<int64_t>(options_.sinks, offset_); }
+  int64_t encoded_tokens() const override { return encoded_; }
+  void cut_raw(int64_t count) override;
+  void uncode_newest_block() override;
   void encode_ready_blocks();
   // first_coded: coded-token index of blk's first token (its position - sinks).
   void decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
@@ -131,22 +130,15 @@ class CalibratedKvtcCache final : public KVCache {
     if (!rope_ || rope_->positions() < positions)
       rope_ = RopeTable::get(config_.head_dim, options_.rope_theta, positions);
   }
-  void reset() {
+  void reset() override {
     offset_ = 0;
     encoded_ = 0;
     key_ = Stream{};
     value_ = Stream{};
   }
 
-  CacheConfig config_;
-  Settings settings_;
-  KvtcSettings options_;
   std::shared_ptr<const KvtcCalibration> calibration_;
-  std::vector<float> inverse_scale_[2];     // [key, value] 1 / scale, or empty
   std::shared_ptr<const RopeTable> rope_;  // covers every position held (grown in append / load)
-  int64_t batch_ = 0;
-  DType raw_dtype_ = DType::kF16;
-  int64_t offset_ = 0;
   int64_t encoded_ = 0;  // tokens in blocks (same for keys and values)
   uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
@@ -169,6 +161,7 @@ void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& value
     for (int64_t b = 0; b < batch_; ++b) {
       auto& raw = stream->raw[size_t(b)];
       const size_t base = raw.size();
+      grow_by_eighths(raw, base + size_t(S * H * D));
       raw.resize(base + size_t(S * H * D));
       for (int64_t h = 0; h < H; ++h) {
         TensorView one = src;
@@ -218,6 +211,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
           payload[size_t(b)].reserve(previous->payload[size_t(b)].size() + 64);
       };
       if (!grow) {
+        grow_by_eighths(stream->blocks, stream->blocks.size() + 1);
         stream->blocks.emplace_back();
         open_payloads(stream->blocks.back().payload,
                       block_closes || stream->blocks.size() < 2 ? nullptr : &stream->blocks[stream->blocks.size() - 2]);
@@ -287,6 +281,22 @@ void CalibratedKvtcCache::encode_ready_blocks() {
     encoded_ += m;
     drop_aged_refinement();
   }
+  // The tail now holds the sinks and the window (and, with whole_blocks, up
+  // to a block more): held within an eighth of what it regrows to, not the
+  // 2x slack of the loop's shrink (with the shipped settings the raw vectors
+  // were 5x their 12 tokens: a third of the cache's resident bytes).
+  const size_t regrows = size_t(options_.sinks + options_.window + (options_.whole_blocks ? options_.block : 1)) *
+                         size_t(V);
+  for (Stream* stream : {&key_, &value_})
+    for (auto& raw : stream->raw) {
+      const size_t need = std::max(raw.size(), std::min(regrows, raw.size() + size_t(V)));
+      if (raw.capacity() > need + need / 8 + size_t(V)) {
+        std::vector<uint16_t> exact;
+        exact.reserve(need + need / 8);
+        exact.assign(raw.begin(), raw.end());
+        raw.swap(exact);
+      }
+    }
 }
 
 // Appends m tokens' refinement codes of residual [m, V] to batch row b of
@@ -328,9 +338,14 @@ void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_co
       for (size_t i = 0; i < fine.size(); ++i) dst[i] += fine[i];
     }
   }
-  if (const float* w = inverse_scale(is_key))
+  if (const float* w = scale(is_key)) {
+    // 1 / scale per call (the same floats a per-cache copy held: 1 KB per
+    // layer and sequence, where a block's decode is 64 x V products).
+    std::vector<float> inverse(static_cast<size_t>(vdim()));
+    for (int64_t d = 0; d < vdim(); ++d) inverse[size_t(d)] = 1.0f / w[d];
     for (int64_t t = 0; t < blk.tokens; ++t)
-      for (int64_t d = 0; d < vdim(); ++d) out[t * vdim() + d] *= w[d];
+      for (int64_t d = 0; d < vdim(); ++d) out[t * vdim() + d] *= inverse[size_t(d)];
+  }
   if (is_key)
     rope_->rotate(out, blk.tokens, vdim(), config_.n_kv_heads, sink_tokens() + first_coded, /*inverse=*/false);
 }
@@ -399,44 +414,31 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
 }
 
-int64_t CalibratedKvtcCache::trim(int64_t n) {
-  if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc calibrated: trim(" + std::to_string(n) + ")");
-  const int64_t dropped = std::min(n, offset_);
+void CalibratedKvtcCache::cut_raw(int64_t count) {
+  for (Stream* s : {&key_, &value_})
+    for (auto& raw : s->raw) raw.resize(raw.size() - size_t(count * vdim()));
+  offset_ -= count;
+}
+
+void CalibratedKvtcCache::uncode_newest_block() {
   const int64_t V = vdim();
-  int64_t left = dropped;
-  while (left > 0) {
-    const int64_t tail = raw_tokens() - sink_tokens();
-    if (tail > 0 || key_.blocks.empty()) {
-      // Only the tail while blocks remain (the sinks sit before the blocks).
-      const int64_t cut = std::min(left, key_.blocks.empty() ? raw_tokens() : tail);
-      for (Stream* s : {&key_, &value_})
-        for (auto& raw : s->raw) raw.resize(raw.size() - size_t(cut * V));
-      offset_ -= cut;
-      left -= cut;
-      continue;
+  const int64_t bn = key_.blocks.back().tokens;
+  const int64_t first = encoded_tokens() - bn;  // coded-token index
+  std::vector<float> x(size_t(bn * V));
+  std::vector<uint16_t> row(size_t(bn * V));
+  for (Stream* s : {&key_, &value_}) {
+    for (int64_t b = 0; b < batch_; ++b) {
+      decode(s == &key_, s->blocks.back(), first, b, x.data());
+      convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
+      auto& raw = s->raw[size_t(b)];
+      raw.insert(raw.end(), row.begin(), row.end());
     }
-    // The newest block must be cut: its reconstruction goes back to the raw
-    // tail (stored raw and counted as such), then the tail is cut.
-    const int64_t bn = key_.blocks.back().tokens;
-    const int64_t first = encoded_tokens() - bn;  // coded-token index
-    std::vector<float> x(size_t(bn * V));
-    std::vector<uint16_t> row(size_t(bn * V));
-    for (Stream* s : {&key_, &value_}) {
-      for (int64_t b = 0; b < batch_; ++b) {
-        decode(s == &key_, s->blocks.back(), first, b, x.data());
-        convert(x.data(), DType::kF32, row.data(), raw_dtype_, row.size());
-        auto& raw = s->raw[size_t(b)];
-        raw.insert(raw.end(), row.begin(), row.end());
-      }
-      s->blocks.pop_back();
-    }
-    encoded_ -= bn;
-    // The block's refinement groups went with it (they never cross blocks).
-    for (Stream* s : {&key_, &value_})
-      while (!s->refine.empty() && s->refine.back().first >= encoded_) s->refine.pop_back();
+    s->blocks.pop_back();
   }
-  if (offset_ == 0) reset();
-  return dropped;
+  encoded_ -= bn;
+  // The block's refinement groups went with it (they never cross blocks).
+  for (Stream* s : {&key_, &value_})
+    while (!s->refine.empty() && s->refine.back().first >= encoded_) s->refine.pop_back();
 }
 
 CacheStats CalibratedKvtcCache::stats() const {
@@ -479,10 +481,9 @@ CacheStats CalibratedKvtcCache::stats() const {
     for (const auto& blk : s->blocks) st.resident_bytes += kvcodec::held_bytes(blk.payload);
     for (const auto& g : s->refine) st.resident_bytes += sizeof(RefineGroup) + kvcodec::held_bytes(g.codes.payload);
   }
-  // Scratch kept between calls and this cache's own copies; the calibration
-  // and the RoPE table are held once for every cache using them.
-  st.resident_bytes += sizeof(*this) +
-                       kvcodec::held_bytes(inverse_scale_[0]) + kvcodec::held_bytes(inverse_scale_[1]);
+  // The calibration and the RoPE table are held once for every cache using
+  // them (shared); the cache keeps no scratch between calls.
+  st.resident_bytes += sizeof(*this);
   st.shared["kvtc calibration " + options_.calibration + " @" + address_text(calibration_.get())] =
       calibration_->held_bytes();
   if (rope_) st.shared["rope table @" + address_text(rope_.get())] = rope_->held_bytes();
@@ -520,13 +521,7 @@ std::string params_hash(const KvtcCalibration& c, int layer) {
 
 std::vector<uint8_t> CalibratedKvtcCache::save() const {
   ContainerWriter w(ContainerKind::kCache);
-  w.set_meta("method", "kvtc");
-  w.set_meta("settings", encode_settings(settings_));
-  w.set_meta("config.layer", std::to_string(config_.layer));
-  w.set_meta("config.n_layers", std::to_string(config_.n_layers));
-  w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
-  w.set_meta("config.head_dim", std::to_string(config_.head_dim));
-  w.set_meta("config.rope_theta", cache_impl::double_text(config_.rope_theta));
+  write_saved_meta(w);
   w.set_meta("calibration.params_hash", params_hash(*calibration_, config_.layer));
   cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
@@ -618,6 +613,7 @@ void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {
                                        "kvtc " + prefix + "raw");
     auto payloads = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, batch,
                                                     "kvtc " + prefix + "blocks");
+    s->blocks.reserve(payloads.size());  // exact: a loaded cache holds no growth slack
     for (uint64_t j = 0; j < n_blocks; ++j)
       s->blocks.push_back(Block{j + 1 == n_blocks ? int64_t(last_tokens) : options_.block, false, std::move(payloads[j])});
     if (r.has(prefix + "refine")) {

@@ -2,6 +2,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -25,6 +26,15 @@
 namespace kvcodec::kvtc {
 
 namespace {
+
+// See HeadParams::kernels: hand-assembled parameters (kNone) take the plain
+// paths; a set built without `need` must not (other codes or bits).
+void require_kernels(const HeadParams& p, KernelSet need, const char* who) {
+  if (p.kernels == KernelSet::kNone || (uint8_t(p.kernels) & uint8_t(need))) return;
+  throw Error(ErrorCode::kInvalidArgument, std::string(who) + ": parameters built for " +
+                                               (need == KernelSet::kEncode ? "decoding" : "encoding") +
+                                               " only (HeadParams::build_kernels)");
+}
 
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using ConstRowMap = Eigen::Map<const RowMatrix>;
@@ -352,6 +362,17 @@ void transpose_basis(const HeadParams& p, std::vector<float>& out) {
     for (size_t d = 0; d < D; ++d) out[d * K8 + k] = p.basis[k * D + d];
 }
 
+// std::nearbyint (round half to even, the default rounding mode) for the
+// kernels' weights, without the libm call (builds without SSE4.1 do not
+// inline it): at |v| < 2^51, v + 1.5 * 2^52 has a unit ulp, so the addition
+// rounds v to an integer as nearbyint does. Only the sign of a zero result
+// may differ, which no caller reads (int16 weights, squares, magnitudes).
+inline double round_even(double v) {
+  if (!(std::fabs(v) < 0x1p51)) return std::nearbyint(v);
+  constexpr double kShift = 0x1.8p52;
+  return (v + kShift) - kShift;  // not reassociated: no -ffast-math here
+}
+
 // Index of W[k][d] in HeadParams::recon_w ([ceil(D/8)][Kp/2][8][2]).
 inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
 
@@ -377,33 +398,42 @@ bool build_recon_int(HeadParams& p) {
   for (float v : p.basis)
     if (!std::isfinite(v)) return false;
   const size_t kp2 = (K + 1) / 2;
-  std::vector<float> scale(D);
+  std::vector<float> scale(D, 0.0f);
   std::vector<int16_t> w(((D + 7) / 8) * kp2 * 16, 0);
-  std::vector<double> exact(K);
-  for (size_t d = 0; d < D; ++d) {
-    double amax = 0, sum = 0;
-    for (size_t k = 0; k < K; ++k) {
-      exact[k] = double(p.quant[k].step) * double(p.basis[k * D + d]) / 2;
-      amax = std::max(amax, std::fabs(exact[k]));
-      sum += cmax[k] * std::fabs(exact[k]);
+  // Row by row (k outer, d inner: contiguous loops the compiler vectorises;
+  // a cache opens these per call), every column's sums still taken in
+  // ascending k, so each value is the column-by-column loop's.
+  std::vector<double> exact(K * D), amax(D, 0.0), sum(D, 0.0), unit_of(D), bound(D, 0.0);
+  for (size_t k = 0; k < K; ++k)
+    for (size_t d = 0; d < D; ++d) {
+      const double e = double(p.quant[k].step) * double(p.basis[k * D + d]) / 2;
+      exact[k * D + d] = e;
+      amax[d] = std::max(amax[d], std::fabs(e));
+      sum[d] += cmax[k] * std::fabs(e);
     }
-    if (!(amax > 0)) continue;  // a column of zero weights: x = mean
+  for (size_t d = 0; d < D; ++d) {
+    unit_of[d] = 1.0;  // a column of zero weights (x = mean): its weights round to 0, scale 0
+    if (!(amax[d] > 0)) continue;
     // 15 bits for the largest weight, unless the worst-case sum of valid
     // codes needs a coarser unit to stay below 2^30 (+ the roundings).
-    double unit = std::max(amax / 32767, sum / 1073741824.0);
+    double unit = std::max(amax[d] / 32767, sum[d] / 1073741824.0);
     float su = float(unit);
     if (double(su) < unit) su = std::nextafter(su, std::numeric_limits<float>::infinity());
     if (!std::isfinite(su) || !std::isnormal(su)) return false;
-    double bound = 0;
-    for (size_t k = 0; k < K; ++k) {
-      const double r = std::nearbyint(exact[k] / double(su));
-      if (std::fabs(r) > 32767) return false;  // not reached: su >= amax / 32767
-      w[recon_w_index(k, d, kp2)] = int16_t(r);
-      bound += cmax[k] * std::fabs(r);
-    }
-    if (bound > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
     scale[d] = su;
+    unit_of[d] = double(su);
   }
+  bool fits = true;
+  for (size_t k = 0; k < K; ++k)
+    for (size_t d = 0; d < D; ++d) {
+      const double r = round_even(exact[k * D + d] / unit_of[d]);
+      fits &= std::fabs(r) <= 32767;  // not failed: su >= amax / 32767
+      w[recon_w_index(k, d, kp2)] = int16_t(r);
+      bound[d] += cmax[k] * std::fabs(r);
+    }
+  if (!fits) return false;
+  for (size_t d = 0; d < D; ++d)
+    if (bound[d] > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
   p.recon_zero2 = std::move(zero2), p.recon_scale = std::move(scale), p.recon_w = std::move(w);
   return true;
 }
@@ -449,7 +479,7 @@ bool build_proj_int(HeadParams& p) {
   for (size_t k = 0; k < K; ++k) {
     double ss = 0;
     for (size_t d = 0; d < D; ++d) {
-      const double r = std::nearbyint(double(p.basis[k * D + d]) * double(fu));
+      const double r = round_even(double(p.basis[k * D + d]) * double(fu));
       if (std::fabs(r) > 32767) return false;  // not reached: fu <= 32767 / bmax
       w[proj_w_index(k, d, dp2)] = int16_t(r);
       ss += r * r;
@@ -479,17 +509,25 @@ bool build_proj_int(HeadParams& p) {
 
 }  // namespace
 
-void HeadParams::build_decoders() {
-  recon_int = build_recon_int(*this);
-  proj_int = build_proj_int(*this);
+void HeadParams::build_kernels(KernelSet which) {
+  kernels = which;
+  const bool decoding = uint8_t(which) & uint8_t(KernelSet::kDecode);
+  const bool encoding = uint8_t(which) & uint8_t(KernelSet::kEncode);
   rans_decode.clear();
   rans_encode.clear();
-  rans_decode.reserve(rans_tables.size());  // held at exact size
-  rans_encode.reserve(rans_tables.size());
-  for (const auto& t : rans_tables) {
-    rans_decode.emplace_back(t);
-    rans_encode.emplace_back(t);
+  rans_groups = {};
+  recon_skip_zeros = false;
+  recon_int = decoding && build_recon_int(*this);
+  if (!recon_int) recon_zero2.clear(), recon_scale.clear(), recon_w.clear();
+  proj_int = encoding && build_proj_int(*this);
+  if (!proj_int) proj_w.clear(), proj_qscale.clear();
+  if (encoding) {
+    rans_encode.reserve(rans_tables.size());  // held at exact size
+    for (const auto& t : rans_tables) rans_encode.emplace_back(t);
   }
+  if (!decoding) return;
+  rans_decode.reserve(rans_tables.size());
+  for (const auto& t : rans_tables) rans_decode.emplace_back(t);
   // See recon_skip_zeros: no -0, NaN or infinity in the mean; the basis
   // finite with no nonzero value below 2^-40 in magnitude; steps >= 2^-39
   // (so a nonzero coefficient, |code - offset| >= 1/2 steps, is >= 2^-40).
@@ -499,7 +537,6 @@ void HeadParams::build_decoders() {
   for (float m : mean) recon_skip_zeros &= std::isfinite(m) && !(m == 0.0f && std::signbit(m));
   for (float b : basis) recon_skip_zeros &= std::isfinite(b) && (b == 0.0f || std::fabs(b) >= tiny);
   for (const ComponentQuantizer& q : quant) recon_skip_zeros &= std::isfinite(q.step) && q.step >= 2.0f * tiny;
-  rans_groups = {};
   if (!rans_decode.empty()) {
     std::vector<const entropy::RansDecodeTable*> tables;
     for (const auto& t : rans_decode) tables.push_back(&t);
@@ -1242,6 +1279,7 @@ void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* co
 }
 
 void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_t* codes, QuantPath path) {
+  require_kernels(p, KernelSet::kEncode, "kvtc quantize_block");
   const int kept = p.n_kept();
   if (n == 0 || kept == 0) return;
   BlockScratch& s = scratch();
@@ -1257,6 +1295,7 @@ void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_
 namespace {
 
 void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path) {
+  require_kernels(p, KernelSet::kDecode, "kvtc dequantize_block");
   const int kept = p.n_kept();
   const int dim = p.dim;
   Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
@@ -1460,6 +1499,7 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
     throw Error(ErrorCode::kInvalidArgument, std::string("kvtc encode_block_rows: raw dtype must be f16 or bf16, got ") +
                                                  dtype_name(raw));
   if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc encode_block_rows: n = " + std::to_string(n));
+  require_kernels(p, KernelSet::kEncode, "kvtc encode_block_rows");
   BlockScratch& s = scratch();
   const int dim = p.dim;
   const int kept = p.n_kept();
@@ -1563,6 +1603,7 @@ void finish_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* 
 }  // namespace
 
 void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out) {
+  require_kernels(p, KernelSet::kDecode, "kvtc decode_block");
   const int kept = p.n_kept();
   BlockScratch& s = scratch();
   s.codes.resize(size_t(n) * size_t(kept));
@@ -1573,6 +1614,8 @@ void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t
 
 void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_a, float* out_a,
                        const HeadParams& pb, const uint8_t* data_b, size_t size_b, float* out_b, int64_t n) {
+  require_kernels(pa, KernelSet::kDecode, "kvtc decode_block_pair");
+  require_kernels(pb, KernelSet::kDecode, "kvtc decode_block_pair");
   if (pa.coder != CoderChoice::kRans || pb.coder != CoderChoice::kRans) {
     decode_block(pa, data_a, size_a, n, out_a);
     decode_block(pb, data_b, size_b, n, out_b);
@@ -1644,7 +1687,26 @@ size_t HeadParams::serialized_size() const {
   return w.size();
 }
 
-HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim) {
+namespace {
+
+// n little-endian f16 words of `in` as floats, converted in bulk (the basis
+// is most of a head's bytes, and a cache holding its parameters as bytes
+// parses them on every call): the same values as f16_to_f32 word by word.
+void read_f16s(ByteReader& in, float* out, size_t n) {
+  const std::span<const uint8_t> bytes = in.bytes(2 * n);
+  thread_local std::vector<uint16_t> words;
+  words.resize(n);
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(words.data(), bytes.data(), 2 * n);
+  } else {
+    for (size_t i = 0; i < n; ++i) words[i] = uint16_t(bytes[2 * i] | bytes[2 * i + 1] << 8);
+  }
+  raw_to_f32(words.data(), DType::kF16, out, n);
+}
+
+}  // namespace
+
+HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet kernels) {
   HeadParams p;
   p.dim = in.u16();
   if (p.dim != expected_dim)
@@ -1672,18 +1734,15 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim) {
                                         std::to_string(p.dim) + " need " + std::to_string(need) + " bytes, " +
                                         std::to_string(in.remaining()) + " remain");
   p.mean.resize(size_t(p.dim));
-  for (int d = 0; d < p.dim; ++d) p.mean[size_t(d)] = f16_to_f32(in.u16());
+  read_f16s(in, p.mean.data(), p.mean.size());
   p.basis.resize(size_t(K) * size_t(p.dim));
-  for (int k = 0; k < K; ++k) {
+  if (p.basis_bits == 16) read_f16s(in, p.basis.data(), p.basis.size());
+  for (int k = 0; k < K && p.basis_bits == 8; ++k) {
     float* row = &p.basis[size_t(k) * size_t(p.dim)];
-    if (p.basis_bits == 16) {
-      for (int d = 0; d < p.dim; ++d) row[d] = f16_to_f32(in.u16());
-    } else {
-      const float scale = f16_to_f32(in.u16());
-      if (!std::isfinite(scale)) throw Error(ErrorCode::kFormat, "kvtc head params: non-finite basis scale");
-      p.row_scale.push_back(scale);
-      for (int d = 0; d < p.dim; ++d) row[d] = float(int8_t(in.u8())) * scale;
-    }
+    const float scale = f16_to_f32(in.u16());
+    if (!std::isfinite(scale)) throw Error(ErrorCode::kFormat, "kvtc head params: non-finite basis scale");
+    p.row_scale.push_back(scale);
+    for (int d = 0; d < p.dim; ++d) row[d] = float(int8_t(in.u8())) * scale;
   }
   for (int k = 0; k < K; ++k) {
     ComponentQuantizer q;
@@ -1713,7 +1772,7 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim) {
       throw Error(ErrorCode::kFormat, "kvtc head params: table of component " + std::to_string(k) +
                                           " does not match its quantizer");
   }
-  p.build_decoders();
+  p.build_kernels(kernels);
   return p;
 }
 

@@ -56,6 +56,13 @@ struct ComponentQuantizer {
   bool half_offset = false;  // midrise grid: reconstruction points at (code - zero + 0.5) * step
 };
 
+// Which kernels derived from the parameters (HeadParams::build_kernels) a
+// HeadParams holds: a decoder needs the decode tables and the integer
+// reconstruction, an encoder the encode constants and the integer
+// projection. A cache that holds its parameters as bytes builds one set per
+// call (src/cache/kvtc_cache.cpp).
+enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3 };
+
 // Frozen parameters of one head for one tensor.
 struct HeadParams {
   int dim = 0;
@@ -78,7 +85,8 @@ struct HeadParams {
 
   // Side information exactly as serialised.
   void serialize(ByteWriter& out) const;
-  static HeadParams deserialize(ByteReader& in, int expected_dim);
+  // Parses and validates, then builds `kernels`.
+  static HeadParams deserialize(ByteReader& in, int expected_dim, KernelSet kernels = KernelSet::kBoth);
   size_t serialized_size() const;
 
   // Coder tables built once after fit/deserialize (not serialised): the
@@ -151,7 +159,13 @@ struct HeadParams {
   float proj_max_abs = 0.0f;
   float proj_max_sq = 0.0f;
   bool proj_int = false;
-  void build_decoders();
+  // The kernels built (by build_kernels): kNone for parameters assembled by
+  // hand (the plain float paths, tables built per call); an encode entry
+  // point given kDecode parameters, or a decode one given kEncode, throws
+  // Error(kInvalidArgument) rather than take a path of other codes or bits.
+  KernelSet kernels = KernelSet::kNone;
+  void build_kernels(KernelSet which);
+  void build_decoders() { build_kernels(KernelSet::kBoth); }
 
   // Heap bytes held (capacities): the parameters above (mean, kept, basis,
   // scales, quantizers, coder tables, fit telemetry) and, apart, what

@@ -748,6 +748,63 @@ TEST(Codec, DecodePairMatchesTwoDecodes) {
     }
 }
 
+// A head opened with one kernel set (HeadParams::deserialize(.., kernels),
+// as the local kvtc cache opens its held bytes per call) codes exactly as
+// the fitted head with both: the same bytes from the encoder set, the same
+// bits from the decoder set, for every coder and basis width; the entry
+// points of the other half refuse it (they would take the float paths:
+// other codes, other bits) with Error(kInvalidArgument).
+TEST(Codec, KernelSetsCodeAsBothAndRefuseTheOtherHalf) {
+  const int dim = 64;
+  const int64_t n = 256;
+  const auto x = correlated(n, dim, 77);
+  const CodecOptions defaults;
+  for (CoderChoice coder : {CoderChoice::kRans, CoderChoice::kHuffman, CoderChoice::kFixed})
+    for (int basis_bits : {16, 8}) {
+      CodecOptions o = defaults;
+      o.coder = coder, o.basis_bits = basis_bits;
+      const HeadParams both = fit(x, n, dim, o);
+      ASSERT_EQ(both.kernels, KernelSet::kBoth);
+      ByteWriter w;
+      both.serialize(w);
+      const std::vector<uint8_t> bytes = w.take();
+      const auto open = [&](KernelSet set) {
+        ByteReader in(bytes.data(), bytes.size());
+        HeadParams p = HeadParams::deserialize(in, dim, set);
+        EXPECT_EQ(p.kernels, set);
+        return p;
+      };
+      const HeadParams enc = open(KernelSet::kEncode), dec = open(KernelSet::kDecode);
+      EXPECT_TRUE(dec.rans_encode.empty() && dec.proj_w.empty());
+      EXPECT_TRUE(enc.rans_decode.empty() && enc.recon_w.empty() && enc.rans_groups.groups.empty());
+      const std::vector<uint8_t> block = encode_block(both, x.data(), 64);
+      EXPECT_EQ(encode_block(enc, x.data(), 64), block) << coder_name(coder) << " " << basis_bits;
+      EXPECT_EQ(encode_block_rows(enc, x.data(), dim, 64, DType::kF16),
+                encode_block_rows(both, x.data(), dim, 64, DType::kF16));
+      std::vector<float> want(size_t(64 * dim)), got(want.size());
+      decode_block(both, block.data(), block.size(), 64, want.data());
+      decode_block(dec, block.data(), block.size(), 64, got.data());
+      EXPECT_TRUE(same_bits(got, want)) << coder_name(coder) << " " << basis_bits;
+      std::vector<uint16_t> codes(size_t(64 * both.n_kept()));
+      const auto refused = [](const auto& call) {
+        try {
+          call();
+        } catch (const Error& e) {
+          return e.code() == ErrorCode::kInvalidArgument;
+        }
+        return false;
+      };
+      EXPECT_TRUE(refused([&] { encode_block(dec, x.data(), 64); }));
+      EXPECT_TRUE(refused([&] { quantize_block(dec, x.data(), 64, codes.data()); }));
+      EXPECT_TRUE(refused([&] { encode_block_rows(dec, x.data(), dim, 64, DType::kF16); }));
+      EXPECT_TRUE(refused([&] { decode_block(enc, block.data(), block.size(), 64, got.data()); }));
+      EXPECT_TRUE(refused([&] { dequantize_block(enc, codes.data(), 64, got.data()); }));
+      EXPECT_TRUE(refused([&] {
+        decode_block_pair(dec, block.data(), block.size(), got.data(), enc, block.data(), block.size(), want.data(), 64);
+      }));
+    }
+}
+
 // build_decoders() keeps a scalar lookup table only where the scalar lanes
 // decode a column throughout: in AVX2 builds the columns of the group
 // decoder's vector groups (alphabets <= 65) hold none, those of its scalar
