@@ -23,7 +23,10 @@ int64_t int_field(const json& j, const char* name, int64_t def, int64_t lo, int6
   if (!j.contains(name) || j[name].is_null()) return def;
   if (!j[name].is_number_integer() && !j[name].is_number_unsigned())
     throw HttpError{400, std::string("field '") + name + "' must be an integer"};
-  const int64_t v = j[name].get<int64_t>();
+  // An unsigned value past INT64_MAX would wrap to a negative one.
+  const int64_t v = j[name].is_number_unsigned() && j[name].get<uint64_t>() > uint64_t(INT64_MAX)
+                        ? INT64_MAX
+                        : j[name].get<int64_t>();
   if (v < lo || v > hi)
     throw HttpError{400, std::string("field '") + name + "' = " + std::to_string(v) + " is outside [" +
                              std::to_string(lo) + ", " + std::to_string(hi) + "]"};
@@ -36,7 +39,10 @@ std::string text_of(const json& v, const std::string& what) {
   if (v.is_array()) {
     std::string out;
     for (const auto& part : v) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+      // Each member's type is checked before it is read: json::value() throws
+      // a type_error (a 500, not a 400) on a "type" that is not a string.
+      if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
+          !part["text"].is_string())
         throw HttpError{400, what + ": only text content parts are supported"};
       out += part["text"].get<std::string>();
     }
@@ -52,7 +58,7 @@ json parse_body(const std::string& body) {
   json j;
   try {
     j = json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers such as 1e400
     throw HttpError{400, std::string("invalid JSON: ") + e.what()};
   }
   if (!j.is_object()) throw HttpError{400, std::string("request body must be a JSON object, got ") + j.type_name()};
@@ -106,6 +112,23 @@ void check_prompt_tokens(const ServerState& s, size_t n) {
 }
 
 }  // namespace
+
+// The token ids of a /tokenize body: a prompt string or a chat's messages.
+std::vector<int32_t> parse_tokenize(const ServerState& s, const json& j) {
+  for (const auto& [key, value] : j.items()) {
+    (void)value;
+    if (key != "prompt" && key != "messages" && key != "model")
+      throw HttpError{400, "unknown or unsupported field '" + key + "'"};
+  }
+  if (j.contains("prompt") == j.contains("messages"))
+    throw HttpError{400, "give exactly one of 'prompt' (a string) and 'messages'"};
+  std::string text;
+  if (j.contains("messages")) text = chat_transcript(j);
+  else if (j["prompt"].is_string()) text = j["prompt"].get<std::string>();
+  else throw HttpError{400, "field 'prompt' must be a string"};
+  check_prompt_bytes(s, text.size());
+  return s.tok->encode(text);
+}
 
 // Builds the job from an OpenAI request body; throws HttpError for anything wrong.
 std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
@@ -179,8 +202,15 @@ std::shared_ptr<Job> parse_request(ServerState& s, const json& j, bool chat) {
     if (!j["stream"].is_boolean()) throw HttpError{400, "field 'stream' must be a boolean"};
     job->stream = j["stream"].get<bool>();
   }
-  if (j.contains("stream_options") && j["stream_options"].is_object())
-    job->include_usage = j["stream_options"].value("include_usage", false);
+  if (j.contains("stream_options") && !j["stream_options"].is_null()) {
+    const json& so = j["stream_options"];
+    if (!so.is_object()) throw HttpError{400, "field 'stream_options' must be an object"};
+    if (so.contains("include_usage") && !so["include_usage"].is_null()) {
+      if (!so["include_usage"].is_boolean())
+        throw HttpError{400, "field 'stream_options.include_usage' must be a boolean"};
+      job->include_usage = so["include_usage"].get<bool>();
+    }
+  }
   if (j.contains("stop") && !j["stop"].is_null()) {
     const json& st = j["stop"];
     if (st.is_string()) job->stop.push_back(st.get<std::string>());

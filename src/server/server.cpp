@@ -545,20 +545,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     // /tokenize shape), so a client can size prompts to the context without
     // guessing characters per token. Runs on the HTTP thread: encode() is const.
     try {
-      const json j = parse_body(req.body);
-      for (const auto& [key, value] : j.items()) {
-        (void)value;
-        if (key != "prompt" && key != "messages" && key != "model")
-          throw HttpError{400, "unknown or unsupported field '" + key + "'"};
-      }
-      if (j.contains("prompt") == j.contains("messages"))
-        throw HttpError{400, "give exactly one of 'prompt' (a string) and 'messages'"};
-      std::string text;
-      if (j.contains("messages")) text = chat_transcript(j);
-      else if (j["prompt"].is_string()) text = j["prompt"].get<std::string>();
-      else throw HttpError{400, "field 'prompt' must be a string"};
-      check_prompt_bytes(s, text.size());
-      const std::vector<int32_t> ids = s.tok->encode(text);
+      const std::vector<int32_t> ids = parse_tokenize(s, parse_body(req.body));
       res.set_content(dump({{"count", ids.size()}, {"max_model_len", s.model->config().max_position_embeddings},
                             {"max_prompt_tokens", s.max_prompt}, {"tokens", ids}}),
                       "application/json");

@@ -140,6 +140,8 @@ json parse_body(const std::string& body);
 std::string chat_transcript(const json& body);
 void check_prompt_bytes(const ServerState& s, size_t bytes);
 std::shared_ptr<Job> parse_request(ServerState& s, const json& body, bool chat);
+// The body of POST /tokenize -> the prompt's token ids (runs on an HTTP thread).
+std::vector<int32_t> parse_tokenize(const ServerState& s, const json& body);
 
 // The generation endpoints (completions.cpp): parse, queue, answer (JSON or SSE).
 void handle_generate(ServerState& s, const httplib::Request& req, httplib::Response& res, bool chat);

@@ -34,6 +34,18 @@ expect_config_error int8.group_size "$kvcodec" run --method int8 --set int8.grou
 expect_config_error palu.hi_bit "$kvcodec" compress --kv "$dump" -o "$work/x.kvc" --method palu --set palu.hi_bit=9
 expect_config_error kivi2.residual "$kvcodec" run --method kivi2 --set kivi2.residual=-1 --max-tokens 2
 expect_config_error "--set" "$kvcodec" run --method kvtc --set garbage --max-tokens 2
+# run defaults to the shipped calibration (which fixes bit_choices); in local
+# mode the widths themselves are refused, with the range the codec codes.
+expect_config_error "integers in [0, 12]" "$kvcodec" run --method kvtc --set kvtc.mode=local \
+  --set kvtc.bit_choices=0,14 --max-tokens 2 --prompt "def f"
+# Every other command that takes --set checks it before any work (timeout:
+# a serve that accepted the setting would never return).
+bad="--set kvtc.mode=local --set kvtc.bit_choices=0,14"
+expect_config_error kvtc.bit_choices timeout 60 "$kvcodec" serve --method kvtc $bad --port 0
+expect_config_error kvtc.bit_choices "$kvcodec" eval --methods kvtc $bad --windows 1
+expect_config_error kvtc.bit_choices "$kvcodec" bench --kv "$dump" --methods kvtc $bad
+expect_config_error kvtc.bit_choices "$kvcodec" calibrate --tokens "$model/eval_tokens.u16" --windows 0-1 \
+  --set kvtc.bit_choices=0,14 -o "$work/x.kvcal"
 
 if [ "$failures" -gt 0 ]; then echo "bad_settings: $failures failures" >&2; exit 1; fi
 echo "bad_settings: every bad setting exited 2 with a configuration error"
