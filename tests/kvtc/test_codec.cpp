@@ -827,7 +827,9 @@ TEST(Codec, DecodeTablesHoldLookupsOnlyWhereTheScalarLanesNeedThem) {
     const entropy::RansDecodeTable& t = p.rans_decode[k];
     const uint32_t a = t.alphabet_size;
     big += a > entropy::kRansGroupMaxAlphabet;
-    if (a > entropy::kRansGroupMaxAlphabet) EXPECT_EQ(t.slot_symbol.size(), size_t(1) << t.scale_bits) << k;
+    if (a > entropy::kRansGroupMaxAlphabet) {
+      EXPECT_EQ(t.slot_symbol.size(), size_t(1) << t.scale_bits) << k;
+    }
     bare += t.slot_symbol.empty() && t.search.empty();
     searched += !t.search.empty();
   }
