@@ -263,11 +263,18 @@ Tokenizer Tokenizer::parse(const std::string& text, const std::string& origin) {
       if (added_by_content.count(it.key())) continue;
       if (!to_bytes(it.key(), bytes))
         fail(ErrorCode::kFormat, origin, "token " + json(it.key()).dump() + " is not in the byte-level alphabet");
+      // Two tokens of one id: decoding could not give back what was encoded.
+      if (seen[size_t(id)])
+        fail(ErrorCode::kFormat, origin, "token id " + std::to_string(id) + " is given to two tokens, one of them " + json(it.key()).dump());
       t.id_to_bytes_[size_t(id)] = bytes;
       t.bytes_to_id_[bytes] = int32_t(id);
       seen[size_t(id)] = true;
     }
     for (const auto& [content, id] : added_by_content) {
+      // (found by fuzz_tokenizer: an added token numbered as a vocabulary token)
+      if (seen[size_t(id)])
+        fail(ErrorCode::kFormat, origin,
+             "added token " + json(content).dump() + " has id " + std::to_string(id) + ", which another token has");
       t.id_to_bytes_[size_t(id)] = content;
       t.special_[size_t(id)] = true;
       seen[size_t(id)] = true;

@@ -29,7 +29,9 @@ TEST(Dtype, Bf16RoundTripsEveryBitPattern) {
   for (uint32_t h = 0; h < 65536; ++h) {
     const float f = bf16_to_f32(uint16_t(h));
     const uint16_t back = f32_to_bf16(f);
-    if (std::isnan(f)) EXPECT_TRUE(std::isnan(bf16_to_f32(back))) << h;
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(bf16_to_f32(back))) << h;
+    }
     else EXPECT_EQ(back, h) << h;
   }
 }

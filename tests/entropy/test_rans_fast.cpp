@@ -152,7 +152,9 @@ TEST(RansFast, SearchLookupMatchesSlotTable) {
       // The bytes held count the lookup each one keeps.
       EXPECT_EQ(without.held_bytes(), scalar.held_bytes() - 32 * 2 + without.slot_symbol.capacity() * 2);
     }
-    if (none) EXPECT_EQ(with.held_bytes(), with.syms.capacity() * sizeof(RansDecodeTable::Sym));
+    if (none) {
+      EXPECT_EQ(with.held_bytes(), with.syms.capacity() * sizeof(RansDecodeTable::Sym));
+    }
     const size_t rows = 1 + rng() % 600;
     std::vector<uint16_t> sym(rows);
     for (auto& v : sym) v = uint16_t(rng() % alphabet);

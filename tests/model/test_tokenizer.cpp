@@ -5,6 +5,7 @@
 #include <chrono>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 
@@ -248,7 +249,9 @@ TEST_F(TinycodeTokenizer, LongWordEncodesInNearLinearTime) {
   const auto ids = tok_->encode(word);
   std::printf("[ tokens ] one %zu-byte word -> %zu ids in %.3f s; %zu bytes in %.4f s (x%.1f)\n", word.size(), ids.size(),
               t_large, small.size(), t_small, t_large / t_small);
-  if (kvcodec::testing::kTimedBuild) EXPECT_LT(t_large, 40 * t_small);
+  if (kvcodec::testing::kTimedBuild) {
+    EXPECT_LT(t_large, 40 * t_small);
+  }
   EXPECT_EQ(tok_->decode(ids), word);
 }
 
@@ -295,6 +298,30 @@ TEST(Tokenizer, SparseIdsAreRefusedBeforeTheTablesAreSized) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kFormat) << e.what();
       EXPECT_NE(std::string(e.what()).find("densely"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// One id for two tokens: decode(encode(text)) could not be text. An added
+// token numbered as a vocabulary token (found by fuzz_tokenizer), or two
+// vocabulary tokens of one id, is refused by name.
+TEST(Tokenizer, TwoTokensOfOneIdAreRefused) {
+  std::ifstream in(testing::shipped_model_dir() + "/tokenizer.json");
+  const nlohmann::json shipped = nlohmann::json::parse(in);
+  ASSERT_TRUE(shipped.at("model").at("vocab").contains("return"));
+  const int64_t return_id = shipped["model"]["vocab"]["return"].get<int64_t>();
+
+  nlohmann::json added = shipped;
+  added["added_tokens"].push_back({{"id", return_id}, {"content", "<|extra|>"}, {"special", true}});
+  nlohmann::json twice = shipped;
+  twice["model"]["vocab"]["zzz_not_a_token"] = return_id;
+  for (const auto& [file, word] : {std::pair{added, "which another token has"}, std::pair{twice, "given to two tokens"}}) {
+    try {
+      Tokenizer::parse(file.dump());
+      FAIL() << "accepted two tokens with id " << return_id;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kFormat) << e.what();
+      EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
     }
   }
 }
