@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "model/eval.hpp"
 #include "model/llama.hpp"
 
 namespace kvcodec::model::testing {
@@ -75,6 +76,18 @@ inline std::vector<int32_t> random_tokens(int64_t n, int vocab, uint32_t seed) {
 }
 
 // Window w of eval_tokens.u16 (2048 uint16 tokens per window), as int32.
+// The eval tests' protocol on random tokens of windows of 40: windows 1
+// and 2, context 25, 10 scored tokens each.
+inline EvalOptions two_windows_of_40() {
+  EvalOptions o;
+  o.window_length = 40;
+  o.context = 25;
+  o.score = 10;
+  o.windows = 2;
+  o.first_window = 1;
+  return o;
+}
+
 inline std::vector<int32_t> eval_window(const std::string& path, int64_t window, int64_t count) {
   std::ifstream in(path, std::ios::binary);
   std::vector<uint16_t> raw(static_cast<size_t>(count));

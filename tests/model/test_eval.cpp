@@ -52,12 +52,7 @@ double direct_nll(const LlamaModel& m, const int32_t* window, int64_t length, in
 TEST(Eval, ProtocolMatchesDirectComputation) {
   const LlamaModel m = testing::tiny_model(testing::tiny_config());
   const auto tokens = random_tokens(3 * 40, m.config().vocab_size, 3);
-  EvalOptions o;
-  o.window_length = 40;
-  o.context = 25;
-  o.score = 10;
-  o.windows = 2;
-  o.first_window = 1;
+  EvalOptions o = testing::two_windows_of_40();
   const MethodSpec base{"raw", raw_factory(8)};
   const MethodSpec noisy{"noisy", [](const CacheConfig& c) { return std::make_unique<NoisyCache>(c, 8); }};
   int64_t last_done = 0, last_total = 0;

@@ -75,12 +75,7 @@ TEST(EvalStoredPrefix, MatchesDirectComputationAndCountsStoredBytes) {
   const LlamaModel m = testing::tiny_model(testing::tiny_config());
   const ModelConfig& c = m.config();
   const auto tokens = random_tokens(3 * 40, c.vocab_size, 5);
-  EvalOptions o;
-  o.window_length = 40;
-  o.context = 25;
-  o.score = 10;
-  o.windows = 2;
-  o.first_window = 1;
+  EvalOptions o = testing::two_windows_of_40();
   o.stored_prefix = true;
   const MethodSpec base{"raw", raw_factory(8)};
   MethodSpec noisy{"noisy", raw_factory(8)};
