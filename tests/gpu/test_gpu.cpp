@@ -266,6 +266,20 @@ void gpu_matches_cpu(const Batch& b, int chunks_for_decode = 8) {
 }
 #endif
 
+// A build without CUDA (src/gpu/nocuda/gpu_stub.cpp) keeps the GPU API and
+// answers every call with a clear error.
+TEST(KvtcGpu, WithoutCudaEveryCodecSaysSo) {
+  if (cuda_compiled()) GTEST_SKIP() << "built with CUDA";
+  EXPECT_EQ(device_count(), 0);
+  try {
+    KvtcGpuCodec codec(std::vector<const kvtc::HeadParams*>{}, 1);
+    ADD_FAILURE() << "a codec was made without CUDA";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("without CUDA"), std::string::npos) << e.what();
+  }
+}
+
 TEST(KvtcGpu, MatchesCpuReferenceOnRandomInput) {
   if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
