@@ -11,11 +11,16 @@
 #     BUILD_DIR: a clang build with -DKVCODEC_FUZZ=ON -DKVCODEC_TESTS=ON.
 #
 #   BUNDLE/fuzz_campaign.sh run BUNDLE SECONDS OUT [CORES]
-#     there: every fuzz target on an equal share of CORES (default nproc,
-#     at least one process each) for SECONDS, beside the sealed-mutant
+#     there: every fuzz target on its share of CORES (default nproc, at
+#     least one process each; WEIGHTS below) for SECONDS, beside the sealed-mutant
 #     campaign of scripts/mutant_campaign.sh (MUTANTS=100000 in process per
 #     method, FILES=1000 per method through `kvcodec decompress`; env
 #     overrides; MUTANTS=0 skips it). MAX_LEN (default 4096): -max_len.
+#     SHARDS="kvtc=8 palu=4" splits a method's MUTANTS over that many
+#     processes (other mutants: KVCODEC_MUTANT_SEED = shard; default 1).
+#     WEIGHTS="fuzz_tokenizer=8 fuzz_entropy=3" gives a target that many
+#     shares of the fuzzing cores (default 1 each). FUZZ_CORES (default
+#     CORES): the cores the fuzzers share.
 #     Logs, counts and any crash input go to OUT; the last lines printed are
 #     the counts per target (libFuzzer's "Done N runs", summed over processes).
 set -uo pipefail
@@ -48,28 +53,42 @@ pack() {
   du -sh "$bundle"
 }
 
-# mutants OUT: the sealed-mutant campaign, one process per method.
+# weight_of NAME "a=2 b=3": NAME's number in the list, else 1.
+weight_of() {
+  local kv
+  for kv in $2; do
+    [ "${kv%%=*}" = "$1" ] && { echo "${kv#*=}"; return; }
+  done
+  echo 1
+}
+
+# mutants OUT: the sealed-mutant campaign, SHARDS processes per method.
 mutants() {
   local out=$1 bin=$bundle/bin m
   local n=${MUTANTS:-100000} files=${FILES:-1000}
   local work=$out/mutants
   local pids=()
   mkdir -p "$work"
-  for m in fp16 int8 int4 kivi2 palu kvtc; do
-    KVCODEC_MUTANTS=$n KVCODEC_MUTANT_DIR="$work" KVCODEC_MUTANT_FILES=$files \
-      "$bin/test_cache" --gtest_filter="AllMethods/Contract.SealedMutantsLoadOrFailCleanly/${m}_B1" \
-      >"$out/inprocess_$m.log" 2>&1 &
-    pids+=($!)
-  done
-  KVCODEC_MUTANTS=$n KVCODEC_MUTANT_DIR="$work" KVCODEC_MUTANT_FILES=$files \
-    "$bin/test_cache" --gtest_filter='CalibratedCache.SealedCorruptionsFailCleanlyAndLeaveTheCache' \
-    >"$out/inprocess_kvtc_calibrated.log" 2>&1 &
-  pids+=($!)
-  wait "${pids[@]}"  # not the fuzzers running beside
-  echo "== in process ($n sealed mutants per method)"
   for m in fp16 int8 int4 kivi2 palu kvtc kvtc_calibrated; do
-    echo "  $m: $(grep -hE 'sealed (mutants|corruptions)' "$out/inprocess_$m.log" | tr '\n' ' ')$(grep -hE '^\[  (PASSED|FAILED) ' "$out/inprocess_$m.log" | tr '\n' ' ')"
-    grep -q '^\[  PASSED  \] 1 test' "$out/inprocess_$m.log" || echo "  $m: FAILED (see inprocess_$m.log)"
+    local filter="AllMethods/Contract.SealedMutantsLoadOrFailCleanly/${m}_B1"
+    [ "$m" = kvtc_calibrated ] && filter='CalibratedCache.SealedCorruptionsFailCleanlyAndLeaveTheCache'
+    local shards s dir
+    shards=$(weight_of "$m" "${SHARDS:-}")
+    for ((s = 0; s < shards; ++s)); do
+      dir=""  # shard 0 alone writes the files for the decompress step
+      [ "$s" = 0 ] && dir=$work
+      KVCODEC_MUTANTS=$(( (n + shards - 1) / shards )) KVCODEC_MUTANT_SEED=$s KVCODEC_MUTANT_DIR="$dir" \
+        KVCODEC_MUTANT_FILES=$files "$bin/test_cache" --gtest_filter="$filter" >"$out/inprocess_$m.$s.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  wait "${pids[@]}"  # not the fuzzers running beside
+  echo "== in process (about $n sealed mutants per method, over its shards)"
+  for m in fp16 int8 int4 kivi2 palu kvtc kvtc_calibrated; do
+    local logs=("$out/inprocess_$m".*.log) passed
+    passed=$(grep -lE '^\[  PASSED  \] 1 test' "${logs[@]}" | wc -l)
+    echo "  $m: ${#logs[@]} shards, $passed passed; $(grep -hE 'sealed (mutants|corruptions)' "${logs[@]}" | tr '\n' ' ')"
+    [ "$passed" = "${#logs[@]}" ] || echo "  $m: FAILED (see inprocess_$m.*.log)"
   done
   echo "== kvcodec decompress ($files mutants per method)"
   # One process per file: rc 0 (loaded) or 1 (an Error) pass; anything else
@@ -93,11 +112,11 @@ fuzz() {
   local out=$1 until=$2 bin=$bundle/bin t
   local targets=()
   for exe in "$bin"/fuzz_*; do targets+=("$(basename "$exe")"); done
-  local per=$(( cores / ${#targets[@]} ))
-  [ "$per" -lt 1 ] && per=1
+  local fuzz_cores=${FUZZ_CORES:-$cores} shares=0 per
+  for t in "${targets[@]}"; do shares=$(( shares + $(weight_of "$t" "${WEIGHTS:-}") )); done
   local secs=$(( until - $(date +%s) ))
   [ "$secs" -lt 5 ] && secs=5
-  echo "== fuzzing ${#targets[@]} targets, $per processes each, ${secs}s"
+  echo "== fuzzing ${#targets[@]} targets on $fuzz_cores cores by weight (${WEIGHTS:-equal}), ${secs}s"
   mkdir -p "$out/crashes"
   for t in "${targets[@]}"; do
     local corpus=$out/corpus_$t
@@ -107,6 +126,8 @@ fuzz() {
       "$bin/$t" "$bundle/regressions/$t"/* >"$out/$t.regressions.log" 2>&1 ||
         echo "  $t FAILS a kept regression input"
     fi
+    per=$(( fuzz_cores * $(weight_of "$t" "${WEIGHTS:-}") / shares ))
+    [ "$per" -lt 1 ] && per=1
     for ((p = 0; p < per; ++p)); do
       ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 \
       UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -121,7 +142,7 @@ fuzz() {
     local runs fails
     runs=$(grep -hoE '^Done [0-9]+ runs' "$out/$t".[0-9]*.log | awk '{s += $2} END {print s + 0}')
     fails=$(grep -LE '^Done [0-9]+ runs' "$out/$t".[0-9]*.log | wc -l)
-    echo "  $t: $runs runs in $per processes, $fails ended without 'Done' (a finding: see $t.*.log)"
+    echo "  $t: $runs runs in $(ls "$out/$t".[0-9]*.log | wc -l) processes, $fails ended without 'Done' (a finding: see $t.*.log)"
   done
   ls "$out/crashes" | head -20
 }

@@ -17,6 +17,14 @@
 
 namespace kvcodec::testing_reseal {
 
+// The seed of a mutant test's generator: `base`, moved by
+// KVCODEC_MUTANT_SEED (default 0: `base` itself) so that a campaign's
+// shards (scripts/fuzz_campaign.sh) draw other mutants of the same cache.
+inline uint64_t mutant_seed(uint64_t base) {
+  const char* shard = std::getenv("KVCODEC_MUTANT_SEED");
+  return base + (shard ? uint64_t(std::strtoull(shard, nullptr, 10)) : 0) * 0x9E3779B97F4A7C15ull;
+}
+
 inline void write_dump_mutants(const KVCache& cache, const std::string& tag, uint64_t seed) {
   const char* dir = std::getenv("KVCODEC_MUTANT_DIR");
   if (!dir || !*dir) return;

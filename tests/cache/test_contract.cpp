@@ -362,7 +362,7 @@ TEST_P(Contract, SealedMutantsLoadOrFailCleanly) {
   const std::vector<uint8_t> saved = c->save();
   const char* env = std::getenv("KVCODEC_MUTANTS");
   const long n = env ? std::atol(env) : 300;
-  std::mt19937_64 rng(77 + uint64_t(batch()));
+  std::mt19937_64 rng(testing_reseal::mutant_seed(77 + uint64_t(batch())));
   long refused = 0;
   for (long i = 0; i < n; ++i) {
     const std::vector<uint8_t> bad = testing_reseal::sealed_mutant(saved, rng);

@@ -708,7 +708,7 @@ TEST(CalibratedCache, SealedCorruptionsFailCleanlyAndLeaveTheCache) {
   }
   const char* env = std::getenv("KVCODEC_MUTANTS");
   const long n = env ? std::atol(env) : 200;
-  std::mt19937_64 rng(5);
+  std::mt19937_64 rng(testing_reseal::mutant_seed(5));
   for (long i = 0; i < n; ++i) attempt(testing_reseal::sealed_mutant(saved, rng));
   std::printf("calibrated (refine) sealed corruptions: %zu refused, %zu loaded\n", refused, loaded);
   {  // files for the kvcodec decompress campaign (layer 0: the dump's only layer)
