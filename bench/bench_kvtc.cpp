@@ -168,7 +168,7 @@ void BM_EntropyChainAB(benchmark::State& state) {
   const std::vector<uint16_t> codes = block_codes(f, p);
   const size_t K = size_t(p.n_kept()), per_block = 64 * K;
   std::vector<const entropy::RansEncodeTable*> tables;
-  for (const auto& t : p.rans_encode) tables.push_back(&t);
+  for (const auto& t : p.derived().rans_encode) tables.push_back(&t);
   std::vector<double> ratios;
   for (auto _ : state) {
     double t[2];

@@ -94,8 +94,8 @@ void decode_stacked_codes(const kvtc::HeadParams& p, const uint8_t* data, size_t
   // The decoder's slot tables, built once with the parameters (or here
   // for parameters assembled by hand).
   thread_local std::vector<entropy::RansDecodeTable> built;
-  const std::vector<entropy::RansDecodeTable>* tables = &p.rans_decode;
-  if (p.rans_decode.size() != kept) {
+  const std::vector<entropy::RansDecodeTable>* tables = &p.derived().rans_decode;
+  if (p.derived().rans_decode.size() != kept) {
     built.clear();
     for (const auto& t : p.rans_tables) built.emplace_back(t);
     tables = &built;

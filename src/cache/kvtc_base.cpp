@@ -24,7 +24,8 @@ int64_t KvtcCacheBase::trim(int64_t n) {
   return dropped;
 }
 
-void KvtcCacheBase::write_saved_meta(ContainerWriter& w) const {
+std::vector<uint8_t> KvtcCacheBase::save() const {
+  ContainerWriter w(ContainerKind::kCache);
   w.set_meta("method", "kvtc");
   w.set_meta("settings", encode_settings(settings_));
   w.set_meta("config.layer", std::to_string(config_.layer));
@@ -32,6 +33,33 @@ void KvtcCacheBase::write_saved_meta(ContainerWriter& w) const {
   w.set_meta("config.n_kv_heads", std::to_string(config_.n_kv_heads));
   w.set_meta("config.head_dim", std::to_string(config_.head_dim));
   w.set_meta("config.rope_theta", double_text(config_.rope_theta));
+  write_layout_version(w, layout_version_);
+  write_sections(w);
+  return w.finish();
+}
+
+CacheStats KvtcCacheBase::stats() const {
+  CacheStats st;
+  st.method = "kvtc";
+  st.tokens = offset_;
+  const uint64_t fp16 =
+      uint64_t(offset_) * uint64_t(batch_) * uint64_t(config_.n_kv_heads) * uint64_t(config_.head_dim) * 2;
+  st.fp16_key_bytes = fp16;
+  st.fp16_value_bytes = fp16;
+  for (const bool is_key : {true, false}) {
+    const TensorBytes b = tensor_bytes(is_key);
+    const std::string prefix = is_key ? "key." : "value.";
+    (is_key ? st.compressed_key_bytes : st.compressed_value_bytes) = b.side + b.payload + b.refine + b.raw;
+    st.extras[prefix + "kvtc_bytes"] = double(b.side + b.payload);
+    st.extras[prefix + "side_bytes"] = double(b.side);
+    st.extras[prefix + "payload_bytes"] = double(b.payload);
+    st.extras[prefix + "pre_entropy_bytes"] = double(b.pre_entropy);
+    st.extras[prefix + "raw_bytes"] = double(b.raw);
+    st.extras[prefix + "entropy_coding_gain"] = b.payload ? double(b.pre_entropy) / double(b.payload) : 0.0;
+  }
+  st.coded_symbols = coded_symbols_;
+  add_mode_stats(st);
+  return st;
 }
 
 }  // namespace kvcodec::cache_impl

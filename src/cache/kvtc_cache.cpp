@@ -58,13 +58,11 @@ struct Stream {
 class KvtcCache final : public cache_impl::KvtcCacheBase {
  public:
   KvtcCache(const CacheConfig& config, const Settings& settings)
-      : KvtcCacheBase(config, settings, parse_kvtc_settings(settings, config), "kvtc") {}
+      : KvtcCacheBase(config, settings, parse_kvtc_settings(settings, config), "kvtc", kLayoutVersion) {}
 
   void append(const TensorView& keys, const TensorView& values) override;
   void for_each_block(const BlockVisitor& visit) const override;
-  std::vector<uint8_t> save() const override;
   void load(const uint8_t* data, size_t size) override;
-  CacheStats stats() const override;
 
  private:
   int64_t heads_total() const { return batch_ * config_.n_kv_heads; }
@@ -92,6 +90,9 @@ class KvtcCache final : public cache_impl::KvtcCacheBase {
   void encode_direct(const OpenHeads& open, const TensorView& keys, const TensorView& values, int64_t n);
   void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
   void reset() override;
+  TensorBytes tensor_bytes(bool is_key) const override;
+  void add_mode_stats(CacheStats& st) const override;
+  void write_sections(ContainerWriter& w) const override;
   // Decodes every block once and drops the result: load() refuses a corrupt
   // payload there, not at a later fetch.
   void decode_every_block(const OpenHeads& open) const;
@@ -112,7 +113,6 @@ class KvtcCache final : public cache_impl::KvtcCacheBase {
   }
 
   bool fitted_ = false;
-  uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
   // Both halves of the heads (KernelSet::kBoth), kept between calls while
   // the cache is fed in pieces smaller than a block: a decode loop codes a
@@ -419,31 +419,22 @@ void KvtcCache::uncode_newest_block() {
   }
 }
 
-CacheStats KvtcCache::stats() const {
-  CacheStats st;
-  st.method = "kvtc";
-  st.tokens = offset_;
-  const uint64_t fp16 = uint64_t(offset_) * uint64_t(heads_total()) * uint64_t(config_.head_dim) * 2;
-  st.fp16_key_bytes = fp16;
-  st.fp16_value_bytes = fp16;
+cache_impl::KvtcCacheBase::TensorBytes KvtcCache::tensor_bytes(bool is_key) const {
+  const Stream& s = is_key ? key_ : value_;
+  TensorBytes b;
+  for (const auto& bytes : s.params) b.side += bytes.size();
+  for (const auto& blk : s.blocks) {
+    b.payload += blk.serialized_size();
+    for (size_t h = 0; h < blk.payload.size(); ++h)
+      b.pre_entropy += (uint64_t(s.code_bits[h]) * uint64_t(options_.block) + 7) / 8;
+  }
+  for (const auto& r : s.raw) b.raw += r.size() * 2;
+  return b;
+}
+
+void KvtcCache::add_mode_stats(CacheStats& st) const {
   for (const Stream* s : {&key_, &value_}) {
     const std::string prefix = s == &key_ ? "key." : "value.";
-    uint64_t side = 0, payload = 0, pre_entropy = 0, raw = 0;
-    for (const auto& bytes : s->params) side += bytes.size();
-    for (const auto& blk : s->blocks) {
-      payload += blk.serialized_size();
-      for (size_t h = 0; h < blk.payload.size(); ++h)
-        pre_entropy += (uint64_t(s->code_bits[h]) * uint64_t(options_.block) + 7) / 8;
-    }
-    for (const auto& r : s->raw) raw += r.size() * 2;
-    const uint64_t total = side + payload + raw;
-    (s == &key_ ? st.compressed_key_bytes : st.compressed_value_bytes) = total;
-    st.extras[prefix + "kvtc_bytes"] = double(side + payload);
-    st.extras[prefix + "side_bytes"] = double(side);
-    st.extras[prefix + "payload_bytes"] = double(payload);
-    st.extras[prefix + "pre_entropy_bytes"] = double(pre_entropy);
-    st.extras[prefix + "raw_bytes"] = double(raw);
-    st.extras[prefix + "entropy_coding_gain"] = payload ? double(pre_entropy) / double(payload) : 0.0;
     // As held: the payload, raw and parameter vectors by capacity (the
     // codec's tables are built per call from the parameters, not held).
     uint64_t blocks_held = uint64_t(s->blocks.capacity()) * sizeof(EncodedBlock);
@@ -463,8 +454,6 @@ CacheStats KvtcCache::stats() const {
   st.resident_bytes += kept_held;  // memory, not state: not in extras (equal for equal caches)
   st.extras["bit_budget"] = double(options_.codec.bit_budget > 0 ? options_.codec.bit_budget : 4 * config_.head_dim);
   st.resident_bytes += sizeof(*this);
-  st.coded_symbols = coded_symbols_;
-  return st;
 }
 
 // --- persistence -------------------------------------------------------------
@@ -478,10 +467,7 @@ CacheStats KvtcCache::stats() const {
 // payload), "<t>.raw" (per head, raw tokens as 16-bit words). The byte
 // counters are exactly the sizes of the params, blocks and raw sections.
 
-std::vector<uint8_t> KvtcCache::save() const {
-  ContainerWriter w(ContainerKind::kCache);
-  write_saved_meta(w);
-  cache_impl::write_layout_version(w, kLayoutVersion);
+void KvtcCache::write_sections(ContainerWriter& w) const {
   ByteWriter state;
   state.u64(uint64_t(batch_));
   state.u64(uint64_t(offset_));
@@ -502,7 +488,6 @@ std::vector<uint8_t> KvtcCache::save() const {
       for (uint16_t word : r) raw.u16(word);
     w.add_section(prefix + "raw", raw.take());
   }
-  return w.finish();
 }
 
 void KvtcCache::load(const uint8_t* data, size_t size) {

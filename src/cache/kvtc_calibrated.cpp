@@ -86,7 +86,7 @@ struct Stream {
 class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
  public:
   CalibratedKvtcCache(const CacheConfig& config, const Settings& settings, const KvtcSettings& options)
-      : KvtcCacheBase(config, settings, options, "kvtc calibrated") {
+      : KvtcCacheBase(config, settings, options, "kvtc calibrated", kLayoutVersion) {
     calibration_ = KvtcCalibration::load_shared(options_.calibration);
     check_calibration_matches(*calibration_, config_, options_.rope_theta, options_.calibration);
     if (config_.head_dim % 2 != 0)
@@ -100,9 +100,7 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
 
   void append(const TensorView& keys, const TensorView& values) override;
   void for_each_block(const BlockVisitor& visit) const override;
-  std::vector<uint8_t> save() const override;
   void load(const uint8_t* data, size_t size) override;
-  CacheStats stats() const override;
 
  private:
   int64_t vdim() const { return int64_t(config_.n_kv_heads) * config_.head_dim; }
@@ -136,11 +134,13 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
     key_ = Stream{};
     value_ = Stream{};
   }
+  TensorBytes tensor_bytes(bool is_key) const override;
+  void add_mode_stats(CacheStats& st) const override;
+  void write_sections(ContainerWriter& w) const override;
 
   std::shared_ptr<const KvtcCalibration> calibration_;
   std::shared_ptr<const RopeTable> rope_;  // covers every position held (grown in append / load)
   int64_t encoded_ = 0;  // tokens in blocks (same for keys and values)
-  uint64_t coded_symbols_ = 0;  // CacheStats::coded_symbols (work, not state: not saved)
   Stream key_, value_;
 };
 
@@ -441,37 +441,28 @@ void CalibratedKvtcCache::uncode_newest_block() {
     while (!s->refine.empty() && s->refine.back().first >= encoded_) s->refine.pop_back();
 }
 
-CacheStats CalibratedKvtcCache::stats() const {
-  CacheStats st;
-  st.method = "kvtc";
-  st.tokens = offset_;
-  const uint64_t fp16 = uint64_t(offset_) * uint64_t(batch_) * uint64_t(vdim()) * 2;
-  st.fp16_key_bytes = fp16;
-  st.fp16_value_bytes = fp16;
+cache_impl::KvtcCacheBase::TensorBytes CalibratedKvtcCache::tensor_bytes(bool is_key) const {
+  const Stream& s = is_key ? key_ : value_;
+  uint64_t bits_per_token = 0;
+  for (uint8_t w : params(is_key).fixed_widths) bits_per_token += w;
+  TensorBytes b;  // no per-sequence side information
+  for (const auto& blk : s.blocks) {
+    b.payload += blk.serialized_size();
+    b.pre_entropy += blk.payload.size() * ((bits_per_token * uint64_t(blk.tokens) + 7) / 8);
+  }
+  for (const auto& g : s.refine)
+    b.refine += varint_size(uint64_t(g.first)) + varint_size(uint64_t(g.codes.tokens)) + g.codes.serialized_size();
+  for (const auto& r : s.raw) b.raw += r.size() * 2;
+  return b;
+}
+
+void CalibratedKvtcCache::add_mode_stats(CacheStats& st) const {
   for (const Stream* s : {&key_, &value_}) {
     const bool is_key = s == &key_;
     const std::string prefix = is_key ? "key." : "value.";
     const kvtc::HeadParams& p = params(is_key);
-    uint64_t bits_per_token = 0;
-    for (uint8_t w : p.fixed_widths) bits_per_token += w;
-    uint64_t payload = 0, pre_entropy = 0, raw = 0;
-    for (const auto& blk : s->blocks) {
-      payload += blk.serialized_size();
-      pre_entropy += blk.payload.size() * ((bits_per_token * uint64_t(blk.tokens) + 7) / 8);
-    }
-    uint64_t refine = 0;
-    for (const auto& g : s->refine) refine += varint_size(uint64_t(g.first)) + varint_size(uint64_t(g.codes.tokens)) +
-                                              g.codes.serialized_size();
-    for (const auto& r : s->raw) raw += r.size() * 2;
-    (is_key ? st.compressed_key_bytes : st.compressed_value_bytes) = payload + refine + raw;
-    st.extras[prefix + "refine_bytes"] = double(refine);
+    st.extras[prefix + "refine_bytes"] = double(tensor_bytes(is_key).refine);
     st.extras[prefix + "refined_tokens"] = s->refine.empty() ? 0.0 : double(encoded_ - s->refine.front().first);
-    st.extras[prefix + "kvtc_bytes"] = double(payload);
-    st.extras[prefix + "side_bytes"] = 0.0;  // no per-sequence side information
-    st.extras[prefix + "payload_bytes"] = double(payload);
-    st.extras[prefix + "pre_entropy_bytes"] = double(pre_entropy);
-    st.extras[prefix + "raw_bytes"] = double(raw);
-    st.extras[prefix + "entropy_coding_gain"] = payload ? double(pre_entropy) / double(payload) : 0.0;
     st.extras[prefix + "n_survived.0"] = double(p.n_kept());
     // This layer's share of the shared calibration file: not per sequence,
     // so not in compressed_*_bytes (summed over layers it is the whole file's
@@ -487,11 +478,9 @@ CacheStats CalibratedKvtcCache::stats() const {
   st.shared["kvtc calibration " + options_.calibration + " @" + address_text(calibration_.get())] =
       calibration_->held_bytes();
   if (rope_) st.shared["rope table @" + address_text(rope_.get())] = rope_->held_bytes();
-  st.coded_symbols = coded_symbols_;
   uint64_t key_bits = 0;
   for (uint8_t w : params(true).fixed_widths) key_bits += w;
   st.extras["bit_budget"] = double(key_bits);  // fixed-width bits per token of the layer's key vector
-  return st;
 }
 
 // --- persistence ---------------------------------------------------------------
@@ -519,11 +508,8 @@ std::string params_hash(const KvtcCalibration& c, int layer) {
   return hash_hex(w.data().data(), w.size());
 }
 
-std::vector<uint8_t> CalibratedKvtcCache::save() const {
-  ContainerWriter w(ContainerKind::kCache);
-  write_saved_meta(w);
+void CalibratedKvtcCache::write_sections(ContainerWriter& w) const {
   w.set_meta("calibration.params_hash", params_hash(*calibration_, config_.layer));
-  cache_impl::write_layout_version(w, kLayoutVersion);
   ByteWriter state;
   state.u64(uint64_t(batch_));
   state.u64(uint64_t(offset_));
@@ -557,7 +543,6 @@ std::vector<uint8_t> CalibratedKvtcCache::save() const {
     for (const auto& r : s->raw) raw.u16s(r.data(), r.size());
     w.add_section(prefix + "raw", raw.take());
   }
-  return w.finish();
 }
 
 void CalibratedKvtcCache::load(const uint8_t* data, size_t size) {

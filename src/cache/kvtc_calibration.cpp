@@ -138,36 +138,38 @@ KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const s
     for (const bool is_key : {true, false})
       (is_key ? c.keys : c.values)
           .push_back(read_params("layer." + std::to_string(l) + (is_key ? ".key" : ".value")));
-  // Optional weights: all layers or none, each dim finite positive f32.
-  const bool weighted = r.has("layer.0.key_scale") || r.has("layer.0.value_scale");
-  for (int l = 0; weighted && l < c.n_layers; ++l)
-    for (const bool is_key : {true, false}) {
-      const std::string name = "layer." + std::to_string(l) + (is_key ? ".key_scale" : ".value_scale");
-      if (!r.has(name))
-        throw Error(ErrorCode::kFormat, "calibration " + label + ": weighted calibration without section " + name);
-      const auto bytes = r.section(name);
-      if (bytes.size() != size_t(dim) * 4)
-        throw Error(ErrorCode::kFormat, "calibration " + label + ": " + name + " holds " +
-                                            std::to_string(bytes.size()) + " bytes, expected " +
-                                            std::to_string(size_t(dim) * 4) + " (" + std::to_string(dim) + " f32)");
-      ByteReader in(bytes, "calibration " + name);
-      std::vector<float> scale = in.f32s(size_t(dim));
-      for (int d = 0; d < dim; ++d)
-        if (!(scale[size_t(d)] > 0.0f) || !std::isfinite(scale[size_t(d)]))
-          throw Error(ErrorCode::kFormat, "calibration " + label + ": " + name + "[" + std::to_string(d) +
-                                              "] = " + std::to_string(scale[size_t(d)]) +
-                                              " is not a finite positive weight");
-      (is_key ? c.key_scale : c.value_scale).push_back(std::move(scale));
-    }
-  // Optional refinement parameters: all layers or none.
-  const bool refined = r.has("layer.0.key_refine") || r.has("layer.0.value_refine");
-  for (int l = 0; refined && l < c.n_layers; ++l)
-    for (const bool is_key : {true, false}) {
-      const std::string name = "layer." + std::to_string(l) + (is_key ? ".key_refine" : ".value_refine");
-      if (!r.has(name))
-        throw Error(ErrorCode::kFormat, "calibration " + label + ": refined calibration without section " + name);
-      (is_key ? c.key_refine : c.value_refine).push_back(read_params(name));
-    }
+  // Optional per-layer sections "layer.<l>.key_<suffix>" and
+  // "layer.<l>.value_<suffix>": all layers or none; `read` gets each one.
+  const auto read_optional = [&](const std::string& suffix, const std::string& kind, const auto& read) {
+    if (!r.has("layer.0.key_" + suffix) && !r.has("layer.0.value_" + suffix)) return;
+    for (int l = 0; l < c.n_layers; ++l)
+      for (const bool is_key : {true, false}) {
+        const std::string name = "layer." + std::to_string(l) + (is_key ? ".key_" : ".value_") + suffix;
+        if (!r.has(name))
+          throw Error(ErrorCode::kFormat, "calibration " + label + ": " + kind + " calibration without section " + name);
+        read(name, is_key);
+      }
+  };
+  // Optional weights, each dim finite positive f32.
+  read_optional("scale", "weighted", [&](const std::string& name, bool is_key) {
+    const auto bytes = r.section(name);
+    if (bytes.size() != size_t(dim) * 4)
+      throw Error(ErrorCode::kFormat, "calibration " + label + ": " + name + " holds " +
+                                          std::to_string(bytes.size()) + " bytes, expected " +
+                                          std::to_string(size_t(dim) * 4) + " (" + std::to_string(dim) + " f32)");
+    ByteReader in(bytes, "calibration " + name);
+    std::vector<float> scale = in.f32s(size_t(dim));
+    for (int d = 0; d < dim; ++d)
+      if (!(scale[size_t(d)] > 0.0f) || !std::isfinite(scale[size_t(d)]))
+        throw Error(ErrorCode::kFormat, "calibration " + label + ": " + name + "[" + std::to_string(d) +
+                                            "] = " + std::to_string(scale[size_t(d)]) +
+                                            " is not a finite positive weight");
+    (is_key ? c.key_scale : c.value_scale).push_back(std::move(scale));
+  });
+  // Optional refinement parameters.
+  read_optional("refine", "refined", [&](const std::string& name, bool is_key) {
+    (is_key ? c.key_refine : c.value_refine).push_back(read_params(name));
+  });
   return c;
 }
 

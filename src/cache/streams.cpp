@@ -156,27 +156,70 @@ class SymmetricStream final : public TokenStream {
   int64_t tokens_ = 0;
 };
 
-// --- KIVI keys: per-channel over token groups, once a group has left the window ---
+// --- KIVI: what the key and value streams share ---------------------------------
 //
-// Tokens [0, quantized) are in groups of G tokens, each quantized per (row,
-// channel) over its G tokens (KIVI's per-channel key quantization: key
-// outliers live in fixed channels). Tokens [quantized, total) are raw; a group
-// is quantized when all its G tokens are older than the `residual` newest.
-// Stored: u64 quantized token count, the group blobs, the raw tail.
+// Tokens [0, quantized) are coded in `coded_` (each stream's own layout),
+// tokens [quantized, total) are raw, the newest ones in the residual window.
+// Stored: u64 quantized token count, the coded bytes, the raw tail.
 
-class KiviKeyStream final : public TokenStream {
+template <class Derived>
+class KiviStream : public TokenStream {
  public:
-  KiviKeyStream(int64_t group, int64_t residual, int bits) : group_(group), residual_(residual), bits_(bits) {}
+  KiviStream(int64_t group, int64_t residual, int bits) : group_(group), residual_(residual), bits_(bits) {}
   std::unique_ptr<TokenStream> empty_twin() const override {
-    return std::make_unique<KiviKeyStream>(group_, residual_, bits_);
+    return std::make_unique<Derived>(group_, residual_, bits_);
   }
-  void start(const StreamShape& s) override {
+  int64_t tokens() const override { return quantized_ + raw_.tokens(); }
+  uint64_t stored_bytes() const override { return 8 + coded_.size() + raw_.bytes(); }
+  void save(ByteWriter& w) const override {
+    w.u64(uint64_t(quantized_));
+    w.bytes(coded_.data(), coded_.size());
+    raw_.serialize(w);
+  }
+  void add_extras(const std::string& prefix, std::map<std::string, double>& e) const override {
+    e[prefix + "raw_tokens"] = double(raw_.tokens());
+  }
+
+ protected:
+  // start()'s common part: the shape, nothing held.
+  void start_empty(const StreamShape& s) {
     shape_ = s;
-    widths_.assign(size_t(s.dim), uint8_t(bits_));
-    blob_bytes_ = detail::channel_group_bytes(s.rows(), s.dim, group_, widths_.data());
-    blobs_.clear();
+    coded_.clear();
     quantized_ = 0;
     raw_.reset(s.rows(), s.dim, s.storage);
+  }
+  // load()'s common part, once the stream checked the quantized count q it
+  // read and sized its coded bytes: those bytes, then the raw tail.
+  void load_coded(ByteReader& r, uint64_t q, uint64_t coded_bytes, int64_t tokens) {
+    const uint8_t* p = r.take(size_t(coded_bytes));
+    coded_.assign(p, p + coded_bytes);
+    quantized_ = int64_t(q);
+    raw_.deserialize(r, tokens - quantized_);
+  }
+  uint64_t common_held() const { return coded_.capacity() + raw_.held(); }
+
+  int64_t group_, residual_;
+  int bits_;
+  StreamShape shape_;
+  std::vector<uint8_t> coded_;
+  int64_t quantized_ = 0;
+  RawTokenStore raw_;
+};
+
+// --- KIVI keys: per-channel over token groups, once a group has left the window ---
+//
+// The coded tokens are in groups of G tokens, each quantized per (row,
+// channel) over its G tokens (KIVI's per-channel key quantization: key
+// outliers live in fixed channels); a group is quantized when all its G
+// tokens are older than the `residual` newest. Coded bytes: the group blobs.
+
+class KiviKeyStream final : public KiviStream<KiviKeyStream> {
+ public:
+  using KiviStream::KiviStream;
+  void start(const StreamShape& s) override {
+    start_empty(s);
+    widths_.assign(size_t(s.dim), uint8_t(bits_));
+    blob_bytes_ = detail::channel_group_bytes(s.rows(), s.dim, group_, widths_.data());
   }
   void append(const float* x, int64_t n) override {
     raw_.push_back(x, n);
@@ -185,7 +228,7 @@ class KiviKeyStream final : public TokenStream {
     while (raw_.tokens() - residual_ >= group_) {
       buf.resize(size_t(group_) * tok);
       raw_.read(0, group_, buf.data());
-      detail::encode_channel_group(buf.data(), shape_.rows(), shape_.dim, group_, widths_.data(), blobs_);
+      detail::encode_channel_group(buf.data(), shape_.rows(), shape_.dim, group_, widths_.data(), coded_);
       raw_.pop_front(group_);
       quantized_ += group_;
     }
@@ -218,72 +261,44 @@ class KiviKeyStream final : public TokenStream {
       const int64_t g = quantized_ / group_ - 1;
       decode_channel_group_at(g, buf.data());
       raw_.push_front(buf.data(), group_);
-      blobs_.resize(size_t(g) * blob_bytes_);
+      coded_.resize(size_t(g) * blob_bytes_);
       quantized_ -= group_;
     }
     raw_.truncate(total - quantized_);
   }
-  int64_t tokens() const override { return quantized_ + raw_.tokens(); }
-  uint64_t stored_bytes() const override { return 8 + blobs_.size() + raw_.bytes(); }
-  uint64_t held_bytes() const override {
-    return sizeof(*this) + widths_.capacity() + blobs_.capacity() + raw_.held();
-  }
-  void save(ByteWriter& w) const override {
-    w.u64(uint64_t(quantized_));
-    w.bytes(blobs_.data(), blobs_.size());
-    raw_.serialize(w);
-  }
+  uint64_t held_bytes() const override { return sizeof(*this) + widths_.capacity() + common_held(); }
   void load(ByteReader& r, int64_t tokens) override {
     const uint64_t q = r.u64();
     if (q > uint64_t(tokens) || q % uint64_t(group_) != 0)
       throw Error(ErrorCode::kFormat, r.what() + ": KIVI quantized key count " + std::to_string(q) +
                                           " is not a multiple of group_size within " + std::to_string(tokens) +
                                           " tokens");
-    const uint64_t nb = checked_mul(q / uint64_t(group_), blob_bytes_, "KIVI key groups");
-    const uint8_t* p = r.take(size_t(nb));
-    blobs_.assign(p, p + nb);
-    quantized_ = int64_t(q);
     // append() quantizes every full group older than the residual window.
-    if (tokens - quantized_ >= residual_ + group_)
-      throw Error(ErrorCode::kFormat, r.what() + ": KIVI keys hold " + std::to_string(tokens - quantized_) +
+    if (tokens - int64_t(q) >= residual_ + group_)
+      throw Error(ErrorCode::kFormat, r.what() + ": KIVI keys hold " + std::to_string(tokens - int64_t(q)) +
                                           " raw tokens, more than residual + group_size - 1");
-    raw_.deserialize(r, tokens - quantized_);
-  }
-  void add_extras(const std::string& prefix, std::map<std::string, double>& e) const override {
-    e[prefix + "raw_tokens"] = double(raw_.tokens());
+    load_coded(r, q, checked_mul(q / uint64_t(group_), blob_bytes_, "KIVI key groups"), tokens);
   }
 
  private:
   void decode_channel_group_at(int64_t g, float* buf) const {
-    detail::decode_channel_group(blobs_.data() + size_t(g) * blob_bytes_, blob_bytes_, shape_.rows(), shape_.dim,
+    detail::decode_channel_group(coded_.data() + size_t(g) * blob_bytes_, blob_bytes_, shape_.rows(), shape_.dim,
                                  group_, widths_.data(), buf);
   }
-  int64_t group_, residual_;
-  int bits_;
-  StreamShape shape_;
   std::vector<uint8_t> widths_;
   size_t blob_bytes_ = 0;
-  std::vector<uint8_t> blobs_;
-  int64_t quantized_ = 0;
-  RawTokenStore raw_;
 };
 
 // --- KIVI values: per-token groups of G channels, once a token left the window ---
 //
-// Stored: u64 quantized token count, fixed-size quantized token rows, raw tail.
+// Coded bytes: fixed-size quantized token rows.
 
-class KiviValueStream final : public TokenStream {
+class KiviValueStream final : public KiviStream<KiviValueStream> {
  public:
-  KiviValueStream(int64_t group, int64_t residual, int bits) : group_(group), residual_(residual), bits_(bits) {}
-  std::unique_ptr<TokenStream> empty_twin() const override {
-    return std::make_unique<KiviValueStream>(group_, residual_, bits_);
-  }
+  using KiviStream::KiviStream;
   void start(const StreamShape& s) override {
-    shape_ = s;
+    start_empty(s);
     row_bytes_ = detail::row_group_bytes(s.dim, group_, bits_);
-    data_.clear();
-    quantized_ = 0;
-    raw_.reset(s.rows(), s.dim, s.storage);
   }
   void append(const float* x, int64_t n) override {
     raw_.push_back(x, n);
@@ -292,7 +307,7 @@ class KiviValueStream final : public TokenStream {
     std::vector<float> buf(static_cast<size_t>(excess * shape_.rows() * shape_.dim));
     raw_.read(0, excess, buf.data());
     for (int64_t i = 0; i < excess * shape_.rows(); ++i)
-      detail::encode_row_groups(buf.data() + i * shape_.dim, shape_.dim, group_, bits_, data_);
+      detail::encode_row_groups(buf.data() + i * shape_.dim, shape_.dim, group_, bits_, coded_);
     raw_.pop_front(excess);
     quantized_ += excess;
   }
@@ -302,7 +317,7 @@ class KiviValueStream final : public TokenStream {
     int64_t t = first;
     for (; t < end && t < quantized_; ++t)
       for (int64_t r = 0; r < rows; ++r)
-        detail::decode_row_groups(data_.data() + (size_t(t) * rows + r) * row_bytes_, row_bytes_, dim, group_, bits_,
+        detail::decode_row_groups(coded_.data() + (size_t(t) * rows + r) * row_bytes_, row_bytes_, dim, group_, bits_,
                                   out + (r * n + t - first) * dim);
     if (t < end) {
       std::vector<float> buf(static_cast<size_t>((end - t) * rows * dim));
@@ -315,20 +330,13 @@ class KiviValueStream final : public TokenStream {
     // values are left to refill it from).
     if (total < quantized_) {
       raw_.truncate(0);
-      data_.resize(size_t(total * shape_.rows()) * row_bytes_);
+      coded_.resize(size_t(total * shape_.rows()) * row_bytes_);
       quantized_ = total;
     } else {
       raw_.truncate(total - quantized_);
     }
   }
-  int64_t tokens() const override { return quantized_ + raw_.tokens(); }
-  uint64_t stored_bytes() const override { return 8 + data_.size() + raw_.bytes(); }
-  uint64_t held_bytes() const override { return sizeof(*this) + data_.capacity() + raw_.held(); }
-  void save(ByteWriter& w) const override {
-    w.u64(uint64_t(quantized_));
-    w.bytes(data_.data(), data_.size());
-    raw_.serialize(w);
-  }
+  uint64_t held_bytes() const override { return sizeof(*this) + common_held(); }
   void load(ByteReader& r, int64_t tokens) override {
     const uint64_t q = r.u64();
     if (q > uint64_t(tokens))
@@ -337,24 +345,12 @@ class KiviValueStream final : public TokenStream {
     if (uint64_t(tokens) - q > uint64_t(residual_))
       throw Error(ErrorCode::kFormat, r.what() + ": KIVI values hold " + std::to_string(uint64_t(tokens) - q) +
                                           " raw tokens, more than the residual " + std::to_string(residual_));
-    const uint64_t nb = checked_mul(checked_mul(q, uint64_t(shape_.rows()), "KIVI values"), row_bytes_, "KIVI values");
-    const uint8_t* p = r.take(size_t(nb));
-    data_.assign(p, p + nb);
-    quantized_ = int64_t(q);
-    raw_.deserialize(r, tokens - quantized_);
-  }
-  void add_extras(const std::string& prefix, std::map<std::string, double>& e) const override {
-    e[prefix + "raw_tokens"] = double(raw_.tokens());
+    load_coded(r, q, checked_mul(checked_mul(q, uint64_t(shape_.rows()), "KIVI values"), row_bytes_, "KIVI values"),
+               tokens);
   }
 
  private:
-  int64_t group_, residual_;
-  int bits_;
-  StreamShape shape_;
   size_t row_bytes_ = 0;
-  std::vector<uint8_t> data_;
-  int64_t quantized_ = 0;
-  RawTokenStore raw_;
 };
 
 }  // namespace

@@ -46,7 +46,7 @@ std::vector<uint8_t> BitWriter::bytes() const {
   return out;
 }
 
-uint32_t BitReader::get(unsigned nbits) {
+uint32_t BitReader::get_reference(unsigned nbits) {
   if (nbits > 32) throw Error(ErrorCode::kInvalidArgument, "BitReader::get: nbits = " + std::to_string(nbits) + ", at most 32");
   if (nbits > bits_left())
     throw Error(ErrorCode::kFormat, "bit stream truncated: need " + std::to_string(nbits) + " bits at bit offset " +
@@ -65,20 +65,20 @@ uint32_t BitReader::get(unsigned nbits) {
   return uint32_t(v);
 }
 
-uint64_t BitReader::get_gamma(unsigned max_zeros) {
+uint64_t BitReader::get_gamma_reference(unsigned max_zeros) {
   if (max_zeros > 63) max_zeros = 63;
   unsigned zeros = 0;
-  while (!get_bit()) {
+  while (!get_reference(1)) {
     if (++zeros > max_zeros)
       throw Error(ErrorCode::kFormat, "gamma code longer than " + std::to_string(max_zeros) + " leading zeros at bit offset " +
                                           std::to_string(pos_));
   }
   uint64_t low = 0;
   if (zeros > 32) {
-    low = get(32);
-    low |= uint64_t(get(zeros - 32)) << 32;
+    low = get_reference(32);
+    low |= uint64_t(get_reference(zeros - 32)) << 32;
   } else {
-    low = get(zeros);
+    low = get_reference(zeros);
   }
   return (uint64_t(1) << zeros) | low;
 }

@@ -18,8 +18,10 @@
 // are truncated or inconsistent.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -55,11 +57,45 @@ class BitReader {
  public:
   BitReader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
   // Reads nbits (0..32); throws Error(kFormat) when that goes past the end.
-  uint32_t get(unsigned nbits);
+  // Where 8 bytes are left from the current byte on, one 64-bit load (the
+  // frequency-table parse of a kvtc head opening is most of its reads);
+  // else, and on a big-endian machine, get_reference.
+  uint32_t get(unsigned nbits) {
+    const size_t byte = pos_ >> 3;
+    if (std::endian::native == std::endian::little && nbits <= 32 && byte + 8 <= size_) {
+      uint64_t w;
+      std::memcpy(&w, data_ + byte, 8);
+      const unsigned off = unsigned(pos_ & 7);
+      pos_ += nbits;
+      return uint32_t((w >> off) & ((uint64_t(1) << nbits) - 1));
+    }
+    return get_reference(nbits);
+  }
   bool get_bit() { return get(1) != 0; }
   // Reads an Elias gamma code with at most max_zeros leading zeros (<= 63);
   // more zeros is a format error (so corrupt input cannot make it spin).
-  uint64_t get_gamma(unsigned max_zeros = 32);
+  // A code of up to 28 zeros within the next 8 bytes is read from one
+  // 64-bit load; anything else (longer codes, errors, the stream's last
+  // bytes) as get_gamma_reference does.
+  uint64_t get_gamma(unsigned max_zeros = 32) {
+    const size_t byte = pos_ >> 3;
+    if (std::endian::native == std::endian::little && byte + 8 <= size_) {
+      uint64_t w;
+      std::memcpy(&w, data_ + byte, 8);
+      w >>= pos_ & 7;  // >= 57 valid bits
+      const unsigned zeros = w ? unsigned(std::countr_zero(w)) : 64;
+      if (zeros <= 28 && zeros <= max_zeros) {
+        pos_ += 2 * zeros + 1;
+        return (uint64_t(1) << zeros) | ((w >> (zeros + 1)) & ((uint64_t(1) << zeros) - 1));
+      }
+    }
+    return get_gamma_reference(max_zeros);
+  }
+  // The plain readers (bit by bit within each byte) that get and get_gamma
+  // equal, value, position and errors; what they run where their fast path
+  // does not apply.
+  uint32_t get_reference(unsigned nbits);
+  uint64_t get_gamma_reference(unsigned max_zeros = 32);
   size_t bits_consumed() const { return pos_; }
   size_t bits_left() const { return size_ * 8 - pos_; }
   // Bytes touched so far (the partial last byte counts).

@@ -36,8 +36,8 @@ std::vector<uint8_t> entropy_encode_codes(const HeadParams& p, const uint16_t* c
       // Table pointers in a reused buffer: a block is a few microseconds of work.
       thread_local std::vector<const entropy::RansEncodeTable*> tables;
       tables.clear();
-      if (p.rans_encode.size() == p.rans_tables.size()) {
-        for (const auto& t : p.rans_encode) tables.push_back(&t);
+      if (p.derived().rans_encode.size() == p.rans_tables.size()) {
+        for (const auto& t : p.derived().rans_encode) tables.push_back(&t);
         return entropy::rans_encode(codes, size_t(n), kept, tables);
       }
       // Parameters assembled by hand without build_decoders(): same bytes, slower.
@@ -65,11 +65,11 @@ void entropy_decode_codes(const HeadParams& p, const uint8_t* data, size_t size,
       thread_local std::vector<entropy::RansDecodeTable> built;  // only for hand-assembled parameters
       tables.clear();
       built.clear();
-      if (p.rans_decode.size() != p.rans_tables.size())
+      if (p.derived().rans_decode.size() != p.rans_tables.size())
         for (const auto& t : p.rans_tables) built.emplace_back(t);
-      for (const auto& t : built.empty() ? p.rans_decode : built) tables.push_back(&t);
+      for (const auto& t : built.empty() ? p.derived().rans_decode : built) tables.push_back(&t);
       if (built.empty())
-        entropy::rans_decode(data, size, size_t(n), kept, tables, codes, p.rans_groups);
+        entropy::rans_decode(data, size, size_t(n), kept, tables, codes, p.derived().rans_groups);
       else
         entropy::rans_decode(data, size, size_t(n), kept, tables, codes);
       break;

@@ -27,13 +27,13 @@ namespace kvcodec::kvtc {
 
 namespace {
 
-// See HeadParams::kernels: hand-assembled parameters (kNone) take the plain
+// See HeadParams::kernels and HeadKernels::set: hand-assembled parameters (kNone) take the plain
 // paths; a set built without `need` must not (other codes or bits).
 void require_kernels(const HeadParams& p, KernelSet need, const char* who) {
-  if (p.kernels == KernelSet::kNone || (uint8_t(p.kernels) & uint8_t(need))) return;
+  if (p.kernel_set() == KernelSet::kNone || (uint8_t(p.kernel_set()) & uint8_t(need))) return;
   throw Error(ErrorCode::kInvalidArgument, std::string(who) + ": parameters built for " +
                                                (need == KernelSet::kEncode ? "decoding" : "encoding") +
-                                               " only (HeadParams::build_kernels)");
+                                               " only (HeadKernels::build)");
 }
 
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -373,13 +373,13 @@ inline double round_even(double v) {
   return (v + kShift) - kShift;  // not reassociated: no -ffast-math here
 }
 
-// Index of W[k][d] in HeadParams::recon_w ([ceil(D/8)][Kp/2][8][2]).
+// Index of W[k][d] in HeadKernels::recon_w ([ceil(D/8)][Kp/2][8][2]).
 inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
 
-// The integer reconstruction's tables (HeadParams::recon_int); false, with
+// The integer reconstruction's tables (HeadKernels::recon_int); false, with
 // the tables cleared, when some level count or value does not allow them.
-bool build_recon_int(HeadParams& p) {
-  p.recon_zero2.clear(), p.recon_scale.clear(), p.recon_w.clear();
+bool build_recon_int(const HeadParams& p, HeadKernels& out) {
+  out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   if (K == 0 || D == 0 || p.mean.size() != D || p.basis.size() != K * D || p.quant.size() != K) return false;
   std::vector<double> cmax(K);  // the largest |c| = |2 code - zero2| of a valid code
@@ -434,18 +434,18 @@ bool build_recon_int(HeadParams& p) {
   if (!fits) return false;
   for (size_t d = 0; d < D; ++d)
     if (bound[d] > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
-  p.recon_zero2 = std::move(zero2), p.recon_scale = std::move(scale), p.recon_w = std::move(w);
+  out.recon_zero2 = std::move(zero2), out.recon_scale = std::move(scale), out.recon_w = std::move(w);
   return true;
 }
 
-// Index of W[k][d] in HeadParams::proj_w ([ceil(K/8)][Dp/2][8][2]).
+// Index of W[k][d] in HeadKernels::proj_w ([ceil(K/8)][Dp/2][8][2]).
 inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
 
-// The integer projection's tables (HeadParams::proj_int); false, with the
+// The integer projection's tables (HeadKernels::proj_int); false, with the
 // tables cleared, when the basis or a quantizer does not allow them.
-bool build_proj_int(HeadParams& p) {
-  p.proj_w.clear(), p.proj_qscale.clear();
-  p.proj_unit = p.proj_scale = p.proj_max_abs = p.proj_max_sq = 0.0f;
+bool build_proj_int(const HeadParams& p, HeadKernels& out) {
+  out.proj_w.clear(), out.proj_qscale.clear();
+  out.proj_unit = out.proj_scale = out.proj_max_abs = out.proj_max_sq = 0.0f;
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   if (K == 0 || D == 0 || p.basis.size() != K * D || p.quant.size() != K) return false;
   double bmax = 0, nmax = 0, range_sq = 0;
@@ -501,46 +501,44 @@ bool build_proj_int(HeadParams& p) {
     qscale[k] = float(1.0 / (double(fu) * double(sc) * double(p.quant[k].step)));
     if (!std::isfinite(qscale[k]) || qscale[k] == 0.0f) return false;
   }
-  p.proj_w = std::move(w), p.proj_qscale = std::move(qscale), p.proj_unit = fu, p.proj_scale = sc;
-  p.proj_max_abs = 32767.0f * margin;
-  p.proj_max_sq = float(x_norm * x_norm) * margin;
+  out.proj_w = std::move(w), out.proj_qscale = std::move(qscale), out.proj_unit = fu, out.proj_scale = sc;
+  out.proj_max_abs = 32767.0f * margin;
+  out.proj_max_sq = float(x_norm * x_norm) * margin;
   return true;
 }
 
 }  // namespace
 
-void HeadParams::build_kernels(KernelSet which) {
-  kernels = which;
+std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, KernelSet which) {
+  auto built = std::make_shared<HeadKernels>();
+  HeadKernels& out = *built;
+  out.set = which;
   const bool decoding = uint8_t(which) & uint8_t(KernelSet::kDecode);
   const bool encoding = uint8_t(which) & uint8_t(KernelSet::kEncode);
-  rans_decode.clear();
-  rans_encode.clear();
-  rans_groups = {};
-  recon_skip_zeros = false;
-  recon_int = decoding && build_recon_int(*this);
-  if (!recon_int) recon_zero2.clear(), recon_scale.clear(), recon_w.clear();
-  proj_int = encoding && build_proj_int(*this);
-  if (!proj_int) proj_w.clear(), proj_qscale.clear();
+  out.recon_int = decoding && build_recon_int(p, out);
+  if (!out.recon_int) out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
+  out.proj_int = encoding && build_proj_int(p, out);
+  if (!out.proj_int) out.proj_w.clear(), out.proj_qscale.clear();
   if (encoding) {
-    rans_encode.reserve(rans_tables.size());  // held at exact size
-    for (const auto& t : rans_tables) rans_encode.emplace_back(t);
+    out.rans_encode.reserve(p.rans_tables.size());  // held at exact size
+    for (const auto& t : p.rans_tables) out.rans_encode.emplace_back(t);
   }
-  if (!decoding) return;
-  rans_decode.reserve(rans_tables.size());
-  for (const auto& t : rans_tables) rans_decode.emplace_back(t);
+  if (!decoding) return built;
+  out.rans_decode.reserve(p.rans_tables.size());
+  for (const auto& t : p.rans_tables) out.rans_decode.emplace_back(t);
   // See recon_skip_zeros: no -0, NaN or infinity in the mean; the basis
   // finite with no nonzero value below 2^-40 in magnitude; steps >= 2^-39
   // (so a nonzero coefficient, |code - offset| >= 1/2 steps, is >= 2^-40).
-  recon_skip_zeros = mean.size() == size_t(dim) && basis.size() == size_t(n_kept()) * size_t(dim) &&
-                     quant.size() == size_t(n_kept());
+  out.recon_skip_zeros = p.mean.size() == size_t(p.dim) && p.basis.size() == size_t(p.n_kept()) * size_t(p.dim) &&
+                         p.quant.size() == size_t(p.n_kept());
   const float tiny = std::ldexp(1.0f, -40);
-  for (float m : mean) recon_skip_zeros &= std::isfinite(m) && !(m == 0.0f && std::signbit(m));
-  for (float b : basis) recon_skip_zeros &= std::isfinite(b) && (b == 0.0f || std::fabs(b) >= tiny);
-  for (const ComponentQuantizer& q : quant) recon_skip_zeros &= std::isfinite(q.step) && q.step >= 2.0f * tiny;
-  if (!rans_decode.empty()) {
+  for (float m : p.mean) out.recon_skip_zeros &= std::isfinite(m) && !(m == 0.0f && std::signbit(m));
+  for (float b : p.basis) out.recon_skip_zeros &= std::isfinite(b) && (b == 0.0f || std::fabs(b) >= tiny);
+  for (const ComponentQuantizer& q : p.quant) out.recon_skip_zeros &= std::isfinite(q.step) && q.step >= 2.0f * tiny;
+  if (!out.rans_decode.empty()) {
     std::vector<const entropy::RansDecodeTable*> tables;
-    for (const auto& t : rans_decode) tables.push_back(&t);
-    rans_groups = entropy::rans_group_tables(tables);
+    for (const auto& t : out.rans_decode) tables.push_back(&t);
+    out.rans_groups = entropy::rans_group_tables(tables);
     // The columns the scalar lanes decode throughout get their lookup
     // table: all of them when the group decoder does not apply, else the
     // small alphabets of its scalar groups (a group holding an alphabet it
@@ -549,20 +547,21 @@ void HeadParams::build_kernels(KernelSet which) {
     // each would add 0.34 MB to the tinycode dump's cache at defaults.
     // Replaced in place: the addresses the group tables were built from
     // stay valid.
-    const size_t K = rans_decode.size();
-    std::vector<uint8_t> scalar(K, uint8_t(!rans_groups.usable));
-    if (rans_groups.usable && rans_groups.any_scalar) {
+    const size_t K = out.rans_decode.size();
+    std::vector<uint8_t> scalar(K, uint8_t(!out.rans_groups.usable));
+    if (out.rans_groups.usable && out.rans_groups.any_scalar) {
       size_t k0 = 0;
       do {
-        if (rans_groups.groups[rans_groups.group_at[k0]].scalar)
+        if (out.rans_groups.groups[out.rans_groups.group_at[k0]].scalar)
           for (size_t j = 0; j < entropy::kRansLanes; ++j) scalar[(k0 + j) % K] = 1;
         k0 = (k0 + entropy::kRansLanes) % K;
       } while (k0 != 0);
     }
     for (size_t k = 0; k < K; ++k)
-      if (scalar[k] && (!rans_groups.usable || rans_tables[k].alphabet_size <= entropy::kRansSearchMax))
-        rans_decode[k] = entropy::RansDecodeTable(rans_tables[k], entropy::RansLookup::kScalar);
+      if (scalar[k] && (!out.rans_groups.usable || p.rans_tables[k].alphabet_size <= entropy::kRansSearchMax))
+        out.rans_decode[k] = entropy::RansDecodeTable(p.rans_tables[k], entropy::RansLookup::kScalar);
   }
+  return built;
 }
 
 uint64_t HeadParams::params_held_bytes() const {
@@ -575,14 +574,19 @@ uint64_t HeadParams::params_held_bytes() const {
   return n;
 }
 
-uint64_t HeadParams::derived_held_bytes() const {
-  uint64_t n = uint64_t(rans_decode.capacity()) * sizeof(entropy::RansDecodeTable);
+uint64_t HeadKernels::held_bytes() const {
+  uint64_t n = sizeof(HeadKernels) + uint64_t(rans_decode.capacity()) * sizeof(entropy::RansDecodeTable);
   for (const auto& t : rans_decode) n += t.held_bytes();
   n += uint64_t(rans_encode.capacity()) * sizeof(entropy::RansEncodeTable);
   for (const auto& t : rans_encode) n += t.held_bytes();
-  n += rans_groups.held_bytes() + held_bytes(recon_zero2) + held_bytes(recon_scale) +
-       held_bytes(recon_w) + held_bytes(proj_w) + held_bytes(proj_qscale);
+  n += rans_groups.held_bytes() + kvcodec::held_bytes(recon_zero2) + kvcodec::held_bytes(recon_scale) +
+       kvcodec::held_bytes(recon_w) + kvcodec::held_bytes(proj_w) + kvcodec::held_bytes(proj_qscale);
   return n;
+}
+
+const HeadKernels& HeadParams::derived() const {
+  static const HeadKernels none;
+  return kernels ? *kernels : none;
 }
 
 // --- small dense products -----------------------------------------------------
@@ -769,7 +773,7 @@ void gemm(const float* A, size_t lda, const float* B, size_t ldb, size_t M, size
 // kernel, so the skipped terms are the saving. The FMAs of an output
 // element run in the same (ascending k) order from the same initial value
 // as in gemm, so only the 0 * b terms are missing (see
-// HeadParams::recon_skip_zeros for why that changes no bit).
+// HeadKernels::recon_skip_zeros for why that changes no bit).
 
 // For every 8-bit mask, the positions of its set bits, lowest first: the
 // lane permutation that packs the selected lanes to the front.
@@ -865,7 +869,7 @@ KVCODEC_AVX2_END
 
 }  // namespace
 
-// --- integer reconstruction (HeadParams::recon_int) ------------------------
+// --- integer reconstruction (HeadKernels::recon_int) ------------------------
 
 namespace {
 
@@ -873,8 +877,8 @@ namespace {
 // build_decoders() without calling it again fall back to the float product).
 bool recon_int_ready(const HeadParams& p) {
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
-  return p.recon_int && p.recon_zero2.size() == K && p.recon_scale.size() == D &&
-         p.recon_w.size() == (D + 7) / 8 * ((K + 1) / 2) * 16 && p.mean.size() == D;
+  return p.derived().recon_int && p.derived().recon_zero2.size() == K && p.derived().recon_scale.size() == D &&
+         p.derived().recon_w.size() == (D + 7) / 8 * ((K + 1) / 2) * 16 && p.mean.size() == D;
 }
 
 #ifdef KVCODEC_KVTC_GEMM
@@ -883,7 +887,7 @@ KVCODEC_AVX2_BEGIN
 // component's levels, which decoders reject before), rows padded to Kp.
 void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_t* c, size_t kp) {
   const size_t K = size_t(p.n_kept());
-  const int16_t* z = p.recon_zero2.data();
+  const int16_t* z = p.derived().recon_zero2.data();
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t* r = codes + size_t(i) * K;
     int16_t* o = c + size_t(i) * kp;
@@ -956,9 +960,9 @@ void madd_panel(const int16_t* A, size_t lda, const int16_t* W, size_t block_str
 template <int NV>
 void recon_int_panel(const HeadParams& p, const int16_t* c, size_t kp, size_t kp2, size_t n, size_t b, float* out) {
   const size_t D = size_t(p.dim), block_stride = kp2 * 16;  // int16 entries of one 8-column block
-  const float* scale = p.recon_scale.data() + b;
+  const float* scale = p.derived().recon_scale.data() + b;
   const float* mean = p.mean.data() + b;
-  madd_panel<NV>(c, kp, p.recon_w.data() + (b / 8) * block_stride, block_stride, kp2, n, [&](size_t i) {
+  madd_panel<NV>(c, kp, p.derived().recon_w.data() + (b / 8) * block_stride, block_stride, kp2, n, [&](size_t i) {
     float* C = out + i * D + b;
     return [=](size_t r, size_t v, __m256i acc) {
       _mm256_storeu_ps(C + r * D + 8 * v,
@@ -1020,8 +1024,8 @@ namespace {
 // edited after build_decoders() without calling it again: the float kernel).
 bool proj_int_ready(const HeadParams& p) {
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
-  return p.proj_int && p.quant.size() == K && p.proj_qscale.size() == round_up8(K) &&
-         p.proj_w.size() == round_up8(K) / 8 * ((D + 1) / 2) * 16 && p.proj_scale > 0.0f;
+  return p.derived().proj_int && p.quant.size() == K && p.derived().proj_qscale.size() == round_up8(K) &&
+         p.derived().proj_w.size() == round_up8(K) / 8 * ((D + 1) / 2) * 16 && p.derived().proj_scale > 0.0f;
 }
 
 #ifdef KVCODEC_KVTC_GEMM
@@ -1065,16 +1069,16 @@ KVCODEC_AVX2_END
 // does not gets zeros in o [Dp].
 bool finish_scaled_row(const HeadParams& p, float m, const float* lane, int16_t* o) {
   const size_t D = size_t(p.dim), Dp = (D + 1) / 2 * 2;
-  const float sc = p.proj_scale;
+  const float sc = p.derived().proj_scale;
   const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-  const bool fits = std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.proj_max_abs &&
-                    ss * (sc * sc) <= p.proj_max_sq;
+  const bool fits = std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.derived().proj_max_abs &&
+                    ss * (sc * sc) <= p.derived().proj_max_sq;
   if (!fits) std::fill(o, o + Dp, int16_t(0));
   if (Dp > D) o[D] = 0;
   return fits;
 }
 
-// The centred rows c [n, D] times p.proj_scale as int16 x [n, Dp] (Dp = D
+// The centred rows c [n, D] times proj_scale as int16 x [n, Dp] (Dp = D
 // rounded up to even, the pad 0), rounded to nearest even; fits[t] says
 // whether row t may take the integer projection: its largest |c| times
 // the scale within proj_max_abs and its squared norm times the scale's
@@ -1085,7 +1089,7 @@ bool finish_scaled_row(const HeadParams& p, float m, const float* lane, int16_t*
 // then a fixed tree), so the kernel and the reference loops decide alike.
 void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint8_t* fits) {
   const size_t D = size_t(p.dim), Dp = (D + 1) / 2 * 2;
-  const float sc = p.proj_scale;
+  const float sc = p.derived().proj_scale;
   for (int64_t t = 0; t < n; ++t) {
     const float* row = c + size_t(t) * D;
     int16_t* o = x + size_t(t) * Dp;
@@ -1124,9 +1128,9 @@ void proj_int_loops(const HeadParams& p, const int16_t* x, int64_t n, uint16_t* 
   for (int64_t t = 0; t < n; ++t)
     for (size_t k = 0; k < K; ++k) {
       int32_t acc = 0;
-      for (size_t d = 0; d < D; ++d) acc += int32_t(x[size_t(t) * 2 * dp2 + d]) * int32_t(p.proj_w[proj_w_index(k, d, dp2)]);
+      for (size_t d = 0; d < D; ++d) acc += int32_t(x[size_t(t) * 2 * dp2 + d]) * int32_t(p.derived().proj_w[proj_w_index(k, d, dp2)]);
       const ComponentQuantizer& q = p.quant[k];
-      codes[size_t(t) * K + k] = proj_code(acc, p.proj_qscale[k], code_offset(q), float(q.levels - 1));
+      codes[size_t(t) * K + k] = proj_code(acc, p.derived().proj_qscale[k], code_offset(q), float(q.levels - 1));
     }
 }
 
@@ -1137,7 +1141,7 @@ KVCODEC_AVX2_BEGIN
 // codes at a time.
 void proj_int(const HeadParams& p, const int16_t* x, size_t n, uint16_t* codes) {
   const size_t K = size_t(p.n_kept()), dp2 = (size_t(p.dim) + 1) / 2, block_stride = dp2 * 16;
-  const float* qscale = p.proj_qscale.data();
+  const float* qscale = p.derived().proj_qscale.data();
   // Offsets and largest codes padded to K8 (the epilogue reads groups of 8).
   BlockScratch& s = scratch();
   s.b.assign(round_up8(K), 0.0f), s.c.assign(round_up8(K), 0.0f);
@@ -1148,7 +1152,7 @@ void proj_int(const HeadParams& p, const int16_t* x, size_t n, uint16_t* codes) 
   const float* const offset = s.b.data();
   const float* const max_code = s.c.data();
   const auto panel = [&](auto nv, size_t col) {
-    madd_panel<decltype(nv)::value>(x, 2 * dp2, p.proj_w.data() + (col / 8) * block_stride, block_stride, dp2, n,
+    madd_panel<decltype(nv)::value>(x, 2 * dp2, p.derived().proj_w.data() + (col / 8) * block_stride, block_stride, dp2, n,
                                     [&](size_t i) {
       return [=](size_t r, size_t v, __m256i acc) {
         const size_t k0 = col + 8 * v;
@@ -1212,7 +1216,7 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
   const bool integer = proj_int_ready(p);
   if (path == QuantPath::kInteger && !integer)
     throw Error(ErrorCode::kInvalidArgument,
-                "kvtc: the integer projection needs HeadParams::proj_int (run build_decoders())");
+                "kvtc: the integer projection needs HeadKernels::proj_int (run build_decoders())");
   if (integer && path != QuantPath::kFloat) {
     if (!prescaled) {
       s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
@@ -1308,7 +1312,7 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
   const bool integer = recon_int_ready(p);
   if (path == ReconPath::kInteger && !integer)
     throw Error(ErrorCode::kInvalidArgument,
-                "kvtc: the integer reconstruction needs HeadParams::recon_int (run build_decoders())");
+                "kvtc: the integer reconstruction needs HeadKernels::recon_int (run build_decoders())");
   if (integer && (path == ReconPath::kAuto || path == ReconPath::kInteger)) {
     recon_int(p, codes, n, out, s.doubled);
     return;
@@ -1342,7 +1346,7 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
   // coefficients (bench_kvtc BM_Reconstruct: 1.2x at the 5% target's ~50%,
   // 0.8x at the 1% target's ~27%): the block's count decides.
   const bool sparse = path == ReconPath::kSkipZeros || (path == ReconPath::kAuto && 5 * zeros >= 2 * size_t(n) * K);
-  if (simd && sparse && p.recon_skip_zeros && dim % 8 == 0 && p.basis.size() == K * size_t(dim) &&
+  if (simd && sparse && p.derived().recon_skip_zeros && dim % 8 == 0 && p.basis.size() == K * size_t(dim) &&
       size_t(dim) * K <= size_t(INT32_MAX)) {
     s.vals.resize(K + 8);
     s.offs.resize(K + 8);
@@ -1385,9 +1389,9 @@ void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, ui
 
 void quantize_block_integer_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
   if (!proj_int_ready(p))
-    throw Error(ErrorCode::kInvalidArgument, "kvtc: the integer projection needs HeadParams::proj_int");
+    throw Error(ErrorCode::kInvalidArgument, "kvtc: the integer projection needs HeadKernels::proj_int");
   const size_t D = size_t(p.dim), K = size_t(p.n_kept()), Dp = (D + 1) / 2 * 2, rows = static_cast<size_t>(n);
-  const float sc = p.proj_scale;
+  const float sc = p.derived().proj_scale;
   std::vector<float> c(rows * D);
   for (size_t t = 0; t < rows; ++t)
     for (size_t d = 0; d < D; ++d) c[t * D + d] = x[t * D + d] - p.mean[d];
@@ -1402,8 +1406,8 @@ void quantize_block_integer_reference(const HeadParams& p, const float* x, int64
       lane[d % 8] = std::fma(v, v, lane[d % 8]);
     }
     const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-    fits[t] = std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.proj_max_abs &&
-              ss * (sc * sc) <= p.proj_max_sq;
+    fits[t] = std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.derived().proj_max_abs &&
+              ss * (sc * sc) <= p.derived().proj_max_sq;
     if (fits[t])
       for (size_t d = 0; d < D; ++d) scaled[t * Dp + d] = int16_t(int32_t(std::nearbyint(c[t * D + d] * sc)));
   }
@@ -1429,16 +1433,16 @@ void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int6
 
 void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
   if (!recon_int_ready(p))
-    throw Error(ErrorCode::kInvalidArgument, "kvtc: the integer reconstruction needs HeadParams::recon_int");
+    throw Error(ErrorCode::kInvalidArgument, "kvtc: the integer reconstruction needs HeadKernels::recon_int");
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim), kp2 = (K + 1) / 2;
   for (int64_t i = 0; i < n; ++i)
     for (size_t d = 0; d < D; ++d) {
       int64_t acc = 0;
       for (size_t k = 0; k < K; ++k) {
-        const int16_t c = int16_t(uint16_t(2u * codes[size_t(i) * K + k] - uint16_t(p.recon_zero2[k])));
-        acc += int64_t(c) * int64_t(p.recon_w[recon_w_index(k, d, kp2)]);
+        const int16_t c = int16_t(uint16_t(2u * codes[size_t(i) * K + k] - uint16_t(p.derived().recon_zero2[k])));
+        acc += int64_t(c) * int64_t(p.derived().recon_w[recon_w_index(k, d, kp2)]);
       }
-      out[size_t(i) * D + d] = std::fma(float(int32_t(uint32_t(uint64_t(acc)))), p.recon_scale[d], p.mean[d]);
+      out[size_t(i) * D + d] = std::fma(float(int32_t(uint32_t(uint64_t(acc)))), p.derived().recon_scale[d], p.mean[d]);
     }
 }
 
@@ -1470,7 +1474,7 @@ int centre_row_f16_avx2(const HeadParams& p, const float* row, int64_t next_rows
   for (int e = 0; e < dim; e += 16)
     _mm_prefetch(reinterpret_cast<const char*>(next + uintptr_t(e) * sizeof(float)), _MM_HINT_T0);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 vs = _mm256_set1_ps(p.proj_scale);
+  const __m256 vs = _mm256_set1_ps(p.derived().proj_scale);
   __m256 vm = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
   int d = 0;
   for (; d + 8 <= dim; d += 8) {
@@ -1565,9 +1569,9 @@ const std::vector<const entropy::RansDecodeTable*>& rans_decode_tables(const Hea
                                                                        std::vector<const entropy::RansDecodeTable*>& tables) {
   tables.clear();
   built.clear();
-  if (p.rans_decode.size() != p.rans_tables.size())
+  if (p.derived().rans_decode.size() != p.rans_tables.size())
     for (const auto& t : p.rans_tables) built.emplace_back(t);
-  for (const auto& t : built.empty() ? p.rans_decode : built) tables.push_back(&t);
+  for (const auto& t : built.empty() ? p.derived().rans_decode : built) tables.push_back(&t);
   return tables;
 }
 
@@ -1631,8 +1635,8 @@ void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_
   ja.tables = &rans_decode_tables(pa, built_a, tables_a), ja.out = codes_a.data();
   jb.data = data_b, jb.size = size_b, jb.n_rows = size_t(n), jb.n_cols = size_t(pb.n_kept());
   jb.tables = &rans_decode_tables(pb, built_b, tables_b), jb.out = codes_b.data();
-  if (built_a.empty()) ja.groups = &pa.rans_groups;
-  if (built_b.empty()) jb.groups = &pb.rans_groups;
+  if (built_a.empty()) ja.groups = &pa.derived().rans_groups;
+  if (built_b.empty()) jb.groups = &pb.derived().rans_groups;
   entropy::rans_decode_pair(ja, jb);
   finish_block(pa, codes_a.data(), n, out_a);
   finish_block(pb, codes_b.data(), n, out_b);

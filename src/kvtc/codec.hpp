@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,41 +57,22 @@ struct ComponentQuantizer {
   bool half_offset = false;  // midrise grid: reconstruction points at (code - zero + 0.5) * step
 };
 
-// Which kernels derived from the parameters (HeadParams::build_kernels) a
+// Which kernels derived from the parameters (HeadKernels::build) a
 // HeadParams holds: a decoder needs the decode tables and the integer
 // reconstruction, an encoder the encode constants and the integer
 // projection. A cache that holds its parameters as bytes builds one set per
 // call (src/cache/kvtc_cache.cpp).
 enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3 };
 
-// Frozen parameters of one head for one tensor.
-struct HeadParams {
-  int dim = 0;
-  CoderChoice coder = CoderChoice::kFixed;  // never kAuto once fitted
-  int basis_bits = 16;
-  std::vector<float> mean;                  // [D], as stored (f16-rounded)
-  std::vector<uint16_t> kept;               // indices of kept components, ascending
-  std::vector<float> basis;                 // [K, D] rows of kept axes, as stored
-  std::vector<float> row_scale;             // [K] f16 scale of each int8 row (basis_bits == 8)
-  std::vector<ComponentQuantizer> quant;    // [K]
-  std::vector<entropy::FrequencyTable> rans_tables;   // [K] when coder == kRans
-  std::vector<entropy::HuffmanTable> huffman_tables;  // [K] when coder == kHuffman
-  std::vector<uint8_t> fixed_widths;                  // [K] when coder == kFixed
+struct HeadParams;
 
-  // Not stored: what the fit saw, for telemetry and bounds.
-  std::vector<double> eigenvalues;          // [D] descending
-  std::vector<int> bits;                    // [D] allocated width (dp) or ceil(log2 levels)
-
-  int n_kept() const { return int(kept.size()); }
-
-  // Side information exactly as serialised.
-  void serialize(ByteWriter& out) const;
-  // Parses and validates, then builds `kernels`.
-  static HeadParams deserialize(ByteReader& in, int expected_dim, KernelSet kernels = KernelSet::kBoth);
-  size_t serialized_size() const;
-
-  // Coder tables built once after fit/deserialize (not serialised): the
-  // decoder's slot tables and the encoder's division-free constants.
+// The kernels derived from one HeadParams (not serialised): coder tables and
+// the integer kernels' weights. Immutable once built (rans_groups points into
+// rans_decode, so it is never copied or moved), held by shared_ptr: every
+// copy of the parameters, and every cache using them, shares one.
+struct HeadKernels {
+  KernelSet set = KernelSet::kNone;
+  // The decoder's slot tables and the encoder's division-free constants.
   // encode_block/decode_block build them on the fly (slowly) when missing.
   std::vector<entropy::RansDecodeTable> rans_decode;
   std::vector<entropy::RansEncodeTable> rans_encode;
@@ -103,7 +85,7 @@ struct HeadParams {
   // only from -0 + -0 or when its nonzero exact result rounds to zero;
   // with every nonzero |coefficient| and |basis value| >= 2^-40 (steps
   // >= 2^-39) the exact results are multiples of 2^-149, so that cannot
-  // happen. Set by build_decoders() when those hold; false (every term
+  // happen. Set by build() when those hold; false (every term
   // multiplied) otherwise or when it was not run.
   bool recon_skip_zeros = false;
   // The integer reconstruction (dequantize_block's default when set):
@@ -121,7 +103,7 @@ struct HeadParams {
   // 15 bits of the column's largest weight far below the quantisation error.
   // recon_w is laid out [ceil(D/8)][Kp/2][8][2] (Kp = K rounded up to even:
   // a pair of components' weights interleaved per output column, the
-  // operand layout of madd). Set by build_decoders() when every level count
+  // operand layout of madd). Set by build() when every level count
   // keeps |c| <= 32767 and the parameters are finite; false otherwise (the
   // float reconstruction runs).
   std::vector<int16_t> recon_zero2;  // [K]
@@ -150,7 +132,7 @@ struct HeadParams {
   // below the steps of the rate targets): a code differs from the exact
   // projection's only for a coefficient that close to a cell edge.
   // proj_w is laid out [ceil(K/8)][Dp/2][8][2] (Dp = D rounded up to even).
-  // Set by build_decoders() when the basis and the steps are finite and the
+  // Set by build() when the basis and the steps are finite and the
   // steps nonzero; false otherwise (the float kernel runs).
   std::vector<int16_t> proj_w;       // [ceil(K/8)][Dp/2][8][2]
   std::vector<float> proj_qscale;    // [K8]
@@ -159,20 +141,63 @@ struct HeadParams {
   float proj_max_abs = 0.0f;
   float proj_max_sq = 0.0f;
   bool proj_int = false;
-  // The kernels built (by build_kernels): kNone for parameters assembled by
-  // hand (the plain float paths, tables built per call); an encode entry
-  // point given kDecode parameters, or a decode one given kEncode, throws
-  // Error(kInvalidArgument) rather than take a path of other codes or bits.
-  KernelSet kernels = KernelSet::kNone;
-  void build_kernels(KernelSet which);
+
+  // Builds `which` from p (kNone: none, the plain paths).
+  static std::shared_ptr<const HeadKernels> build(const HeadParams& p, KernelSet which);
+  // Heap bytes held (capacities), the object itself included.
+  uint64_t held_bytes() const;
+
+  HeadKernels() = default;
+  HeadKernels(const HeadKernels&) = delete;
+  HeadKernels& operator=(const HeadKernels&) = delete;
+};
+
+// Frozen parameters of one head for one tensor: what is serialised (a value
+// type), plus the kernels derived from them (shared, see HeadKernels).
+struct HeadParams {
+  int dim = 0;
+  CoderChoice coder = CoderChoice::kFixed;  // never kAuto once fitted
+  int basis_bits = 16;
+  std::vector<float> mean;                  // [D], as stored (f16-rounded)
+  std::vector<uint16_t> kept;               // indices of kept components, ascending
+  std::vector<float> basis;                 // [K, D] rows of kept axes, as stored
+  std::vector<float> row_scale;             // [K] f16 scale of each int8 row (basis_bits == 8)
+  std::vector<ComponentQuantizer> quant;    // [K]
+  std::vector<entropy::FrequencyTable> rans_tables;   // [K] when coder == kRans
+  std::vector<entropy::HuffmanTable> huffman_tables;  // [K] when coder == kHuffman
+  std::vector<uint8_t> fixed_widths;                  // [K] when coder == kFixed
+
+  // Not stored: what the fit saw, for telemetry and bounds.
+  std::vector<double> eigenvalues;          // [D] descending
+  std::vector<int> bits;                    // [D] allocated width (dp) or ceil(log2 levels)
+
+  int n_kept() const { return int(kept.size()); }
+
+  // Side information exactly as serialised.
+  void serialize(ByteWriter& out) const;
+  // Parses and validates, then builds `kernels`.
+  static HeadParams deserialize(ByteReader& in, int expected_dim, KernelSet kernels = KernelSet::kBoth);
+  size_t serialized_size() const;
+
+  // The kernels built from the parameters above (null: none, as for
+  // parameters assembled by hand: the plain float paths, tables built per
+  // call). Derived, so a change to the parameters needs build_kernels()
+  // again. An encode entry point given kDecode kernels, or a decode one
+  // given kEncode, throws Error(kInvalidArgument) rather than take a path
+  // of other codes or bits.
+  std::shared_ptr<const HeadKernels> kernels;
+  KernelSet kernel_set() const { return kernels ? kernels->set : KernelSet::kNone; }
+  // *kernels, or an empty set when none are built.
+  const HeadKernels& derived() const;
+  void build_kernels(KernelSet which) { kernels = HeadKernels::build(*this, which); }
   void build_decoders() { build_kernels(KernelSet::kBoth); }
 
   // Heap bytes held (capacities): the parameters above (mean, kept, basis,
-  // scales, quantizers, coder tables, fit telemetry) and, apart, what
-  // build_decoders() derives from them (decode/encode tables, transposed
-  // basis, integer kernels' weights). For CacheStats::resident_bytes.
+  // scales, quantizers, coder tables, fit telemetry) and, apart, the
+  // kernels derived from them (HeadKernels::held_bytes; shared by copies).
+  // For CacheStats::resident_bytes.
   uint64_t params_held_bytes() const;
-  uint64_t derived_held_bytes() const;
+  uint64_t derived_held_bytes() const { return kernels ? kernels->held_bytes() : 0; }
 };
 
 // Fits one head from x [n, D] (row-major) given its PCA (eigen-sorted axes).
@@ -207,20 +232,20 @@ void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_
 void quantize_block(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
 // How the reconstruction runs, for tests and benches: kAuto is
-// dequantize_block (the integer reconstruction when p.recon_int; otherwise
+// dequantize_block (the integer reconstruction when p.kernels->recon_int; otherwise
 // the float product, zero coefficients skipped when at least 40% of the
-// block's are zero and p.recon_skip_zeros); kDense is the float product
+// block's are zero and p.kernels->recon_skip_zeros); kDense is the float product
 // multiplying every term (the reference the float paths equal bit for
-// bit); kSkipZeros skips zero terms whenever p.recon_skip_zeros (and the
+// bit); kSkipZeros skips zero terms whenever p.kernels->recon_skip_zeros (and the
 // AVX2 kernels are built); kInteger is the integer reconstruction
-// (Error(kInvalidArgument) without p.recon_int).
+// (Error(kInvalidArgument) without p.kernels->recon_int).
 enum class ReconPath { kAuto, kDense, kSkipZeros, kInteger };
 void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path);
 
 // How the projection runs, for tests and benches: kAuto is quantize_block
-// (the integer projection when p.proj_int, else the float kernel); kFloat
+// (the integer projection when p.kernels->proj_int, else the float kernel); kFloat
 // the float kernel (same codes as the plain float loops); kInteger the
-// integer projection (Error(kInvalidArgument) without p.proj_int; rows
+// integer projection (Error(kInvalidArgument) without p.kernels->proj_int; rows
 // that do not fit it still take the float kernel, as in kAuto).
 enum class QuantPath { kAuto, kFloat, kInteger };
 void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_t* codes, QuantPath path);
@@ -229,15 +254,15 @@ void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_
 // reconstruction by naive loops in double), for testing the fast path.
 void quantize_block_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
-// Plain loops of the integer reconstruction (see HeadParams::recon_int),
+// Plain loops of the integer reconstruction (see HeadKernels::recon_int),
 // which the AVX2 tiles equal bit for bit; also what dequantize_block runs
 // without them (no AVX2, or D % 8 != 0). Error(kInvalidArgument) without
-// p.recon_int.
+// p.kernels->recon_int.
 void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
-// Plain loops of the integer projection (see HeadParams::proj_int), which
+// Plain loops of the integer projection (see HeadKernels::proj_int), which
 // the AVX2 tiles equal bit for bit, rows that do not fit it included
 // (those take quantize_block_path's kFloat, row by row, in both).
-// Error(kInvalidArgument) without p.proj_int.
+// Error(kInvalidArgument) without p.kernels->proj_int.
 void quantize_block_integer_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 
 }  // namespace kvcodec::kvtc

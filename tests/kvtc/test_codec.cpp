@@ -228,7 +228,7 @@ TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
       o.target_rel_mse = target;
       o.basis_bits = dim == 64 ? 8 : 16;
       HeadParams p = fit(x, fit_n, dim, o);
-      heads_skipping += p.recon_skip_zeros;
+      heads_skipping += p.derived().recon_skip_zeros;
       const size_t K = size_t(p.n_kept());
       for (int64_t n : {int64_t(1), int64_t(7), int64_t(64)}) {
         std::vector<uint16_t> codes(size_t(n) * K);
@@ -247,7 +247,7 @@ TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
           // dequantize_block: the integer reconstruction (its reference bit
           // for bit) where it holds, else the float product's choice.
           std::vector<float> expected(fast.size());
-          if (p.recon_int)
+          if (p.derived().recon_int)
             dequantize_block_integer_reference(p, codes.data(), n, expected.data());
           else
             expected = dense;
@@ -271,7 +271,7 @@ TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
   const int dim = 64;
   const RateBlock rb = rate_block(5, 0.05);
   const HeadParams& base = rb.head;
-  ASSERT_TRUE(base.recon_skip_zeros);
+  ASSERT_TRUE(base.derived().recon_skip_zeros);
   const size_t K = size_t(base.n_kept());
   std::vector<uint16_t> codes = rb.codes;
   for (size_t i = 0; i < codes.size(); i += 2) codes[i] = base.quant[i % K].zero;
@@ -283,20 +283,20 @@ TEST(Codec, ZeroSkippingReconstructionEqualsDenseBitForBit) {
     if (edit == 3) p.quant[1].step = std::ldexp(1.0f, -45);
     if (edit == 4) p.basis[7] = std::ldexp(1.0f, -60);
     p.build_decoders();
-    EXPECT_FALSE(p.recon_skip_zeros) << "edit " << edit;
+    EXPECT_FALSE(p.derived().recon_skip_zeros) << "edit " << edit;
     std::vector<float> fast(size_t(64 * dim)), dense(fast.size()), skip(fast.size());
     dequantize_block(p, codes.data(), 64, fast.data());
     dequantize_block_path(p, codes.data(), 64, dense.data(), ReconPath::kDense);
     dequantize_block_path(p, codes.data(), 64, skip.data(), ReconPath::kSkipZeros);
     std::vector<float> expected = dense;
-    if (p.recon_int) dequantize_block_integer_reference(p, codes.data(), 64, expected.data());
-    EXPECT_EQ(p.recon_int, edit != 1 && edit != 2) << "edit " << edit;  // NaN / infinity: no integer tables
+    if (p.derived().recon_int) dequantize_block_integer_reference(p, codes.data(), 64, expected.data());
+    EXPECT_EQ(p.derived().recon_int, edit != 1 && edit != 2) << "edit " << edit;  // NaN / infinity: no integer tables
     EXPECT_TRUE(same_bits(fast, expected)) << "edit " << edit;
     EXPECT_TRUE(same_bits(skip, dense)) << "edit " << edit;
   }
 }
 
-// The integer reconstruction (HeadParams::recon_int), the decoders' default:
+// The integer reconstruction (HeadKernels::recon_int), the decoders' default:
 // the AVX2 madd kernel (D % 8 == 0) and the plain loops (other D) equal the
 // plain-loop reference bit for bit, on fitted heads of both allocators and
 // every remainder of the tiles (rows not a multiple of 6 or 4, odd K, D not
@@ -312,7 +312,7 @@ TEST(Codec, IntegerReconstructionEqualsItsReferenceBitForBit) {
       const HeadParams p = fit(x, fit_n, dim, setting_options(setting, dim, dim / 2 + 1));
       const size_t K = size_t(p.n_kept());
       if (K == 0) continue;
-      ASSERT_TRUE(p.recon_int) << "dim " << dim << " setting " << setting;
+      ASSERT_TRUE(p.derived().recon_int) << "dim " << dim << " setting " << setting;
       ++heads, odd_k += K % 2;
       for (int64_t n : {int64_t(1), int64_t(5), int64_t(7), int64_t(64), int64_t(71)}) {
         std::vector<uint16_t> codes(size_t(n) * K);
@@ -365,7 +365,7 @@ TEST(Codec, IntegerReconstructionStaysWithinItsRoundingBound) {
         for (auto& q : p.quant) q.levels = 16383, q.zero = 8191, q.half_offset = false;
         p.build_decoders();
       }
-      ASSERT_TRUE(p.recon_int) << "dim " << dim << " setting " << setting;
+      ASSERT_TRUE(p.derived().recon_int) << "dim " << dim << " setting " << setting;
       const int64_t n = 64;
       std::vector<uint16_t> codes(size_t(n) * K);
       for (size_t i = 0; i < codes.size(); ++i) {
@@ -381,12 +381,12 @@ TEST(Codec, IntegerReconstructionStaysWithinItsRoundingBound) {
         for (int d = 0; d < dim; ++d) {
           double sum_c = 0, acc_scaled = 0;
           for (size_t k = 0; k < K; ++k) {
-            const double c = 2.0 * codes[size_t(i) * K + k] - p.recon_zero2[k];
+            const double c = 2.0 * codes[size_t(i) * K + k] - p.derived().recon_zero2[k];
             sum_c += std::fabs(c);
             acc_scaled += c * double(p.quant[k].step) * double(p.basis[k * size_t(dim) + size_t(d)]) / 2;
           }
           const size_t at = size_t(i * dim + d);
-          const double bound = double(p.recon_scale[size_t(d)]) / 2 * sum_c +
+          const double bound = double(p.derived().recon_scale[size_t(d)]) / 2 * sum_c +
                                std::ldexp(1.0, -22) * (std::fabs(acc_scaled) + std::fabs(exact[at]) + 1e-30);
           const double err = std::fabs(double(got[at]) - double(exact[at]));
           ASSERT_LE(err, bound) << "dim " << dim << " setting " << setting << " row " << i << " d " << d;
@@ -405,7 +405,7 @@ TEST(Codec, IntegerReconstructionIsOffWhereItCannotHold) {
   const int dim = 64;
   const RateBlock rb = rate_block(9, 0.01);
   const HeadParams& base = rb.head;
-  ASSERT_TRUE(base.recon_int);
+  ASSERT_TRUE(base.derived().recon_int);
   const std::vector<uint16_t>& codes = rb.codes;
   for (int edit = 0; edit < 4; ++edit) {
     HeadParams p = base;
@@ -414,7 +414,7 @@ TEST(Codec, IntegerReconstructionIsOffWhereItCannotHold) {
     if (edit == 2) p.basis[5] = std::numeric_limits<float>::quiet_NaN();
     if (edit == 3) p.mean[1] = std::numeric_limits<float>::infinity();
     p.build_decoders();
-    EXPECT_FALSE(p.recon_int) << "edit " << edit;
+    EXPECT_FALSE(p.derived().recon_int) << "edit " << edit;
     std::vector<float> fast(size_t(64 * dim)), dense(fast.size());
     dequantize_block(p, codes.data(), 64, fast.data());
     dequantize_block_path(p, codes.data(), 64, dense.data(), ReconPath::kDense);
@@ -431,10 +431,10 @@ TEST(Codec, IntegerReconstructionIsOffWhereItCannotHold) {
   HeadParams p = base;
   p.quant[2].levels = 16384, p.quant[2].zero = 8192, p.quant[2].half_offset = false;
   p.build_decoders();
-  EXPECT_TRUE(p.recon_int);
+  EXPECT_TRUE(p.derived().recon_int);
 }
 
-// The integer projection (HeadParams::proj_int), quantize_block's default:
+// The integer projection (HeadKernels::proj_int), quantize_block's default:
 // the AVX2 madd tiles equal the plain-loop reference bit for bit on fitted
 // heads of both allocators and every remainder of the tiles (rows not a
 // multiple of 4 or 2, K not a multiple of 16 or 8, odd D), and each code
@@ -450,7 +450,7 @@ TEST(Codec, IntegerProjectionEqualsItsReferenceAndStaysWithinItsBound) {
     const auto x = correlated(fit_n, dim, uint32_t(500 + dim));
     for (int setting = 0; setting < 4; ++setting) {
       const HeadParams p = fit(x, fit_n, dim, setting_options(setting, dim, dim / 2 + 3));
-      ASSERT_TRUE(p.proj_int) << "dim " << dim << " setting " << setting;
+      ASSERT_TRUE(p.derived().proj_int) << "dim " << dim << " setting " << setting;
       ++heads;
       const size_t K = size_t(p.n_kept()), D = size_t(dim);
       for (int64_t n : {int64_t(1), int64_t(3), int64_t(7), int64_t(64), int64_t(fit_n)}) {
@@ -461,8 +461,8 @@ TEST(Codec, IntegerProjectionEqualsItsReferenceAndStaysWithinItsBound) {
         quantize_block_path(p, x.data(), n, ref.data(), QuantPath::kInteger);
         ASSERT_EQ(fast, ref) << "dim " << dim << " setting " << setting << " n " << n;
         quantize_block_reference(p, x.data(), n, exact.data());
-        const double sc = p.proj_scale;
-        const double unit = p.proj_unit;
+        const double sc = p.derived().proj_scale;
+        const double unit = p.derived().proj_unit;
         for (int64_t t = 0; t < n; ++t)
           for (size_t k = 0; k < K; ++k) {
             const size_t i = size_t(t) * K + k;
@@ -509,7 +509,7 @@ TEST(Codec, IntegerProjectionFallsBackWhereItCannotHold) {
   CodecOptions o;
   o.bit_budget = 4 * dim;
   const HeadParams base = fit(correlated(320, dim, 21), 320, dim, o);
-  ASSERT_TRUE(base.proj_int);
+  ASSERT_TRUE(base.derived().proj_int);
   const size_t K = size_t(base.n_kept());
   const auto x0 = correlated(64, dim, 22);
   for (int edit = 0; edit < 4; ++edit) {
@@ -550,7 +550,7 @@ TEST(Codec, IntegerProjectionFallsBackWhereItCannotHold) {
     if (edit == 1) p.quant[3].step = 0.0f;
     if (edit == 2) p.quant[0].step = std::numeric_limits<float>::infinity();
     p.build_decoders();
-    EXPECT_FALSE(p.proj_int) << "edit " << edit;
+    EXPECT_FALSE(p.derived().proj_int) << "edit " << edit;
     std::vector<uint16_t> fast(64 * K), flt(fast.size());
     quantize_block(p, x0.data(), 64, fast.data());
     quantize_block_path(p, x0.data(), 64, flt.data(), QuantPath::kFloat);
@@ -589,7 +589,7 @@ TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
       o.bit_budget = 4 * dim;  // fine steps: the projections' roundings show in the codes
     }
     const HeadParams p = fit(x, n_fit, dim, o);
-    ASSERT_TRUE(p.proj_int);
+    ASSERT_TRUE(p.derived().proj_int);
     for (DType raw : {DType::kF16, DType::kBF16})
       for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(64)}) {
         const int64_t stride = dim + 5;
@@ -655,13 +655,13 @@ TEST(Codec, AvxAndPlainPathsGiveTheSameBits) {
           const size_t K = size_t(p.n_kept());
           std::vector<uint16_t> codes(size_t(n) * K);
           for (QuantPath q : {QuantPath::kFloat, QuantPath::kInteger, QuantPath::kAuto}) {
-            if (q == QuantPath::kInteger && !p.proj_int) continue;
+            if (q == QuantPath::kInteger && !p.derived().proj_int) continue;
             quantize_block_path(p, x.data(), n, codes.data(), q);
             out.push_back(bytes_of(codes));
           }
           std::vector<float> y(size_t(n * dim));
           for (ReconPath r : {ReconPath::kDense, ReconPath::kSkipZeros, ReconPath::kInteger, ReconPath::kAuto}) {
-            if (r == ReconPath::kInteger && !p.recon_int) continue;
+            if (r == ReconPath::kInteger && !p.derived().recon_int) continue;
             dequantize_block_path(p, codes.data(), n, y.data(), r);
             out.push_back(bytes_of(y));
           }
@@ -764,19 +764,19 @@ TEST(Codec, KernelSetsCodeAsBothAndRefuseTheOtherHalf) {
       CodecOptions o = defaults;
       o.coder = coder, o.basis_bits = basis_bits;
       const HeadParams both = fit(x, n, dim, o);
-      ASSERT_EQ(both.kernels, KernelSet::kBoth);
+      ASSERT_EQ(both.kernel_set(), KernelSet::kBoth);
       ByteWriter w;
       both.serialize(w);
       const std::vector<uint8_t> bytes = w.take();
       const auto open = [&](KernelSet set) {
         ByteReader in(bytes.data(), bytes.size());
         HeadParams p = HeadParams::deserialize(in, dim, set);
-        EXPECT_EQ(p.kernels, set);
+        EXPECT_EQ(p.kernel_set(), set);
         return p;
       };
       const HeadParams enc = open(KernelSet::kEncode), dec = open(KernelSet::kDecode);
-      EXPECT_TRUE(dec.rans_encode.empty() && dec.proj_w.empty());
-      EXPECT_TRUE(enc.rans_decode.empty() && enc.recon_w.empty() && enc.rans_groups.groups.empty());
+      EXPECT_TRUE(dec.derived().rans_encode.empty() && dec.derived().proj_w.empty());
+      EXPECT_TRUE(enc.derived().rans_decode.empty() && enc.derived().recon_w.empty() && enc.derived().rans_groups.groups.empty());
       const std::vector<uint8_t> block = encode_block(both, x.data(), 64);
       EXPECT_EQ(encode_block(enc, x.data(), 64), block) << coder_name(coder) << " " << basis_bits;
       EXPECT_EQ(encode_block_rows(enc, x.data(), dim, 64, DType::kF16),
@@ -805,6 +805,40 @@ TEST(Codec, KernelSetsCodeAsBothAndRefuseTheOtherHalf) {
     }
 }
 
+// The kernels are derived once and shared (HeadKernels): a copy of the
+// parameters holds the same kernels, not a rebuild, and codes as the
+// original did once the original is gone (the rANS group tables point into
+// the kernels' own decode tables, which a copy must not re-point).
+TEST(Codec, CopiedParamsShareTheirKernels) {
+  const int dim = 64;
+  const int64_t n = 256;
+  const auto x = correlated(n, dim, 78);
+  std::vector<uint8_t> block;
+  std::vector<float> want(size_t(64 * dim)), got(want.size());
+  HeadParams copy;
+  EXPECT_EQ(copy.kernel_set(), KernelSet::kNone);
+  EXPECT_EQ(copy.derived_held_bytes(), 0u);
+  {
+    const HeadParams original = fit(x, n, dim, CodecOptions{});
+    ASSERT_EQ(original.coder, CoderChoice::kRans);
+    ASSERT_TRUE(original.derived().rans_groups.usable);
+    block = encode_block(original, x.data(), 64);
+    decode_block(original, block.data(), block.size(), 64, want.data());
+    copy = original;
+    EXPECT_EQ(copy.kernels.get(), original.kernels.get());
+    EXPECT_GT(copy.derived_held_bytes(), sizeof(HeadKernels));
+  }
+  decode_block(copy, block.data(), block.size(), 64, got.data());
+  EXPECT_TRUE(same_bits(got, want));
+  EXPECT_EQ(encode_block(copy, x.data(), 64), block);
+  // Rebuilt kernels are a new object; the one a copy holds stays as it was.
+  const HeadParams kept = copy;
+  copy.build_kernels(KernelSet::kDecode);
+  EXPECT_NE(copy.kernels.get(), kept.kernels.get());
+  EXPECT_EQ(kept.kernel_set(), KernelSet::kBoth);
+  EXPECT_EQ(copy.kernel_set(), KernelSet::kDecode);
+}
+
 // build_decoders() keeps a scalar lookup table only where the scalar lanes
 // decode a column throughout: in AVX2 builds the columns of the group
 // decoder's vector groups (alphabets <= 65) hold none, those of its scalar
@@ -824,7 +858,7 @@ TEST(Codec, DecodeTablesHoldLookupsOnlyWhereTheScalarLanesNeedThem) {
   const size_t K = size_t(p.n_kept());
   size_t big = 0, bare = 0, searched = 0;
   for (size_t k = 0; k < K; ++k) {
-    const entropy::RansDecodeTable& t = p.rans_decode[k];
+    const entropy::RansDecodeTable& t = p.derived().rans_decode[k];
     const uint32_t a = t.alphabet_size;
     big += a > entropy::kRansGroupMaxAlphabet;
     if (a > entropy::kRansGroupMaxAlphabet) {
@@ -835,18 +869,18 @@ TEST(Codec, DecodeTablesHoldLookupsOnlyWhereTheScalarLanesNeedThem) {
   }
   ASSERT_GT(big, 0u) << "the fit should give some component 256 levels";
 #ifdef __AVX2__
-  ASSERT_TRUE(p.rans_groups.usable);
-  EXPECT_TRUE(p.rans_groups.any_scalar);
+  ASSERT_TRUE(p.derived().rans_groups.usable);
+  EXPECT_TRUE(p.derived().rans_groups.any_scalar);
   // A column lies in several groups when K % 8 != 0: in a scalar one if any.
   std::vector<bool> in_scalar(K, false);
   for (size_t k0 = 0;;) {
-    if (p.rans_groups.groups[p.rans_groups.group_at[k0]].scalar)
+    if (p.derived().rans_groups.groups[p.derived().rans_groups.group_at[k0]].scalar)
       for (size_t j = 0; j < entropy::kRansLanes; ++j) in_scalar[(k0 + j) % K] = true;
     k0 = (k0 + entropy::kRansLanes) % K;
     if (k0 == 0) break;
   }
   for (size_t k = 0; k < K; ++k) {
-    const entropy::RansDecodeTable& t = p.rans_decode[k];
+    const entropy::RansDecodeTable& t = p.derived().rans_decode[k];
     if (t.alphabet_size > entropy::kRansGroupMaxAlphabet) continue;
     EXPECT_TRUE(t.slot_symbol.empty()) << k;
     EXPECT_EQ(!t.search.empty(), in_scalar[k] && t.alphabet_size <= entropy::kRansSearchMax) << k;
