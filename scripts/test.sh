@@ -30,7 +30,7 @@ stage "release build and tests"
 # below; here only those whose time bounds need a full-speed build (server:
 # request limits; model: the tokenizer's growth), besides the C API, CLI and
 # Python tests, which need the release binaries.
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVCODEC_TEST_MODULES="server;model" >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVCODEC_TEST_MODULES="server;model" -DCMAKE_UNITY_BUILD=ON >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
@@ -67,7 +67,7 @@ stage "sanitizer build (clang, ASan+UBSan; also the libFuzzer targets) and tests
 # only the fuzz executables link libFuzzer's main.
 san=build-san
 cmake -S . -B "$san" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
-  -DKVCODEC_FUZZ=ON -DKVCODEC_TESTS=ON -DKVCODEC_BENCH=OFF \
+  -DKVCODEC_FUZZ=ON -DKVCODEC_TESTS=ON -DKVCODEC_BENCH=OFF -DCMAKE_UNITY_BUILD=ON \
   -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" >/dev/null
 cmake --build "$san" -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -90,7 +90,7 @@ stage "ThreadSanitizer build (clang, -O1) of the server and cache tests"
 # cache reads are).
 tsan=build-tsan
 cmake -S . -B "$tsan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
-  -DKVCODEC_TSAN=ON -DKVCODEC_TESTS=ON -DKVCODEC_BENCH=OFF \
+  -DKVCODEC_TSAN=ON -DKVCODEC_TESTS=ON -DKVCODEC_BENCH=OFF -DCMAKE_UNITY_BUILD=ON \
   -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" >/dev/null
 cmake --build "$tsan" -j"$jobs" --target test_server test_cache
 export OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
