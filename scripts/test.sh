@@ -30,6 +30,10 @@ stage "release build and tests"
 # below; here only those whose time bounds need a full-speed build (server:
 # request limits; model: the tokenizer's growth), besides the C API, CLI and
 # Python tests, which need the release binaries.
+# All three builds are unity builds (CMakeLists.txt says how colliding files
+# stay out of the batches): each header parsed once per batch of 8 files.
+# Measured without ccache: test_cache's 10 batched test files under TSan
+# 79.6 s CPU one by one, 40.6 s in two batches.
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVCODEC_TEST_MODULES="server;model" -DCMAKE_UNITY_BUILD=ON >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
