@@ -76,8 +76,8 @@ cmake -S . -B "$san" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
 cmake --build "$san" -j"$jobs"
 # Label slow: tests that drive the kvcodec CLI through whole-model runs
 # (calibrate, bench, eval; CapiWithCli.*) ran in the release build above;
-# under ASan they cost ~10 minutes of the stage and check results, not input
-# handling. The CLI's bad-input tests and every unit test run here.
+# under ASan they took 640 s of test time (~5 min wall at -j2) and check
+# results, not input handling. The CLI's bad-input tests and every unit test run here.
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir "$san" --output-on-failure -j"$jobs" -LE slow
 # The plain paths of the dispatched kernels under the sanitizers too.
