@@ -16,7 +16,8 @@
 #     campaign of scripts/mutant_campaign.sh (MUTANTS=100000 in process per
 #     method, FILES=1000 per method through `kvcodec decompress`; env
 #     overrides; MUTANTS=0 skips it). MAX_LEN (default 4096): -max_len.
-#     SHARDS="kvtc=8 palu=4" splits a method's MUTANTS over that many
+#     MUTANT_COUNTS="fp16=0" sets a method's count apart (0: only the
+#     decompress files). SHARDS="kvtc=8 palu=4" splits a method's count over that many
 #     processes (other mutants: KVCODEC_MUTANT_SEED = shard; default 1).
 #     WEIGHTS="fuzz_tokenizer=8 fuzz_entropy=3" gives a target that many
 #     shares of the fuzzing cores (default 1 each). FUZZ_CORES (default
@@ -53,13 +54,13 @@ pack() {
   du -sh "$bundle"
 }
 
-# weight_of NAME "a=2 b=3": NAME's number in the list, else 1.
+# weight_of NAME "a=2 b=3" [DEFAULT]: NAME's number in the list, else DEFAULT (1).
 weight_of() {
   local kv
   for kv in $2; do
     [ "${kv%%=*}" = "$1" ] && { echo "${kv#*=}"; return; }
   done
-  echo 1
+  echo "${3:-1}"
 }
 
 # mutants OUT: the sealed-mutant campaign, SHARDS processes per method.
@@ -72,12 +73,13 @@ mutants() {
   for m in fp16 int8 int4 kivi2 palu kvtc kvtc_calibrated; do
     local filter="AllMethods/Contract.SealedMutantsLoadOrFailCleanly/${m}_B1"
     [ "$m" = kvtc_calibrated ] && filter='CalibratedCache.SealedCorruptionsFailCleanlyAndLeaveTheCache'
-    local shards s dir
+    local shards s dir count
     shards=$(weight_of "$m" "${SHARDS:-}")
+    count=$(weight_of "$m" "${MUTANT_COUNTS:-}" "$n")
     for ((s = 0; s < shards; ++s)); do
       dir=""  # shard 0 alone writes the files for the decompress step
       [ "$s" = 0 ] && dir=$work
-      KVCODEC_MUTANTS=$(( (n + shards - 1) / shards )) KVCODEC_MUTANT_SEED=$s KVCODEC_MUTANT_DIR="$dir" \
+      KVCODEC_MUTANTS=$(( (count + shards - 1) / shards )) KVCODEC_MUTANT_SEED=$s KVCODEC_MUTANT_DIR="$dir" \
         KVCODEC_MUTANT_FILES=$files "$bin/test_cache" --gtest_filter="$filter" >"$out/inprocess_$m.$s.log" 2>&1 &
       pids+=($!)
     done
@@ -110,8 +112,10 @@ mutants() {
 # fuzz OUT UNTIL: every target on cores/targets processes until time UNTIL.
 fuzz() {
   local out=$1 until=$2 bin=$bundle/bin t
-  local targets=()
-  for exe in "$bin"/fuzz_*; do targets+=("$(basename "$exe")"); done
+  local targets=() exe
+  for exe in "$bin"/fuzz_*; do [ -e "$exe" ] && targets+=("$(basename "$exe")"); done
+  # A bundle without fuzz targets (a mutant-only campaign) fuzzes nothing.
+  [ ${#targets[@]} = 0 ] && { echo "== no fuzz targets in $bin"; return 0; }
   local fuzz_cores=${FUZZ_CORES:-$cores} shares=0 per
   for t in "${targets[@]}"; do shares=$(( shares + $(weight_of "$t" "${WEIGHTS:-}") )); done
   local secs=$(( until - $(date +%s) ))
