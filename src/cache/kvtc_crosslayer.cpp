@@ -35,6 +35,30 @@ void check_cross_layer_calibration(const KvtcCalibration& cal, int n_layers, int
                     " and per-dimension scales");
 }
 
+void cross_layer_to_codec(const float* const* layer_rows, int L, int H, int D, int64_t n, int64_t t0, bool is_key,
+                          const std::vector<double>& inv_freq, const std::vector<float>& scale, float* x) {
+  const int64_t V = int64_t(H) * D, W = int64_t(L) * V;
+  std::vector<float> rows(size_t(n * V));
+  for (int l = 0; l < L; ++l) {
+    std::copy_n(layer_rows[l], n * V, rows.data());
+    if (is_key) rope_rotate_tokens(rows.data(), n, H, D, t0, inv_freq, /*inverse=*/true);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < V; ++d) x[t * W + l * V + d] = rows[size_t(t * V + d)] * scale[size_t(l * V + d)];
+  }
+}
+
+void cross_layer_from_codec(const float* x, int L, int H, int D, int64_t n, int64_t t0, bool is_key,
+                            const std::vector<double>& inv_freq, const std::vector<float>& scale,
+                            float* const* layer_rows) {
+  const int64_t V = int64_t(H) * D, W = int64_t(L) * V;
+  for (int l = 0; l < L; ++l) {
+    float* rows = layer_rows[l];
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < V; ++d) rows[t * V + d] = x[t * W + l * V + d] / scale[size_t(l * V + d)];
+    if (is_key) rope_rotate_tokens(rows, n, H, D, t0, inv_freq, /*inverse=*/false);
+  }
+}
+
 namespace {
 
 struct Shape {
@@ -50,36 +74,37 @@ Shape shape_of(const KvtcCalibration& cal) {
 }
 
 // [l][1, H, S, D] tensors, tokens [t0, t0 + n) -> rows [n, L * H * D] in the
-// codec's space: RoPE removed (keys), times scale.
+// codec's space (cross_layer_to_codec).
 void gather(const std::vector<Tensor>& layers, const Shape& s, int64_t t0, int64_t n, bool is_key,
             const std::vector<double>& inv_freq, const std::vector<float>& scale, std::vector<float>& x) {
-  const int64_t V = s.V(), W = int64_t(s.L) * V;
-  x.assign(size_t(n * W), 0.0f);
-  std::vector<float> rows(size_t(n * V));
+  const int64_t V = s.V();
+  std::vector<float> rows(size_t(s.L * n * V));
+  std::vector<const float*> ptrs;
   for (int l = 0; l < s.L; ++l) {
     const float* src = layers[size_t(l)].data_as<float>();
+    float* dst = rows.data() + l * n * V;
     for (int h = 0; h < s.H; ++h)
       for (int64_t t = 0; t < n; ++t)
-        std::copy_n(src + (int64_t(h) * s.S + t0 + t) * s.D, s.D, rows.data() + t * V + int64_t(h) * s.D);
-    if (is_key) rope_rotate_tokens(rows.data(), n, s.H, s.D, t0, inv_freq, /*inverse=*/true);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t d = 0; d < V; ++d) x[size_t(t * W + l * V + d)] = rows[size_t(t * V + d)] * scale[size_t(l * V + d)];
+        std::copy_n(src + (int64_t(h) * s.S + t0 + t) * s.D, s.D, dst + t * V + int64_t(h) * s.D);
+    ptrs.push_back(dst);
   }
+  x.resize(size_t(n * s.L * V));
+  cross_layer_to_codec(ptrs.data(), s.L, s.H, s.D, n, t0, is_key, inv_freq, scale, x.data());
 }
 
 // The inverse of gather into out[l] (f32 [1, H, S, D]).
 void scatter(const std::vector<float>& x, const Shape& s, int64_t t0, int64_t n, bool is_key,
              const std::vector<double>& inv_freq, const std::vector<float>& scale, std::vector<Tensor>& out) {
-  const int64_t V = s.V(), W = int64_t(s.L) * V;
-  std::vector<float> rows(size_t(n * V));
+  const int64_t V = s.V();
+  std::vector<float> rows(size_t(s.L * n * V));
+  std::vector<float*> ptrs;
+  for (int l = 0; l < s.L; ++l) ptrs.push_back(rows.data() + l * n * V);
+  cross_layer_from_codec(x.data(), s.L, s.H, s.D, n, t0, is_key, inv_freq, scale, ptrs.data());
   for (int l = 0; l < s.L; ++l) {
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t d = 0; d < V; ++d) rows[size_t(t * V + d)] = x[size_t(t * W + l * V + d)] / scale[size_t(l * V + d)];
-    if (is_key) rope_rotate_tokens(rows.data(), n, s.H, s.D, t0, inv_freq, /*inverse=*/false);
     float* dst = out[size_t(l)].data_as<float>();
     for (int h = 0; h < s.H; ++h)
       for (int64_t t = 0; t < n; ++t)
-        std::copy_n(rows.data() + t * V + int64_t(h) * s.D, s.D, dst + (int64_t(h) * s.S + t0 + t) * s.D);
+        std::copy_n(ptrs[size_t(l)] + t * V + int64_t(h) * s.D, s.D, dst + (int64_t(h) * s.S + t0 + t) * s.D);
   }
 }
 

@@ -31,6 +31,18 @@ int cross_layer_count(const KvtcCalibration& cal);
 void check_cross_layer_calibration(const KvtcCalibration& cal, int n_layers, int n_kv_heads, int head_dim,
                                    double rope_theta, const std::string& label);
 
+// One block of n tokens at positions t0.. between the model's layout and the
+// codec's: layer_rows[l] is [n, H * D] ([t][h][d]) of layer l, keys
+// post-RoPE; x is [n, L * H * D] ([t][l][h][d]), RoPE removed (is_key) and
+// times scale (the calibration's key_scale[0] / value_scale[0]). The stored
+// prefix and the streaming cache (kvtc_crosslayer_stream.hpp) both code
+// through these.
+void cross_layer_to_codec(const float* const* layer_rows, int L, int H, int D, int64_t n, int64_t t0, bool is_key,
+                          const std::vector<double>& inv_freq, const std::vector<float>& scale, float* x);
+void cross_layer_from_codec(const float* x, int L, int H, int D, int64_t n, int64_t t0, bool is_key,
+                            const std::vector<double>& inv_freq, const std::vector<float>& scale,
+                            float* const* layer_rows);
+
 // One stored prefix: its bytes (what a store keeps) for keys and values.
 // Layout of each: varint tokens, varint sinks, varint block, the sinks raw (f16, [l][h][t][d]),
 // then per block of up to `block` tokens a varint payload size and the

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvcodec calibrate --cross-layer, then kvcodec eval --protocol prefix with the
 # per-layer calibrated kvtc and the cross-layer store (xkvtc) on one short
-# window of the shipped model, and the errors of misuse (ctest: cli_stored_prefix).
+# window of the shipped model, xkvtc streaming on another, and the errors of
+# misuse (ctest: cli_stored_prefix).
 # Usage: stored_prefix.sh KVCODEC SHARED_DIR
 set -euo pipefail
 kvcodec=$1
@@ -32,7 +33,16 @@ expect_error() {  # expect_error WORD ARGS...: the command fails naming WORD
   grep -q -- "$word" "$dir/err" || { echo "FAIL: no '$word' in: $(cat "$dir/err")" >&2; exit 1; }
 }
 base=(eval --tokens "$tokens" --windows 1 --context 64 --score 8 --threads 1)
-expect_error "protocol prefix" "${base[@]}" --methods xkvtc --set xkvtc.calibration="$dir/xl6.kvcal"
+# Streaming, xkvtc is the per-layer caches of a sequence sharing one coder (cache/kvtc_crosslayer_stream.hpp).
+out=$("$kvcodec" "${base[@]}" --json --methods fp16,xkvtc --set xkvtc.calibration="$dir/xl6.kvcal" --set xkvtc.window=8)
+python3 -c '
+import json, sys
+r = {m["method"]: m for m in json.loads(sys.argv[1])}
+x = r["xkvtc"]
+assert x["fp16_bytes"] == r["fp16"]["fp16_bytes"] == 71 * 6 * 2 * 128 * 2, x  # 64 + 8 - 1 tokens held
+assert 1.5 < x["compression_ratio"] and x["kl"] > 0, x
+' "$out"
+expect_error "xkvtc.scratch" "${base[@]}" --methods xkvtc --set xkvtc.calibration="$dir/xl6.kvcal" --set xkvtc.scratch=some
 expect_error "xkvtc.calibration" "${base[@]}" --protocol prefix --methods xkvtc
 expect_error "xkvtc.window" "${base[@]}" --protocol prefix --methods xkvtc --set xkvtc.calibration="$dir/xl6.kvcal" --set xkvtc.window=3
 expect_error "streaming or prefix" "${base[@]}" --protocol stored --methods fp16

@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -15,6 +16,7 @@
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
 #include "cache/kvtc_crosslayer.hpp"
+#include "cache/kvtc_crosslayer_stream.hpp"
 #include "model/calibrate.hpp"
 #include "model/corpus.hpp"
 #include "model/eval.hpp"
@@ -98,12 +100,22 @@ Corpus read_corpus(const EvalArgs& a, const std::string& dir, model::EvalOptions
                                 c.content_hash)};
 }
 
-// xkvtc: the cross-layer kvtc store of stored prefixes (docs/calibrated.md),
-// fields calibration=FILE (from kvcodec calibrate --cross-layer), sinks [4],
-// block [64].
+// xkvtc: cross-layer kvtc (docs/calibrated.md), calibration=FILE (from
+// kvcodec calibrate --cross-layer). With --protocol prefix the store of whole
+// prefixes (fields sinks [4], block [64]); streaming, the per-layer caches of
+// a sequence sharing one coder (cache/kvtc_crosslayer_stream.hpp: sinks [4],
+// window [16], block [16], scratch decoded|none [decoded]).
 model::MethodSpec cross_layer_spec(const std::string& name, const Settings& settings, const model::EvalOptions& o,
                                    const model::ModelConfig& config) {
-  if (!o.stored_prefix) throw_config_error("--methods", name, "xkvtc with --protocol prefix (it stores whole prefixes)");
+  const std::vector<std::string> fields =
+      o.stored_prefix ? std::vector<std::string>{"calibration", "sinks", "block"}
+                      : std::vector<std::string>{"calibration", "sinks", "window", "block", "scratch"};
+  std::string allowed;
+  for (const std::string& f : fields) allowed += (allowed.empty() ? "" : ", ") + f;
+  for (const auto& [field, value] : settings)
+    if (std::find(fields.begin(), fields.end(), field) == fields.end())
+      throw_config_error("xkvtc." + field, value,
+                         "one of " + allowed + (o.stored_prefix ? " (with --protocol prefix)" : " (streaming)"));
   auto int_field = [&](const char* field, int fallback, int lo) {
     if (!settings.count(field)) return fallback;
     const std::string& v = settings.at(field);
@@ -113,14 +125,21 @@ model::MethodSpec cross_layer_spec(const std::string& name, const Settings& sett
       throw_config_error(std::string("xkvtc.") + field, v, "an integer >= " + std::to_string(lo));
     return int(x);
   };
-  for (const auto& [field, value] : settings)
-    if (field != "calibration" && field != "sinks" && field != "block")
-      throw_config_error("xkvtc." + field, value, "one of calibration, sinks, block");
   if (!settings.count("calibration"))
     throw_config_error("xkvtc.calibration", "(unset)", "a cross-layer calibration file (kvcodec calibrate --cross-layer)");
   auto cal = KvtcCalibration::load_shared(settings.at("calibration"));
   check_cross_layer_calibration(*cal, config.n_layers, config.n_kv_heads, config.head_dim, config.rope_theta,
                                 settings.at("calibration"));
+  if (!o.stored_prefix) {
+    CrossLayerStreamOptions so;
+    so.sinks = int_field("sinks", so.sinks, 0);
+    so.window = int_field("window", so.window, 0);
+    so.block = int_field("block", so.block, 1);
+    const std::string scratch = settings.count("scratch") ? settings.at("scratch") : "decoded";
+    if (scratch != "decoded" && scratch != "none") throw_config_error("xkvtc.scratch", scratch, "decoded or none");
+    so.decoded_scratch = scratch == "decoded";
+    return {name, cross_layer_stream_factory(std::move(cal), so)};
+  }
   model::MethodSpec s{name, model::method_cache_factory("fp16")};
   s.prefix_coder = model::cross_layer_prefix_coder(cal, int_field("sinks", 4, 0), int_field("block", 64, 1));
   return s;
