@@ -3,10 +3,9 @@
 #include "cache/palu_calibration.hpp"
 
 #include <cmath>
-#include <filesystem>
-#include <mutex>
 
 #include "cache/saved_meta.hpp"
+#include "cache/shared_file.hpp"
 #include "cache/streams.hpp"
 #include "core/held_bytes.hpp"
 #include "core/mmap_file.hpp"
@@ -169,21 +168,7 @@ PaluCalibration PaluCalibration::read_file(const std::string& path) {
 }
 
 std::shared_ptr<const PaluCalibration> PaluCalibration::load_shared(const std::string& path) {
-  // One parsed copy per file for the process: a model has one cache per
-  // layer per sequence, and each would otherwise re-read the file.
-  static std::mutex mutex;
-  static std::map<std::string, std::pair<std::string, std::shared_ptr<const PaluCalibration>>> loaded;
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) throw Error(ErrorCode::kNotFound, "PALU calibration file " + path + ": " + ec.message());
-  const auto mtime = std::filesystem::last_write_time(path, ec).time_since_epoch().count();
-  const std::string stamp = std::to_string(size) + ":" + std::to_string(mtime);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = loaded.find(path);
-  if (it != loaded.end() && it->second.first == stamp) return it->second.second;
-  auto cal = std::make_shared<const PaluCalibration>(read_file(path));
-  loaded[path] = {stamp, cal};
-  return cal;
+  return cache_impl::load_shared_file<PaluCalibration>(path, "PALU calibration file", &PaluCalibration::read_file);
 }
 
 uint64_t PaluCalibration::layer_bytes(int layer, bool is_key) const {
