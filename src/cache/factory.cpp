@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "cache/kvtc_cache.hpp"
+#include "cache/palu_calibration.hpp"
 #include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "cache/streams.hpp"
@@ -44,7 +45,12 @@ const std::vector<FieldInfo> kPaluFields = {
     {"group_size", "32", "tokens per quantization group of the latents"},
     {"quantize_values", "true", "false: value latents stay f16"},
     {"hadamard", "false", "rotate latents by a seeded random orthogonal matrix before quantizing"},
-    {"min_fit_tokens", "", "tokens needed before the projections are fitted; default 2 * head_dim"}};
+    {"min_fit_tokens", "", "tokens needed before the projections are fitted; default 2 * head_dim"},
+    {"key_energy_threshold", "", "energy_threshold for the keys only; default energy_threshold"},
+    {"value_energy_threshold", "", "energy_threshold for the values only; default energy_threshold"},
+    {"calibration", "", "a PALU calibration file (kvcodec calibrate --method palu): projections fitted offline, "
+                        "no SVD at prefill; hadamard then means Walsh-Hadamard blocks per bit class"},
+    {"sinks", "", "calibrated: first tokens kept raw and counted; default 4"}};
 
 void check_config(const std::string& method, const CacheConfig& c) {
   if (c.n_kv_heads < 1 || c.n_kv_heads > 4096)
@@ -88,8 +94,23 @@ std::unique_ptr<KVCache> make_kivi2(const CacheConfig& c, const Settings& s) {
 std::unique_ptr<KVCache> make_palu(const CacheConfig& c, const Settings& s) {
   SettingsReader r("palu", s, kPaluFields);
   cache_impl::PaluOptions o;
-  o.joint = r.get_choice("group_mode", "shared", {"shared", "joint"}) == "joint";
-  o.n_head_groups = int(r.get_int("n_head_groups", 4, 1, 4096));
+  std::shared_ptr<const PaluCalibration> cal;
+  if (const std::string* path = r.find("calibration")) {
+    // The grouping is the calibration's; nothing is fitted per sequence.
+    for (const char* f : {"group_mode", "n_head_groups", "min_fit_tokens"})
+      if (r.find(f)) r.fail(f, "unset with palu.calibration (the calibration fixes it)");
+    cal = PaluCalibration::load_shared(*path);
+    check_palu_calibration_matches(*cal, c, *path);
+    o.calibration = cal;
+    o.calibration_path = *path;
+    o.layer = c.layer;
+    o.rope_theta = c.rope_theta;
+    o.sinks = r.get_int("sinks", 4, 0, 1 << 20);
+  } else if (r.find("sinks")) {
+    r.fail("sinks", "unset without palu.calibration (the per-sequence fit keeps no sinks)");
+  }
+  o.joint = cal ? cal->joint : r.get_choice("group_mode", "shared", {"shared", "joint"}) == "joint";
+  o.n_head_groups = cal ? cal->n_head_groups : int(r.get_int("n_head_groups", 4, 1, 4096));
   // The smallest group has H / G heads: in joint mode its vectors have that many times D values.
   const int64_t groups = std::clamp<int64_t>(o.n_head_groups, 1, c.n_kv_heads);
   const int64_t max_rank = o.joint ? (c.n_kv_heads / groups) * c.head_dim : c.head_dim;
@@ -97,6 +118,9 @@ std::unique_ptr<KVCache> make_palu(const CacheConfig& c, const Settings& s) {
   // Defaults: the best measured setting within 1% perplexity (docs/eval.md, "palu's defaults":
   // chosen on windows 9-12 of the default corpus; the paper's 50% rank at 3-4 bits is +90% there).
   o.fit.energy_threshold = r.get_double("energy_threshold", 0.999, 0.0, 1.0, /*lo_open=*/true);
+  const double key_energy = r.get_double("key_energy_threshold", o.fit.energy_threshold, 0.0, 1.0, /*lo_open=*/true);
+  const double value_energy =
+      r.get_double("value_energy_threshold", o.fit.energy_threshold, 0.0, 1.0, /*lo_open=*/true);
   o.fit.hi_bit = int(r.get_int("hi_bit", 8, 1, 8));
   o.fit.lo_bit = int(r.get_int("lo_bit", 4, 1, 8));
   o.fit.hi_fraction = r.get_double("hi_fraction", 0.25, 0.0, 1.0);
@@ -107,6 +131,9 @@ std::unique_ptr<KVCache> make_palu(const CacheConfig& c, const Settings& s) {
   o.min_fit_tokens = r.get_int("min_fit_tokens", 2 * int64_t(c.head_dim), 1, 1 << 20);
   cache_impl::PaluOptions ov = o;
   ov.quantize = quantize_values;
+  o.fit.energy_threshold = key_energy;
+  o.is_key = true;
+  ov.fit.energy_threshold = value_energy;
   return cache_impl::make_stream_cache("palu", c, s, cache_impl::make_palu_stream(o), cache_impl::make_palu_stream(ov));
 }
 
@@ -121,7 +148,8 @@ const std::vector<MethodEntry>& method_registry() {
       {{"kivi2", "KIVI 2-bit: keys per-channel over token groups, values per-token, newest tokens raw",
         kKiviFields},
        make_kivi2},
-      {{"palu", "PALU: low-rank latents per head group (SVD at prefill), mixed-bit quantized", kPaluFields},
+      {{"palu", "PALU: low-rank latents per head group (SVD at prefill, or calibrated offline), mixed-bit quantized",
+        kPaluFields},
        make_palu},
       {kvtc_method_info(), make_kvtc_cache},
   };

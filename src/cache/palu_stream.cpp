@@ -11,14 +11,23 @@
 //   shared: rows = B * g (one row per batch and head), the projection maps D;
 //   joint:  rows = B, the projection maps the g heads concatenated (g * D).
 //
-// Stored, in order: u8 fitted; if not fitted, the raw tokens; else per head
-// group: its projection (dims, widths, f16 basis), its quantized token groups
-// and its f16 tail. The number of token groups is total / group_size
-// (quantize=true) or 0 (quantize=false: every latent stays f16).
+// Calibrated mode (PaluOptions::calibration): the projections come from the
+// shared calibration at start() (palu::calibrated_projection), so nothing is
+// fitted or stored per sequence; the first `sinks` tokens stay raw (counted),
+// and keys are projected with RoPE removed and get it back when decoded.
+//
+// Stored, in order: u8 mode (0: not fitted yet, 1: fitted per sequence, 2:
+// calibrated); 0: the raw tokens; 1: per head group its projection (dims,
+// widths, f16 basis), its quantized token groups and its f16 tail; 2: the
+// raw sinks, then per head group its token groups and tail. The number of
+// token groups is latent tokens / group_size (quantize=true) or 0
+// (quantize=false: every latent stays f16).
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "cache/streams.hpp"
+#include "cache/kvtc_calibrated.hpp"
 #include "core/held_bytes.hpp"
 #include "palu/group_quant.hpp"
 
@@ -45,6 +54,17 @@ class PaluStream final : public TokenStream {
       g.dim = opt_.joint ? int(count * s.dim) : int(s.dim);
       groups_.push_back(std::move(g));
     }
+    if (calibrated()) {
+      const PaluCalibration& cal = *opt_.calibration;
+      for (size_t i = 0; i < groups_.size(); ++i) {
+        const palu::Eigenbasis& e = (opt_.is_key ? cal.keys : cal.values).at(size_t(opt_.layer)).at(i);
+        palu::FitOptions fo = opt_.fit;
+        fo.rank = std::min(fo.rank, e.dim);
+        groups_[i].proj = palu::calibrated_projection(e, fo);
+        groups_[i].blob_bytes = palu::latent_group_bytes(groups_[i].proj, groups_[i].rows, opt_.group_size);
+      }
+      fitted_ = true;
+    }
   }
 
   void append(const float* x, int64_t n) override {
@@ -53,44 +73,34 @@ class PaluStream final : public TokenStream {
       if (raw_.tokens() >= opt_.min_fit_tokens) fit();
       return;
     }
-    encode_tokens(x, n);
+    int64_t k = 0;
+    if (latent_tokens() == 0 && raw_.tokens() < opt_.sinks) {
+      k = std::min(n, opt_.sinks - raw_.tokens());
+      raw_.push_back(x, k);
+    }
+    if (k < n) encode_tokens(x + k * shape_.rows() * shape_.dim, n - k);
   }
 
+  // Tokens [0, raw_.tokens()) are raw (all of them until the fit; the sinks
+  // once calibrated), the rest latents.
   void decode(int64_t first, int64_t n, float* out) const override {
     const int64_t rows = shape_.rows(), dim = shape_.dim;
-    if (!fitted_) {
-      std::vector<float> buf(static_cast<size_t>(n * rows * dim));
-      raw_.read(first, n, buf.data());
-      scatter_tokens(buf.data(), n, rows, dim, out, n, 0);
-      return;
+    const int64_t n_raw = std::clamp<int64_t>(raw_.tokens() - first, 0, n);
+    if (n_raw > 0) {
+      std::vector<float> buf(static_cast<size_t>(n_raw * rows * dim));
+      raw_.read(first, n_raw, buf.data());
+      scatter_tokens(buf.data(), n_raw, rows, dim, out, n, 0);
     }
-    const int64_t q_tokens = blocks_ * opt_.group_size;
-    std::vector<float> lat;
-    for (const Group& g : groups_) {
-      const int64_t lat_tok = g.rows * g.proj.rank;
-      int64_t t = first;
-      const int64_t end = first + n;
-      while (t < end && t < q_tokens) {
-        const int64_t b = t / opt_.group_size;
-        lat.resize(size_t(opt_.group_size * lat_tok));
-        palu::decode_latent_group(g.proj, g.blobs.data() + size_t(b) * g.blob_bytes, g.blob_bytes, g.rows,
-                                  opt_.group_size, lat.data());
-        const int64_t hi = std::min(end, (b + 1) * opt_.group_size);
-        for (; t < hi; ++t) reconstruct(g, lat.data() + (t - b * opt_.group_size) * lat_tok, out, n, t - first);
-      }
-      std::vector<float> z(static_cast<size_t>(lat_tok));
-      for (; t < end; ++t) {
-        convert(g.tail.data() + size_t(t - q_tokens) * lat_tok, DType::kF16, z.data(), DType::kF32, size_t(lat_tok));
-        reconstruct(g, z.data(), out, n, t - first);
-      }
-    }
+    if (n_raw < n) decode_latents(first + n_raw - raw_.tokens(), n - n_raw, out, n, n_raw);
   }
 
   void trim_to(int64_t total) override {
-    if (!fitted_) {
+    if (!fitted_ || total <= raw_.tokens()) {
       raw_.truncate(total);
+      clear_latents();
       return;
     }
+    total -= raw_.tokens();
     // A cut inside a quantized token group returns that group's latents to
     // the f16 tail (their dequantized values), keeping groups aligned to 0.
     std::vector<float> lat;
@@ -113,12 +123,13 @@ class PaluStream final : public TokenStream {
     tail_tokens_ = keep;
   }
 
-  int64_t tokens() const override { return fitted_ ? blocks_ * opt_.group_size + tail_tokens_ : raw_.tokens(); }
+  int64_t tokens() const override { return raw_.tokens() + latent_tokens(); }
 
   uint64_t stored_bytes() const override {
-    uint64_t n = 1;
-    if (!fitted_) return n + raw_.bytes();
-    for (const Group& g : groups_) n += g.proj.serialized_size() + g.blobs.size() + 2 * g.tail.size();
+    uint64_t n = 1 + raw_.bytes();
+    if (!fitted_) return n;
+    for (const Group& g : groups_)
+      n += (calibrated() ? 0 : g.proj.serialized_size()) + g.blobs.size() + 2 * g.tail.size();
     return n;
   }
 
@@ -132,33 +143,40 @@ class PaluStream final : public TokenStream {
   }
 
   void save(ByteWriter& w) const override {
-    w.u8(fitted_ ? 1 : 0);
-    if (!fitted_) {
-      raw_.serialize(w);
-      return;
-    }
+    w.u8(calibrated() ? 2 : fitted_ ? 1 : 0);
+    raw_.serialize(w);
+    if (!fitted_) return;
     for (const Group& g : groups_) {
-      g.proj.serialize(w.out);
+      if (!calibrated()) g.proj.serialize(w.out);
       w.bytes(g.blobs.data(), g.blobs.size());
       w.bytes(g.tail.data(), 2 * g.tail.size());
     }
   }
 
   void load(ByteReader& r, int64_t tokens) override {
-    const uint8_t fitted = r.u8();
-    if (fitted > 1) throw Error(ErrorCode::kFormat, r.what() + ": PALU fitted flag " + std::to_string(fitted));
-    if (!fitted) {
+    const uint8_t mode = r.u8();
+    if (mode > 2) throw Error(ErrorCode::kFormat, r.what() + ": PALU mode byte " + std::to_string(mode));
+    if ((mode == 2) != calibrated())
+      throw Error(ErrorCode::kFormat, r.what() + (mode == 2 ? ": saved by a calibrated PALU cache, loaded without palu.calibration"
+                                                            : ": saved by a per-sequence PALU cache, loaded with palu.calibration"));
+    if (mode == 0) {
       raw_.deserialize(r, tokens);
       return;
     }
+    const int64_t n_raw = calibrated() ? std::min(tokens, opt_.sinks) : 0;
+    raw_.deserialize(r, n_raw);
     fitted_ = true;
-    blocks_ = opt_.quantize ? tokens / opt_.group_size : 0;
-    tail_tokens_ = tokens - blocks_ * opt_.group_size;
+    const int64_t latent = tokens - n_raw;
+    blocks_ = opt_.quantize ? latent / opt_.group_size : 0;
+    tail_tokens_ = latent - blocks_ * opt_.group_size;
+    if (calibrated() && opt_.is_key) ensure_rope(tokens);
     for (Group& g : groups_) {
-      size_t pos = r.position();
-      g.proj = palu::Projection::deserialize(r.data(), r.size(), pos, g.dim);
-      r.take(pos - r.position());
-      g.blob_bytes = palu::latent_group_bytes(g.proj, g.rows, opt_.group_size);
+      if (!calibrated()) {
+        size_t pos = r.position();
+        g.proj = palu::Projection::deserialize(r.data(), r.size(), pos, g.dim);
+        r.take(pos - r.position());
+        g.blob_bytes = palu::latent_group_bytes(g.proj, g.rows, opt_.group_size);
+      }
       const uint64_t nb = checked_mul(uint64_t(blocks_), g.blob_bytes, "PALU token groups");
       const uint8_t* p = r.take(size_t(nb));
       g.blobs.assign(p, p + nb);
@@ -180,8 +198,23 @@ class PaluStream final : public TokenStream {
       bits += (opt_.quantize ? g.proj.average_bits() : 16.0) * g.proj.rank * g.rows;
       channels += g.proj.rank * g.rows;
     }
-    e[prefix + "projection_bytes"] = proj;
+    e[prefix + "projection_bytes"] = calibrated() ? 0.0 : proj;
     e[prefix + "assigned_avg_bits"] = channels > 0 ? bits / channels : 0.0;
+    e[prefix + "raw_bytes"] = double(raw_.bytes());
+    // This layer's share of the calibration file: per model, not per
+    // sequence, so never in the stored bytes.
+    if (calibrated()) e[prefix + "calibration_bytes"] = double(opt_.calibration->layer_bytes(opt_.layer, opt_.is_key));
+  }
+
+  void add_shared(std::map<std::string, uint64_t>& shared) const override {
+    if (!calibrated()) return;
+    char id[32];
+    std::snprintf(id, sizeof id, "%p", static_cast<const void*>(opt_.calibration.get()));
+    shared["palu calibration " + opt_.calibration_path + " @" + id] = opt_.calibration->held_bytes();
+    if (rope_) {
+      std::snprintf(id, sizeof id, "%p", static_cast<const void*>(rope_.get()));
+      shared["rope table @" + std::string(id)] = rope_->held_bytes();
+    }
   }
 
  private:
@@ -195,9 +228,64 @@ class PaluStream final : public TokenStream {
     std::vector<uint16_t> tail;   // f16 latents [tail_tokens, rows, rank]
   };
 
+  bool calibrated() const { return opt_.calibration != nullptr; }
+  int64_t latent_tokens() const { return fitted_ ? blocks_ * opt_.group_size + tail_tokens_ : 0; }
+
+  void ensure_rope(int64_t positions) {
+    if (!rope_ || rope_->positions() < positions) rope_ = RopeTable::get(int(shape_.dim), opt_.rope_theta, positions);
+  }
+
+  void clear_latents() {
+    blocks_ = tail_tokens_ = 0;
+    for (Group& g : groups_) {
+      g.blobs.clear();
+      g.tail.clear();
+    }
+  }
+
+  // Latent tokens [first, first + m) into out [R, total_n, D] at token `at`.
+  void decode_latents(int64_t first, int64_t m, float* out, int64_t total_n, int64_t at) const {
+    const int64_t q_tokens = blocks_ * opt_.group_size;
+    std::vector<float> lat;
+    for (const Group& g : groups_) {
+      const int64_t lat_tok = g.rows * g.proj.rank;
+      int64_t t = first;
+      const int64_t end = first + m;
+      while (t < end && t < q_tokens) {
+        const int64_t b = t / opt_.group_size;
+        lat.resize(size_t(opt_.group_size * lat_tok));
+        palu::decode_latent_group(g.proj, g.blobs.data() + size_t(b) * g.blob_bytes, g.blob_bytes, g.rows,
+                                  opt_.group_size, lat.data());
+        const int64_t hi = std::min(end, (b + 1) * opt_.group_size);
+        for (; t < hi; ++t)
+          reconstruct(g, lat.data() + (t - b * opt_.group_size) * lat_tok, out, total_n, at + t - first);
+      }
+      std::vector<float> z(static_cast<size_t>(lat_tok));
+      for (; t < end; ++t) {
+        convert(g.tail.data() + size_t(t - q_tokens) * lat_tok, DType::kF16, z.data(), DType::kF32, size_t(lat_tok));
+        reconstruct(g, z.data(), out, total_n, at + t - first);
+      }
+    }
+    if (calibrated() && opt_.is_key) {
+      // Keys were projected with RoPE removed: turn each row's run back.
+      const int64_t D = shape_.dim;
+      for (int64_t row = 0; row < shape_.rows(); ++row)
+        rope_->rotate(out + (row * total_n + at) * D, m, D, 1, raw_.tokens() + first, /*inverse=*/false);
+    }
+  }
+
   // x [n, R, D] -> latents of each head group, appended to the tails.
   void encode_tokens(const float* x, int64_t n) {
     const int64_t H = shape_.heads, D = shape_.dim;
+    std::vector<float> unrotated;
+    if (calibrated() && opt_.is_key) {
+      // Pre-RoPE keys, as the calibration was fitted (palu_calibration.hpp).
+      const int64_t first_position = tokens();
+      ensure_rope(first_position + n);
+      unrotated.assign(x, x + n * shape_.rows() * D);
+      rope_->rotate(unrotated.data(), n, shape_.rows() * D, int(shape_.rows()), first_position, /*inverse=*/true);
+      x = unrotated.data();
+    }
     std::vector<float> z;
     for (int64_t t = 0; t < n; ++t) {
       const float* tok = x + t * shape_.rows() * D;
@@ -280,6 +368,7 @@ class PaluStream final : public TokenStream {
   bool fitted_ = false;
   int64_t blocks_ = 0, tail_tokens_ = 0;
   std::vector<Group> groups_;
+  std::shared_ptr<const RopeTable> rope_;  // calibrated keys: covers every position held
 };
 
 }  // namespace

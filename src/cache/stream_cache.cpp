@@ -112,6 +112,8 @@ class StreamCache final : public KVCache {
       st.resident_bytes = keys_->held_bytes() + values_->held_bytes();
       keys_->add_extras("key.", st.extras);
       values_->add_extras("value.", st.extras);
+      keys_->add_shared(st.shared);
+      values_->add_shared(st.shared);
     }
     st.resident_bytes += sizeof(*this);
     return st;

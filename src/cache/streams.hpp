@@ -21,6 +21,7 @@
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
+#include "cache/palu_calibration.hpp"
 #include "palu/projection.hpp"
 
 namespace kvcodec::cache_impl {
@@ -118,6 +119,8 @@ class TokenStream {
   virtual void save(ByteWriter& w) const = 0;
   virtual void load(ByteReader& r, int64_t tokens) = 0;  // after start(); reads everything
   virtual void add_extras(const std::string& /*prefix*/, std::map<std::string, double>& /*extras*/) const {}
+  // What it uses but shares with other caches (CacheStats::shared).
+  virtual void add_shared(std::map<std::string, uint64_t>& /*shared*/) const {}
 };
 
 // Copies token-major rows x [n, R, D] for tokens [0, n) into out [R, total_n, D]
@@ -136,6 +139,17 @@ struct PaluOptions {
   int64_t group_size = 32;
   bool quantize = true;
   int64_t min_fit_tokens = 128;
+  // Calibrated mode (palu.calibration=FILE): the projections come from this
+  // shared calibration (layer `layer`, keys or values), chosen by `fit`, the
+  // first `sinks` tokens stay raw, and keys are projected with RoPE removed
+  // (rope_theta) and get it back when decoded. joint / n_head_groups are the
+  // calibration's.
+  std::shared_ptr<const PaluCalibration> calibration;
+  std::string calibration_path;
+  int layer = 0;
+  bool is_key = false;
+  int64_t sinks = 0;
+  double rope_theta = 10000.0;
 };
 std::unique_ptr<TokenStream> make_palu_stream(const PaluOptions& opt);
 

@@ -8,6 +8,7 @@
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
 #include "palu/group_quant.hpp"
+#include "palu/hadamard.hpp"
 
 namespace kvcodec::palu {
 
@@ -124,7 +125,7 @@ static Eigen::MatrixXd seeded_orthogonal(int r) {
   return q;
 }
 
-Projection fit_projection(const float* samples, int64_t n, int dim, const FitOptions& opt) {
+Eigenbasis gram_eigenbasis(const float* samples, int64_t n, int dim) {
   if (dim < 1 || dim > 65535) throw Error(ErrorCode::kInvalidArgument, "PALU dim out of range");
   // Gram matrix X^T X in double: eigenvalues are the squared singular values of X.
   Eigen::MatrixXd gram = Eigen::MatrixXd::Zero(dim, dim);
@@ -143,35 +144,70 @@ Projection fit_projection(const float* samples, int64_t n, int dim, const FitOpt
     }
   }
   Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> eig(gram);
-  // Ascending -> descending.
-  std::vector<double> lambda(dim);
-  Eigen::MatrixXd vecs(dim, dim);
-  for (int k = 0; k < dim; ++k) {
-    lambda[k] = std::max(0.0, eig.eigenvalues()(dim - 1 - k));
-    vecs.col(k) = eig.eigenvectors().col(dim - 1 - k);
-    // Sign convention: the largest-magnitude entry positive (stable across runs).
+  const double denom = n > 0 ? double(n) : 1.0;
+  Eigenbasis e;
+  e.dim = dim;
+  e.lambda.resize(size_t(dim));
+  e.vectors.resize(size_t(dim) * dim);
+  for (int k = 0; k < dim; ++k) {  // ascending -> descending
+    e.lambda[size_t(k)] = std::max(0.0, eig.eigenvalues()(dim - 1 - k)) / denom;
+    Eigen::VectorXd v = eig.eigenvectors().col(dim - 1 - k);
     Eigen::Index arg = 0;
-    vecs.col(k).cwiseAbs().maxCoeff(&arg);
-    if (vecs(arg, k) < 0) vecs.col(k) = -vecs.col(k);
+    v.cwiseAbs().maxCoeff(&arg);
+    if (v(arg) < 0) v = -v;
+    for (int i = 0; i < dim; ++i) e.vectors[size_t(i) * dim + k] = v(i);
   }
+  return e;
+}
+
+int choose_rank(const std::vector<double>& lambda, const FitOptions& opt) {
+  const int dim = int(lambda.size());
   int r = opt.rank;
   if (r <= 0) {
     const double total = std::accumulate(lambda.begin(), lambda.end(), 0.0);
     double acc = 0.0;
     r = dim;
     for (int k = 0; k < dim; ++k) {
-      acc += lambda[k];
+      acc += lambda[size_t(k)];
       if (total <= 0.0 || acc >= opt.energy_threshold * total) {
         r = k + 1;
         break;
       }
     }
   }
-  r = std::clamp(r, 1, dim);
+  return std::clamp(r, 1, dim);
+}
 
-  Eigen::MatrixXd u = vecs.leftCols(r);
-  std::vector<double> energy(r);
-  const double denom = n > 0 ? double(n) : 1.0;
+// Mixed bits: the n_hi highest-energy channels (ties by index) get hi_bit;
+// u [dim, r] is rounded to the stored f16 basis.
+static Projection make_projection(const Eigen::MatrixXd& u, std::vector<double> energy, int n_hi,
+                                  const FitOptions& opt) {
+  const int dim = int(u.rows()), r = int(u.cols());
+  Projection p;
+  p.dim = dim;
+  p.rank = r;
+  std::vector<int> order(r);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return energy[a] > energy[b]; });
+  p.bits.assign(r, uint8_t(opt.lo_bit));
+  for (int i = 0; i < n_hi; ++i) p.bits[order[i]] = uint8_t(opt.hi_bit);
+  p.channel_energy = std::move(energy);
+  p.basis_f16.resize(size_t(dim) * r);
+  for (int i = 0; i < dim; ++i)
+    for (int j = 0; j < r; ++j) p.basis_f16[size_t(i) * r + j] = f32_to_f16(float(u(i, j)));
+  p.build_decoded();
+  return p;
+}
+
+static int hi_channels(const FitOptions& opt, int r) { return std::clamp(int(std::lround(opt.hi_fraction * r)), 1, r); }
+
+Projection fit_projection(const float* samples, int64_t n, int dim, const FitOptions& opt) {
+  const Eigenbasis e = gram_eigenbasis(samples, n, dim);
+  const int r = choose_rank(e.lambda, opt);
+  Eigen::MatrixXd u(dim, r);
+  for (int i = 0; i < dim; ++i)
+    for (int j = 0; j < r; ++j) u(i, j) = e.vectors[size_t(i) * dim + j];
+  std::vector<double> energy(e.lambda.begin(), e.lambda.begin() + r);
   if (opt.hadamard) {
     // Rotating the latents spreads outlier channels over all channels, so a
     // fixed quantizer range wastes fewer levels. Folded into the basis (U Q),
@@ -179,29 +215,41 @@ Projection fit_projection(const float* samples, int64_t n, int dim, const FitOpt
     const Eigen::MatrixXd q = seeded_orthogonal(r);
     u = u * q;
     for (int j = 0; j < r; ++j) {
-      double e = 0.0;
-      for (int k = 0; k < r; ++k) e += q(k, j) * q(k, j) * lambda[k];
-      energy[j] = e / denom;
+      double en = 0.0;
+      for (int k = 0; k < r; ++k) en += q(k, j) * q(k, j) * e.lambda[size_t(k)];
+      energy[size_t(j)] = en;
     }
-  } else {
-    for (int j = 0; j < r; ++j) energy[j] = lambda[j] / denom;
   }
+  return make_projection(u, std::move(energy), hi_channels(opt, r), opt);
+}
 
-  Projection p;
-  p.dim = dim;
-  p.rank = r;
-  p.channel_energy = energy;
-  // Mixed bits: the highest-energy channels (ties by index) get hi_bit.
-  const int n_hi = std::clamp(int(std::lround(opt.hi_fraction * r)), 1, r);
-  std::vector<int> order(r);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return energy[a] > energy[b]; });
-  p.bits.assign(r, uint8_t(opt.lo_bit));
-  for (int i = 0; i < n_hi; ++i) p.bits[order[i]] = uint8_t(opt.hi_bit);
-  p.basis_f16.resize(size_t(dim) * r);
-  for (int i = 0; i < dim; ++i)
-    for (int j = 0; j < r; ++j) p.basis_f16[size_t(i) * r + j] = f32_to_f16(float(u(i, j)));
-  p.build_decoded();
+Projection calibrated_projection(const Eigenbasis& e, const FitOptions& opt) {
+  const int dim = e.dim, r = choose_rank(e.lambda, opt);
+  const int n_hi = hi_channels(opt, r);
+  // Channels in eigenvalue order: [0, n_hi) are the hi_bit class.
+  Eigen::MatrixXd u(dim, r);
+  std::vector<double> energy(e.lambda.begin(), e.lambda.begin() + r);
+  const std::vector<int> blocks = hadamard_blocks(n_hi, r);
+  std::vector<double> row(static_cast<size_t>(r));
+  for (int i = 0; i < dim; ++i) {
+    for (int j = 0; j < r; ++j) row[size_t(j)] = e.vectors[size_t(i) * dim + j];
+    // Row i of U H is H applied to row i of U (H is symmetric).
+    if (opt.hadamard) rotate_blocks(row.data(), blocks);
+    for (int j = 0; j < r; ++j) u(i, j) = row[size_t(j)];
+  }
+  if (opt.hadamard) {
+    // A block's channels share its energy equally (H has entries +-1/sqrt(b)).
+    size_t first = 0;
+    for (int b : blocks) {
+      double sum = 0.0;
+      for (int j = 0; j < b; ++j) sum += e.lambda[first + size_t(j)];
+      for (int j = 0; j < b; ++j) energy[first + size_t(j)] = sum / b;
+      first += size_t(b);
+    }
+  }
+  // The hi class is the first n_hi channels whatever their energies after rotation.
+  Projection p = make_projection(u, energy, 0, opt);
+  std::fill(p.bits.begin(), p.bits.begin() + n_hi, uint8_t(opt.hi_bit));
   return p;
 }
 

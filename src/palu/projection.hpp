@@ -29,7 +29,10 @@ std::vector<std::pair<int, int>> split_head_groups(int n_heads, int n_groups);
 struct FitOptions {
   int rank = 0;                   // explicit rank; 0: pick by energy_threshold
   double energy_threshold = 0.90; // smallest r with sum sigma^2 share >= this
-  bool hadamard = false;          // rotate latents by a seeded random orthogonal matrix
+  // Rotate the latents before quantizing: fit_projection by a seeded random
+  // orthogonal matrix, calibrated_projection by Walsh-Hadamard blocks inside
+  // each bit class (palu/hadamard.hpp).
+  bool hadamard = false;
   double hi_fraction = 0.25;      // share of latent channels at hi_bit (at least one)
   int hi_bit = 4;
   int lo_bit = 2;
@@ -60,6 +63,30 @@ struct Projection {
 
 // Fits from samples [n, dim] row-major. n may be smaller than dim.
 Projection fit_projection(const float* samples, int64_t n, int dim, const FitOptions& opt);
+
+// The eigenbasis of the Gram matrix X^T X / n of samples X [n, dim], in
+// double: eigenvalues descending (mean squared singular values), vectors
+// [dim, dim] row-major with column k the k-th eigenvector (its
+// largest-magnitude entry positive, so fits are stable across runs).
+// Non-finite samples count as 0.
+struct Eigenbasis {
+  int dim = 0;
+  std::vector<double> lambda;   // [dim]
+  std::vector<double> vectors;  // [dim, dim]
+};
+Eigenbasis gram_eigenbasis(const float* samples, int64_t n, int dim);
+
+// The rank FitOptions asks for on eigenvalues lambda (descending): opt.rank
+// clamped to [1, dim], or the smallest rank whose share of the sum reaches
+// opt.energy_threshold.
+int choose_rank(const std::vector<double>& lambda, const FitOptions& opt);
+
+// PALU's calibrated projection from an eigenbasis fitted offline: the
+// leading choose_rank() eigenvectors, the first round(hi_fraction * r) (at
+// least one) at hi_bit and the rest at lo_bit; with opt.hadamard each bit
+// class is rotated by Walsh-Hadamard blocks (hadamard_blocks), folded into
+// the basis (U H), so projecting and reconstructing cost the same.
+Projection calibrated_projection(const Eigenbasis& e, const FitOptions& opt);
 
 // Quantizes a token group of latents z [n_tokens, rows, rank] (token-major):
 // per (row, channel) an f16 min and scale over the n_tokens, then codes of

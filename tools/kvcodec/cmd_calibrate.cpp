@@ -1,5 +1,7 @@
 // kvcodec calibrate: fit calibrated-KVTC parameters offline (DESIGN 4, issue 5)
-// and write them to a calibration file for kvtc.calibration=FILE.
+// and write them to a calibration file for kvtc.calibration=FILE; with
+// --method palu, PALU's per-layer eigenbases for palu.calibration=FILE
+// (issue 21, cache/palu_calibration.hpp).
 #include <omp.h>
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include <string>
 
 #include "cache/kvtc_cache.hpp"
+#include "cache/palu_calibration.hpp"
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
@@ -35,7 +38,54 @@ struct CalibrateArgs {
   std::string weightings;
   std::string quantizers;
   bool cross_layer = false;
+  std::string method = "kvtc";
 };
+
+model::CalibrationProgress progress_printer(std::chrono::steady_clock::time_point t0) {
+  return [t0](int64_t done, int64_t total, const std::string& what) {
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, "[%6.1fs] %lld/%lld %s\n", sec, (long long)done, (long long)total, what.c_str());
+  };
+}
+
+// --method palu: per layer, tensor and head group the eigenbasis of the
+// calibration tokens (keys with RoPE removed); rank and bits are cache settings.
+void run_palu_calibrate(const CalibrateArgs& a, const model::CalibrateOptions& o, const model::LlamaModel& m,
+                        const std::string& token_path, const std::string& dir,
+                        std::chrono::steady_clock::time_point t0) {
+  Settings s = settings_for_method(a.sets, "palu");
+  bool joint = false;
+  int n_groups = 4;
+  for (const auto& [field, value] : s) {
+    if (field == "group_mode" && (value == "shared" || value == "joint")) {
+      joint = value == "joint";
+    } else if (field == "n_head_groups" && !value.empty() &&
+               value.find_first_not_of("0123456789") == std::string::npos && value.size() < 5 && std::stoi(value) >= 1) {
+      n_groups = std::stoi(value);
+    } else {
+      throw_config_error("palu." + field, value,
+                         "group_mode=shared|joint or n_head_groups=N >= 1 (the only calibration fields; rank and bits "
+                         "are cache settings)");
+    }
+  }
+  if (!a.target_ratios.empty() || !a.allocators.empty() || !a.weightings.empty() || !a.quantizers.empty() ||
+      a.cross_layer)
+    throw_config_error("--method", "palu", "without the kvtc-only options (--target-ratios, --allocators, "
+                                           "--weightings, --quantizers, --cross-layer)");
+  const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
+  const model::CalibrationSamples samples = model::collect_calibration_samples(m, tokens, o, progress_printer(t0));
+  const model::ModelConfig& c = m.config();
+  PaluCalibration cal = fit_palu_calibration(c.n_layers, c.n_kv_heads, c.head_dim, c.rope_theta,
+                                             model::model_config_hash(dir), samples.keys, samples.values,
+                                             samples.tokens, joint, n_groups);
+  cal.info["windows"] = a.windows;
+  cal.info["sinks"] = std::to_string(o.sinks);
+  cal.write_file(a.output);
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("wrote %s: palu, %s, %s x %d head groups, %llu parameter bytes, %lld tokens per layer, %.1f s\n",
+              a.output.c_str(), cal.shape_string().c_str(), joint ? "joint" : "shared", cal.n_head_groups,
+              (unsigned long long)cal.params_bytes(), (long long)samples.tokens, sec);
+}
 
 // "a,b,,c" -> {a, b, c}.
 std::vector<std::string> split_list(const std::string& list) {
@@ -75,6 +125,8 @@ void run_calibrate(const CalibrateArgs& a) {
   o.tokens_per_window = a.tokens_per_window;
   o.sinks = a.sinks;
   const model::LlamaModel m = model::LlamaModel::load(dir);
+  if (a.method == "palu") return run_palu_calibrate(a, o, m, token_path, dir, t0);
+  if (a.method != "kvtc") throw_config_error("--method", a.method, "kvtc or palu");
   // Codec fields through the same validation as the cache (local-mode parse:
   // bit_budget scales with the vector, so it is re-read for H_kv * D).
   Settings s = settings_for_method(a.sets, "kvtc");
@@ -160,10 +212,7 @@ void run_calibrate(const CalibrateArgs& a) {
   if (o.measured_allocation && o.codec.basis_bits != 16)
     throw_config_error("kvtc.basis_bits", std::to_string(o.codec.basis_bits), "16 with allocator=measured");
   const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
-  auto progress = [&](int64_t done, int64_t total, const std::string& what) {
-    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::fprintf(stderr, "[%6.1fs] %lld/%lld %s\n", sec, (long long)done, (long long)total, what.c_str());
-  };
+  const model::CalibrationProgress progress = progress_printer(t0);
   const model::CalibrationSamples samples = model::collect_calibration_samples(m, tokens, o, progress);
   // --target-ratios R1,R2,...: one fit per ratio from the same samples (the
   // model runs once), written to the output path with "{}" replaced by R.
@@ -291,6 +340,10 @@ void register_calibrate(CLI::App& app) {
   cmd->add_flag("--cross-layer", args->cross_layer,
                 "One codec per tensor over every layer of a token (stored prefixes: eval --protocol prefix, method "
                 "xkvtc); with kvtc.target_ratio or --target-ratios");
+  cmd->add_option("--method", args->method,
+                  "kvtc (default) or palu: PALU's per-layer eigenbases (--set palu.group_mode=shared|joint, "
+                  "palu.n_head_groups=N [4]) for palu.calibration=FILE")
+      ->capture_default_str();
   cmd->add_option("--threads", args->threads, "OpenMP threads (0: all cores)")->capture_default_str();
   cmd->callback([args] {
     if (args->threads < 0) throw_config_error("--threads", std::to_string(args->threads), ">= 0 (0: all cores)");
