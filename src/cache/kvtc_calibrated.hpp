@@ -41,19 +41,15 @@
 #include <string>
 #include <vector>
 
+#include "cache/calibration_shape.hpp"
 #include "cache/kvtc_cache.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvtc/codec.hpp"
 
 namespace kvcodec {
 
-struct KvtcCalibration {
-  int n_layers = 0;
-  int n_kv_heads = 0;
-  int head_dim = 0;
-  double rope_theta = 10000.0;
-  std::string config_hash;                   // hex XXH3-64 of the model's config.json ("" if unknown)
-  std::map<std::string, std::string> info;   // how it was fitted (written as meta "fit.<key>")
+// The model's shape, config hash and fit notes: cache_impl::CalibrationShape.
+struct KvtcCalibration : cache_impl::CalibrationShape {
   std::vector<kvtc::HeadParams> keys;        // [n_layers], dim = n_kv_heads * head_dim
   std::vector<kvtc::HeadParams> values;      // [n_layers]
   // Per-dimension weights [n_layers][n_kv_heads * head_dim]; empty = none.
@@ -64,7 +60,6 @@ struct KvtcCalibration {
   int vector_dim() const { return n_kv_heads * head_dim; }
   bool weighted() const { return !key_scale.empty(); }
   bool refined() const { return !key_refine.empty(); }
-  std::string shape_string() const;          // "n_layers=6, n_kv_heads=2, head_dim=64, rope_theta=10000"
 
   std::vector<uint8_t> serialize() const;
   void write_file(const std::string& path) const;  // atomic (temporary file + rename)

@@ -10,6 +10,7 @@
 
 #include "cache/kvtc_calibrated.hpp"
 #include "cache/saved_meta.hpp"
+#include "cache/shared_file.hpp"
 #include "core/held_bytes.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
@@ -21,11 +22,6 @@ std::string hash_hex(const void* data, size_t size) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH3_64bits(data, size));
   return buf;
-}
-
-std::string KvtcCalibration::shape_string() const {
-  return "n_layers=" + std::to_string(n_layers) + ", n_kv_heads=" + std::to_string(n_kv_heads) +
-         ", head_dim=" + std::to_string(head_dim) + ", rope_theta=" + cache_impl::double_text(rope_theta);
 }
 
 std::vector<uint8_t> KvtcCalibration::serialize() const {
@@ -52,13 +48,7 @@ std::vector<uint8_t> KvtcCalibration::serialize() const {
                                           std::to_string(n_layers) + " x " + std::to_string(vector_dim()) +
                                           " finite positive weights");
   ContainerWriter w(ContainerKind::kCalibration);
-  w.set_meta("format", "kvtc-calibration");
-  w.set_meta("n_layers", std::to_string(n_layers));
-  w.set_meta("n_kv_heads", std::to_string(n_kv_heads));
-  w.set_meta("head_dim", std::to_string(head_dim));
-  w.set_meta("rope_theta", cache_impl::double_text(rope_theta));
-  w.set_meta("config_hash", config_hash);
-  for (const auto& [k, v] : info) w.set_meta("fit." + k, v);
+  write_shape_meta(w, "kvtc-calibration");
   for (int l = 0; l < n_layers; ++l) {
     for (const bool is_key : {true, false}) {
       ByteWriter b;
@@ -100,26 +90,11 @@ void KvtcCalibration::write_file(const std::string& path) const {
 KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const std::string& label) {
   const ContainerReader r = ContainerReader::parse(data, size, {}, label);
   r.expect_kind(ContainerKind::kCalibration);
-  if (r.meta_or_throw("format") != "kvtc-calibration")
-    throw Error(ErrorCode::kFormat, "calibration " + label + ": format '" + r.meta_or_throw("format") +
-                                        "', expected 'kvtc-calibration'");
   KvtcCalibration c;
-  c.n_layers = int(cache_impl::meta_int(r, "n_layers", 1, 4096));
-  c.n_kv_heads = int(cache_impl::meta_int(r, "n_kv_heads", 1, 4096));
-  c.head_dim = int(cache_impl::meta_int(r, "head_dim", 2, 4096));
+  c.read_shape_meta(r, "kvtc-calibration", "calibration " + label);
   if (int64_t(c.n_kv_heads) * c.head_dim > 65535)
     throw Error(ErrorCode::kFormat, "calibration " + label + ": n_kv_heads * head_dim = " +
                                         std::to_string(int64_t(c.n_kv_heads) * c.head_dim) + " exceeds 65535");
-  {
-    const std::string& v = r.meta_or_throw("rope_theta");
-    char* end = nullptr;
-    c.rope_theta = std::strtod(v.c_str(), &end);
-    if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(c.rope_theta) || c.rope_theta <= 0)
-      throw Error(ErrorCode::kFormat, "calibration " + label + ": rope_theta '" + v + "' is not a positive number");
-  }
-  c.config_hash = r.meta_or_throw("config_hash");
-  for (const auto& [k, v] : r.meta())
-    if (k.rfind("fit.", 0) == 0) c.info[k.substr(4)] = v;
   const int dim = c.vector_dim();
   // One serialised HeadParams section (base or refinement), the file and
   // section named in any error.
@@ -195,19 +170,7 @@ KvtcCalibration KvtcCalibration::read_file(const std::string& path) {
 std::shared_ptr<const KvtcCalibration> KvtcCalibration::load_shared(const std::string& path) {
   // One parsed copy per file for the whole process: a model has one cache per
   // layer per sequence, and each must not re-read and re-build the tables.
-  static std::mutex mutex;
-  static std::map<std::string, std::pair<std::string, std::shared_ptr<const KvtcCalibration>>> loaded;
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) throw Error(ErrorCode::kNotFound, "calibration file " + path + ": " + ec.message());
-  const auto mtime = std::filesystem::last_write_time(path, ec).time_since_epoch().count();
-  const std::string stamp = std::to_string(size) + ":" + std::to_string(mtime);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = loaded.find(path);
-  if (it != loaded.end() && it->second.first == stamp) return it->second.second;
-  auto cal = std::make_shared<const KvtcCalibration>(read_file(path));
-  loaded[path] = {stamp, cal};
-  return cal;
+  return cache_impl::load_shared_file<KvtcCalibration>(path, "calibration file", read_file);
 }
 
 uint64_t KvtcCalibration::held_bytes() const {

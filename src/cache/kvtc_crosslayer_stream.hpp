@@ -37,10 +37,11 @@
 #include <memory>
 #include <vector>
 
-#include "cache/kvtc_calibrated.hpp"
 #include "kvcodec/cache.hpp"
 
 namespace kvcodec {
+
+struct KvtcCalibration;  // cache/kvtc_calibrated.hpp
 
 struct CrossLayerStreamOptions {
   int sinks = 4;

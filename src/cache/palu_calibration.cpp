@@ -76,24 +76,13 @@ int PaluCalibration::group_dim(int group) const {
   return joint ? groups()[size_t(group)].second * head_dim : head_dim;
 }
 
-std::string PaluCalibration::shape_string() const {
-  return "n_layers=" + std::to_string(n_layers) + ", n_kv_heads=" + std::to_string(n_kv_heads) +
-         ", head_dim=" + std::to_string(head_dim) + ", rope_theta=" + cache_impl::double_text(rope_theta);
-}
-
 std::vector<uint8_t> PaluCalibration::serialize() const {
   const size_t n_groups = groups().size();
   ContainerWriter w(ContainerKind::kCalibration);
-  w.set_meta("format", "palu-calibration");
+  write_shape_meta(w, "palu-calibration");
   w.set_meta("version", std::to_string(kVersion));
-  w.set_meta("n_layers", std::to_string(n_layers));
-  w.set_meta("n_kv_heads", std::to_string(n_kv_heads));
-  w.set_meta("head_dim", std::to_string(head_dim));
-  w.set_meta("rope_theta", cache_impl::double_text(rope_theta));
   w.set_meta("group_mode", joint ? "joint" : "shared");
   w.set_meta("n_head_groups", std::to_string(n_groups));
-  w.set_meta("config_hash", config_hash);
-  for (const auto& [k, v] : info) w.set_meta("fit." + k, v);
   for (int l = 0; l < n_layers; ++l)
     for (const bool is_key : {true, false}) {
       const auto& per_group = (is_key ? keys : values).at(size_t(l));
@@ -115,15 +104,11 @@ PaluCalibration PaluCalibration::parse(const uint8_t* data, size_t size, const s
   const ContainerReader r = ContainerReader::parse(data, size, {}, label);
   r.expect_kind(ContainerKind::kCalibration);
   const std::string what = "PALU calibration " + label;
-  if (r.meta_or_throw("format") != "palu-calibration")
-    throw Error(ErrorCode::kFormat, what + ": format '" + r.meta_or_throw("format") + "', expected 'palu-calibration'");
+  PaluCalibration c;
+  c.read_shape_meta(r, "palu-calibration", what);
   if (cache_impl::meta_int(r, "version", 1, 1 << 20) != kVersion)
     throw Error(ErrorCode::kFormat, what + ": version " + r.meta_or_throw("version") + ", this build reads " +
                                         std::to_string(kVersion));
-  PaluCalibration c;
-  c.n_layers = int(cache_impl::meta_int(r, "n_layers", 1, 4096));
-  c.n_kv_heads = int(cache_impl::meta_int(r, "n_kv_heads", 1, 4096));
-  c.head_dim = int(cache_impl::meta_int(r, "head_dim", 2, 4096));
   if (c.head_dim % 2 != 0)
     throw Error(ErrorCode::kFormat, what + ": head_dim " + std::to_string(c.head_dim) + " is odd (RoPE pairs dimensions)");
   c.n_head_groups = int(cache_impl::meta_int(r, "n_head_groups", 1, c.n_kv_heads));
@@ -131,16 +116,6 @@ PaluCalibration PaluCalibration::parse(const uint8_t* data, size_t size, const s
   if (mode != "shared" && mode != "joint")
     throw Error(ErrorCode::kFormat, what + ": group_mode '" + mode + "', expected shared or joint");
   c.joint = mode == "joint";
-  {
-    const std::string& v = r.meta_or_throw("rope_theta");
-    char* end = nullptr;
-    c.rope_theta = std::strtod(v.c_str(), &end);
-    if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(c.rope_theta) || c.rope_theta <= 0)
-      throw Error(ErrorCode::kFormat, what + ": rope_theta '" + v + "' is not a positive number");
-  }
-  c.config_hash = r.meta_or_throw("config_hash");
-  for (const auto& [k, v] : r.meta())
-    if (k.rfind("fit.", 0) == 0) c.info[k.substr(4)] = v;
   const size_t n_groups = c.groups().size();
   for (int g = 0; g < int(n_groups); ++g)
     if (c.group_dim(g) > 65535) throw Error(ErrorCode::kFormat, what + ": group vectors exceed 65535 values");

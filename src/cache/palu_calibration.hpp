@@ -30,27 +30,22 @@
 #include <string>
 #include <vector>
 
+#include "cache/calibration_shape.hpp"
 #include "kvcodec/cache.hpp"
 #include "palu/projection.hpp"
 
 namespace kvcodec {
 
-struct PaluCalibration {
+// The model's shape, config hash and fit notes: cache_impl::CalibrationShape.
+struct PaluCalibration : cache_impl::CalibrationShape {
   static constexpr int kVersion = 1;
-  int n_layers = 0;
-  int n_kv_heads = 0;
-  int head_dim = 0;
-  double rope_theta = 10000.0;
   bool joint = false;       // joint: a group's heads concatenated into one vector
   int n_head_groups = 1;    // as palu::split_head_groups clamps it
-  std::string config_hash;
-  std::map<std::string, std::string> info;          // how it was fitted (meta "fit.<key>")
   std::vector<std::vector<palu::Eigenbasis>> keys;    // [n_layers][group], keys with RoPE removed
   std::vector<std::vector<palu::Eigenbasis>> values;  // [n_layers][group]
 
   std::vector<std::pair<int, int>> groups() const { return palu::split_head_groups(n_kv_heads, n_head_groups); }
   int group_dim(int group) const;
-  std::string shape_string() const;  // "n_layers=6, n_kv_heads=2, head_dim=64, rope_theta=10000"
 
   std::vector<uint8_t> serialize() const;
   void write_file(const std::string& path) const;  // atomic (temporary file + rename)
