@@ -3,7 +3,10 @@
 // [B, H, S, D] of it with keys post-RoPE, and the settings that use them.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstring>
+#include <memory>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -217,6 +220,28 @@ inline double rel_mse(const Tensor& a, const Tensor& b) {
 inline bool bit_equal(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() &&
          std::memcmp(a.data(), b.data(), size_t(numel(a.shape())) * dtype_size(a.dtype())) == 0;
+}
+
+// A cache fed token by token (`steps`) reads back bit for bit as one fed at
+// once (`whole`) and counts the same bytes; whole's save loads into a cache
+// that does too. What the callers go on testing with.
+struct SameReads {
+  KVPair whole_read;
+  std::vector<uint8_t> saved;
+  std::unique_ptr<KVCache> loaded;
+};
+inline SameReads expect_steps_and_reload_read_as_whole(const KVCache& whole, const KVCache& steps) {
+  SameReads r{whole.fetch(DType::kF32), whole.save(), nullptr};
+  const KVPair b = steps.fetch(DType::kF32);
+  EXPECT_TRUE(bit_equal(r.whole_read.keys, b.keys));
+  EXPECT_TRUE(bit_equal(r.whole_read.values, b.values));
+  EXPECT_EQ(whole.stats().compressed_bytes(), steps.stats().compressed_bytes());
+  r.loaded = load_cache(r.saved.data(), r.saved.size());
+  const KVPair c = r.loaded->fetch(DType::kF32);
+  EXPECT_TRUE(bit_equal(r.whole_read.keys, c.keys));
+  EXPECT_TRUE(bit_equal(r.whole_read.values, c.values));
+  EXPECT_EQ(r.loaded->stats().compressed_bytes(), whole.stats().compressed_bytes());
+  return r;
 }
 
 inline Settings calibrated(int sinks, int window, int block = 16) {

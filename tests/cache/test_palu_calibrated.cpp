@@ -222,17 +222,10 @@ TEST(PaluCalibratedCache, StreamingEqualsOneShotSaveLoadIsExactAndTrimKeepsThePr
     auto steps = make_cache("palu", layer_config(1), s);
     steps->append(slice(seq.keys, 0, 3), slice(seq.values, 0, 3));  // inside the sinks
     for (int64_t t = 3; t < 300; ++t) steps->append(slice(seq.keys, t, 1), slice(seq.values, t, 1));
-    const KVPair a = whole->fetch(DType::kF32), b = steps->fetch(DType::kF32);
-    EXPECT_TRUE(bit_equal(a.keys, b.keys));
-    EXPECT_TRUE(bit_equal(a.values, b.values));
-    EXPECT_EQ(whole->stats().compressed_bytes(), steps->stats().compressed_bytes());
-
-    const std::vector<uint8_t> saved = whole->save();
-    auto loaded = load_cache(saved.data(), saved.size());
-    const KVPair c = loaded->fetch(DType::kF32);
-    EXPECT_TRUE(bit_equal(a.keys, c.keys));
-    EXPECT_TRUE(bit_equal(a.values, c.values));
-    EXPECT_EQ(loaded->stats().compressed_bytes(), whole->stats().compressed_bytes());
+    const SameReads same = expect_steps_and_reload_read_as_whole(*whole, *steps);
+    const KVPair& a = same.whole_read;
+    const std::vector<uint8_t>& saved = same.saved;
+    const std::unique_ptr<KVCache>& loaded = same.loaded;
     // A calibrated save read by a per-sequence cache is refused (its settings differ).
     auto plain = make_cache("palu", layer_config(1), {{"n_head_groups", "2"}});
     EXPECT_THROW(plain->load(saved.data(), saved.size()), Error);
