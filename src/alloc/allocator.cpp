@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numbers>
 #include <string>
 
@@ -100,10 +101,20 @@ void make_exact_terms(Problem& p) {
   for (size_t i = 0; i < p.dist.size(); ++i) p.term[i] = to_exact(p.dist[i], e_low);
 }
 
-// Returns the choice index per component. Tie rule: smaller exact
-// distortion, then smaller cost, then larger bit width for the earliest
-// component where candidates differ.
-std::vector<int> solve_dp(const Problem& p) {
+// The DP's choice table over budgets 0..B (B = min(budget, max_useful)):
+// choice[i * width + b] is the best choice of component i for the suffix
+// i..n-1 given at most b units; row0_ok[b] whether any allocation of the
+// whole fits in b. Row i at budget b depends only on row i+1 at budgets
+// <= b, never on the table's width, so one table answers every budget up to
+// B with the allocation a table built for that budget alone would give.
+struct DpTable {
+  int64_t width = 0;            // B + 1
+  int64_t min_needed = 0;       // the cheapest allocation's units
+  std::vector<uint8_t> choice;  // [n * width]
+  std::vector<uint8_t> row0_ok; // [width]
+};
+
+DpTable solve_dp_table(const Problem& p) {
   int64_t max_useful = 0;
   int64_t min_needed = 0;
   for (int i = 0; i < p.n; ++i) {
@@ -126,7 +137,10 @@ std::vector<int> solve_dp(const Problem& p) {
     invalid("bit allocation: DP table of " + std::to_string(p.n) + " components x " +
             std::to_string(width) + " budget states exceeds 2^27 cells; lower the budget or the rate grid");
   }
-  std::vector<uint8_t> choice(static_cast<size_t>(p.n) * width, 0);
+  DpTable t;
+  t.width = width;
+  t.min_needed = min_needed;
+  t.choice.assign(static_cast<size_t>(p.n) * width, 0);
   // Rows for the suffix i+1..n-1 (next) and i..n-1 (cur): best exact
   // distortion and its cost using at most b units.
   std::vector<Exact> next_d(width), cur_d(width);
@@ -135,7 +149,7 @@ std::vector<int> solve_dp(const Problem& p) {
   for (int i = p.n - 1; i >= 0; --i) {
     const Exact* term = p.term.data() + static_cast<size_t>(i) * p.nc;
     const int64_t* cost = p.cost.data() + static_cast<size_t>(i) * p.nc;
-    uint8_t* ch = choice.data() + static_cast<size_t>(i) * width;
+    uint8_t* ch = t.choice.data() + static_cast<size_t>(i) * width;
     for (int64_t b = 0; b < width; ++b) {
       bool found = false;
       Exact best_d;
@@ -170,16 +184,33 @@ std::vector<int> solve_dp(const Problem& p) {
     std::swap(next_c, cur_c);
     std::swap(next_ok, cur_ok);
   }
-  if (!next_ok[B]) throw Error(ErrorCode::kInternal, "bit allocation: DP found no feasible allocation");
+  t.row0_ok = std::move(next_ok);
+  return t;
+}
+
+// The choice index per component for a budget of `budget` units (<= the
+// table's budget; clamped to its width as solve_dp_table clamps).
+std::vector<int> backtrack(const Problem& p, const DpTable& t, int64_t budget) {
+  if (t.min_needed > budget) {
+    invalid("bit allocation: budget of " + std::to_string(budget) +
+            " units is below the cheapest allocation (" + std::to_string(t.min_needed) + " units)");
+  }
+  int64_t b = std::min(budget, t.width - 1);
+  if (!t.row0_ok[static_cast<size_t>(b)])
+    throw Error(ErrorCode::kInternal, "bit allocation: DP found no feasible allocation");
   std::vector<int> idx(p.n);
-  int64_t b = B;
   for (int i = 0; i < p.n; ++i) {
-    const int j = choice[static_cast<size_t>(i) * width + b];
+    const int j = t.choice[static_cast<size_t>(i) * t.width + b];
     idx[i] = j;
     b -= p.cost[static_cast<size_t>(i) * p.nc + j];
   }
   return idx;
 }
+
+// Returns the choice index per component. Tie rule: smaller exact
+// distortion, then smaller cost, then larger bit width for the earliest
+// component where candidates differ.
+std::vector<int> solve_dp(const Problem& p) { return backtrack(p, solve_dp_table(p), p.budget); }
 
 std::vector<int> solve_brute_force(const Problem& p) {
   double combos = std::pow(static_cast<double>(p.nc), p.n);
@@ -381,6 +412,37 @@ AllocationResult allocate_bits_measured(const std::vector<std::vector<double>>& 
                                         int rate_grid) {
   const Problem p = measured_problem(rate_bits, distortion, bit_choices, budget_bits, rate_grid);
   return make_result(p, solve_dp(p));
+}
+
+struct MeasuredAllocator::Impl {
+  Problem problem;
+  DpTable table;
+  int rate_grid = 16;
+  double max_budget_bits = 0;
+};
+
+MeasuredAllocator::MeasuredAllocator(const std::vector<std::vector<double>>& rate_bits,
+                                     const std::vector<std::vector<double>>& distortion,
+                                     const std::vector<int>& bit_choices, double max_budget_bits, int rate_grid)
+{
+  auto impl = std::make_shared<Impl>();
+  impl->problem = measured_problem(rate_bits, distortion, bit_choices, max_budget_bits, rate_grid);
+  impl->table = solve_dp_table(impl->problem);
+  impl->rate_grid = rate_grid;
+  impl->max_budget_bits = max_budget_bits;
+  impl_ = std::move(impl);
+}
+
+AllocationResult MeasuredAllocator::at(double budget_bits) const {
+  // Compared on the grid, as the budget is used: a budget that rounds to the
+  // table's own units is inside it.
+  const double units_f = std::floor(budget_bits * impl_->rate_grid);
+  if (!std::isfinite(budget_bits) || budget_bits < 0.0 || units_f > double(impl_->problem.budget)) {
+    invalid("measured allocation: budget_bits = " + std::to_string(budget_bits) + ", must be in [0, " +
+            std::to_string(impl_->max_budget_bits) + "] (the allocator's largest budget)");
+  }
+  const auto units = static_cast<int64_t>(units_f);
+  return make_result(impl_->problem, backtrack(impl_->problem, impl_->table, units));
 }
 
 AllocationResult allocate_bits_measured_brute_force(const std::vector<std::vector<double>>& rate_bits,

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <vector>
 
 namespace kvcodec::alloc {
@@ -62,6 +63,25 @@ AllocationResult allocate_bits_measured(const std::vector<std::vector<double>>& 
                                         const std::vector<std::vector<double>>& distortion,
                                         const std::vector<int>& bit_choices, double budget_bits,
                                         int rate_grid = 16);
+// allocate_bits_measured for many budgets of one problem (a rate target's
+// search): the DP runs once, for max_budget_bits, and at(b) for any b in
+// [0, max_budget_bits] returns what allocate_bits_measured(.., b,
+// rate_grid) returns, bit for bit, by walking the same table back from b.
+// The constructor throws as allocate_bits_measured does for max_budget_bits
+// (a table over 2^27 cells included); at() throws Error(kInvalidArgument)
+// for a budget outside [0, max_budget_bits] or below the cheapest allocation.
+class MeasuredAllocator {
+ public:
+  MeasuredAllocator(const std::vector<std::vector<double>>& rate_bits,
+                    const std::vector<std::vector<double>>& distortion, const std::vector<int>& bit_choices,
+                    double max_budget_bits, int rate_grid = 16);
+  AllocationResult at(double budget_bits) const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<const Impl> impl_;
+};
+
 // Brute-force twin of allocate_bits_measured (same grid and tie rules). For tests.
 AllocationResult allocate_bits_measured_brute_force(const std::vector<std::vector<double>>& rate_bits,
                                                     const std::vector<std::vector<double>>& distortion,

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <sstream>
 
 #include <Eigen/Dense>
@@ -369,8 +371,30 @@ kvtc::HeadParams fit_measured(const MeasuredTables& t, const linalg::PcaBasis& p
     const double target_bits = 16.0 * dim / target_ratio;
     double budget = target_bits, best_budget = -1.0;
     double lo = 0.0, hi = 8.0 * dim + 1.0;  // budgets known to meet / miss the target
+    // The rounds' budgets stay near target_bits: one DP table for budgets up
+    // to 1.5x it gives each round's allocation by walking back from its
+    // budget, the same bits as a DP per round (alloc::MeasuredAllocator); a
+    // budget above it rebuilds the table for the bracket's top. A
+    // cross-layer fit (768 components) ran up to 24 DPs per target.
+    // Where a table would be over the DP's size limit, a DP per round.
+    std::optional<alloc::MeasuredAllocator> table;
+    double table_max = -1.0;
+    auto fit_in_table = [&](double b) {
+      if (b > table_max) {
+        table.reset();
+        table_max = b <= 1.5 * target_bits ? std::min(1.5 * target_bits, std::max(hi, target_bits))
+                                           : std::max(hi, target_bits);
+        try {
+          table.emplace(t.rate, t.distortion, t.bit_choices, table_max);
+        } catch (const Error&) {
+          table_max = std::numeric_limits<double>::infinity();  // over the size limit: a DP per round
+        }
+      }
+      if (!table) return fit_at(b);
+      return build_head_params(t, x.data(), n, dim, pca.eigenvalues, table->at(b).bits);
+    };
     for (int round = 0; round < 24; ++round) {
-      const double r = ratio_of(fit_at(budget));
+      const double r = ratio_of(fit_in_table(budget));
       const double bits = 16.0 * dim / r;  // payload bits per token
       if (r >= target_ratio) {
         lo = std::max(lo, budget);
@@ -385,7 +409,7 @@ kvtc::HeadParams fit_measured(const MeasuredTables& t, const linalg::PcaBasis& p
       budget = next;
     }
     if (best_budget < 0) best_budget = lo;
-    kvtc::HeadParams p = fit_at(best_budget);
+    kvtc::HeadParams p = fit_in_table(best_budget);
     if (achieved_ratio) *achieved_ratio = ratio_of(p);
     return p;
   }

@@ -179,6 +179,47 @@ TEST(AllocMeasured, MatchesModelDpWhenRatesAreNominal) {
   }
 }
 
+// One table for the largest budget answers every smaller one exactly as a
+// DP for that budget alone: bits, rate and distortion, ties included.
+TEST(AllocMeasured, OneTableGivesEveryBudgetsAllocation) {
+  std::mt19937 rng(91);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const std::vector<int> choices = {0, 1, 2, 3, 4, 6, 8};
+  for (int trial = 0; trial < 20; ++trial) {
+    const int n = 3 + 7 * trial;
+    std::vector<std::vector<double>> rate(n), dist(n);
+    for (int i = 0; i < n; ++i) {
+      const double var = std::pow(10.0, 6 * u(rng) - 3);
+      for (int b : choices) {
+        // Ties on every 4th trial (nominal rates, power-of-two distortions).
+        const bool tie = trial % 4 == 0;
+        rate[i].push_back(b == 0 ? (tie ? 0.0 : 0.01 * u(rng)) : (tie ? b : b * (0.4 + 0.6 * u(rng))));
+        dist[i].push_back(tie ? std::ldexp(1.0, -b) : var * std::pow(3.5, -b) * (0.8 + 0.4 * u(rng)));
+      }
+    }
+    const double max_budget = (0.5 + 3.0 * u(rng)) * n;
+    const MeasuredAllocator table(rate, dist, choices, max_budget);
+    for (int k = 0; k <= 12; ++k) {
+      const double budget = max_budget * k / 12.0;
+      AllocationResult alone;
+      try {
+        alone = allocate_bits_measured(rate, dist, choices, budget);
+      } catch (const Error&) {
+        EXPECT_THROW(table.at(budget), Error) << trial << " " << k;  // below the cheapest, both ways
+        continue;
+      }
+      const AllocationResult walked = table.at(budget);
+      ASSERT_EQ(walked.bits, alone.bits) << trial << " " << k;
+      EXPECT_EQ(walked.rate, alone.rate);
+      EXPECT_EQ(walked.distortion, alone.distortion);
+    }
+    // Past the table's budget or not a budget: refused, naming the limit.
+    EXPECT_THROW(table.at(max_budget * 1.01 + 0.1), Error);
+    EXPECT_THROW(table.at(std::nan("")), Error);
+    EXPECT_THROW(table.at(-1.0), Error);
+  }
+}
+
 TEST(AllocMeasured, Errors) {
   std::vector<std::vector<double>> rate = {{0.0, 1.0}}, dist = {{1.0, 0.5}};
   EXPECT_THROW(allocate_bits_measured({}, {}, {0, 1}, 1.0), Error);
