@@ -34,7 +34,10 @@ stage "release build and tests"
 # stay out of the batches): each header parsed once per batch of 8 files.
 # Measured without ccache: test_cache's 10 batched test files under TSan
 # 79.6 s CPU one by one, 40.6 s in two batches.
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVCODEC_TEST_MODULES="server;model" -DCMAKE_UNITY_BUILD=ON >/dev/null
+# Test code at -O1 (KVCODEC_TEST_CXX_FLAGS, CMakeLists.txt): what the time
+# bounds measure is the library and server, built at -O3 as shipped.
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVCODEC_TEST_MODULES="server;model" -DCMAKE_UNITY_BUILD=ON \
+  -DKVCODEC_TEST_CXX_FLAGS=-O1 >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
@@ -67,8 +70,11 @@ root=$PWD
 stage "sanitizer build (clang, ASan+UBSan; also the libFuzzer targets) and tests"
 # One instrumented build serves both the test suite and the fuzz run (a
 # second library build would cost CI ~8 minutes on 2 cores): the libraries
-# and tests are compiled with -fsanitize=fuzzer-no-link,address,undefined,
-# only the fuzz executables link libFuzzer's main.
+# are compiled with -fsanitize=fuzzer-no-link,address,undefined, the tests
+# without the fuzzer's coverage instrumentation (cmake/KvcodecModule.cmake),
+# only the fuzz executables link libFuzzer's main. Test code stays at -O1
+# here: at -O0 test_entropy and test_kvtc compiled in 40 s instead of 78 s
+# of CPU but ran 33 s longer, twice over with the SIMD-off pass below.
 san=build-san
 cmake -S . -B "$san" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DKVCODEC_FUZZ=ON -DKVCODEC_TESTS=ON -DKVCODEC_BENCH=OFF -DCMAKE_UNITY_BUILD=ON \
@@ -81,8 +87,10 @@ cmake --build "$san" -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir "$san" --output-on-failure -j"$jobs" -LE slow
 # The plain paths of the dispatched kernels under the sanitizers too.
+# Not Codec.RateTargetHoldsOnTheDecodedFitTokens (39 s here): a fit's
+# result, the same on both paths since their bits are (Codec.AvxAndPlain*).
 KVCODEC_SIMD=off ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir "$san" --output-on-failure -j"$jobs" -L '^(entropy|kvtc)$'
+  ctest --test-dir "$san" --output-on-failure -j"$jobs" -L '^(entropy|kvtc)$' -E 'RateTargetHolds'
 KVCODEC_SIMD=off ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir "$san" --output-on-failure -j"$jobs" -L '^cache$' -R 'Golden|FuzzSeeds|SimdBytes|KvtcBitChoices'
 
@@ -97,9 +105,11 @@ stage "ThreadSanitizer build (clang, -O1) of the server and cache tests"
 # is checked: the server's HTTP, model and store threads, concurrent cache
 # reads, the OpenMP teams named below).
 tsan=build-tsan
+# Test code at -O0: the few tests run here spend their time in the
+# server's and caches' threads (-O1), not in test code.
 cmake -S . -B "$tsan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DKVCODEC_TSAN=ON -DKVCODEC_TESTS=ON -DKVCODEC_BENCH=OFF -DCMAKE_UNITY_BUILD=ON \
-  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" >/dev/null
+  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" -DKVCODEC_TEST_CXX_FLAGS=-O0 >/dev/null
 cmake --build "$tsan" -j"$jobs" --target test_server test_cache
 export OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
 # The suites where threads or processes meet (HTTP and model threads, the
