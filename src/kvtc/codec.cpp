@@ -372,16 +372,59 @@ inline double round_even(double v) {
   constexpr double kShift = 0x1.8p52;
   return (v + kShift) - kShift;  // not reassociated: no -ffast-math here
 }
+// round_even where the caller knows |v| < 2^51 (and v is not NaN): the
+// addition alone, branch-free, so the weight loops vectorise (a cache
+// opening its heads per call builds these weights on every fetch).
+template <bool kPlain>
+inline double round_weight(double v) {
+  if constexpr (kPlain) return round_even(v);
+  constexpr double kShift = 0x1.8p52;
+  return (v + kShift) - kShift;
+}
+
+// What the kernels' conditions ask of the mean's and the basis's values,
+// found in one pass of bit tests without an early exit (the loop
+// vectorises): none is NaN or infinite; every nonzero magnitude is >= 2^-40
+// (HeadKernels::recon_skip_zeros); none is -0.
+struct ValueScan {
+  bool finite = true, no_tiny = true, no_negative_zero = true;
+};
+ValueScan scan_values(const std::vector<float>& v) {
+  constexpr uint32_t kInf = 0x7f800000u, kTiny = std::bit_cast<uint32_t>(0x1p-40f);
+  uint32_t nonfinite = 0, tiny = 0, negative_zero = 0;
+  for (const float x : v) {
+    const uint32_t bits = std::bit_cast<uint32_t>(x), mag = bits & 0x7fffffffu;
+    nonfinite |= uint32_t(mag >= kInf);
+    tiny |= uint32_t(mag != 0) & uint32_t(mag < kTiny);
+    negative_zero |= uint32_t(bits == 0x80000000u);
+  }
+  return {nonfinite == 0, tiny == 0, negative_zero == 0};
+}
+// The same by the plain loops (HeadKernels::build_reference).
+ValueScan scan_values_plain(const std::vector<float>& v) {
+  ValueScan out;
+  const float tiny = std::ldexp(1.0f, -40);
+  for (float x : v) {
+    out.finite &= std::isfinite(x);
+    out.no_tiny &= !std::isfinite(x) || x == 0.0f || std::fabs(x) >= tiny;
+    out.no_negative_zero &= !(x == 0.0f && std::signbit(x));
+  }
+  return out;
+}
 
 // Index of W[k][d] in HeadKernels::recon_w ([ceil(D/8)][Kp/2][8][2]).
 inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
 
 // The integer reconstruction's tables (HeadKernels::recon_int); false, with
 // the tables cleared, when some level count or value does not allow them.
-bool build_recon_int(const HeadParams& p, HeadKernels& out) {
+// values_finite: the mean and the basis hold no NaN or infinity
+// (scan_values). kPlain: the plain rounding (the reference).
+template <bool kPlain>
+bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) {
   out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   if (K == 0 || D == 0 || p.mean.size() != D || p.basis.size() != K * D || p.quant.size() != K) return false;
+  if (!values_finite) return false;
   std::vector<double> cmax(K);  // the largest |c| = |2 code - zero2| of a valid code
   std::vector<int16_t> zero2(K);
   for (size_t k = 0; k < K; ++k) {
@@ -393,21 +436,20 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out) {
     zero2[k] = int16_t(z2);
     cmax[k] = double(m);
   }
-  for (float v : p.mean)
-    if (!std::isfinite(v)) return false;
-  for (float v : p.basis)
-    if (!std::isfinite(v)) return false;
   const size_t kp2 = (K + 1) / 2;
   std::vector<float> scale(D, 0.0f);
   std::vector<int16_t> w(((D + 7) / 8) * kp2 * 16, 0);
   // Row by row (k outer, d inner: contiguous loops the compiler vectorises;
   // a cache opens these per call), every column's sums still taken in
-  // ascending k, so each value is the column-by-column loop's.
-  std::vector<double> exact(K * D), amax(D, 0.0), sum(D, 0.0), unit_of(D), bound(D, 0.0);
+  // ascending k, so each value is the column-by-column loop's. The exact
+  // weight step * basis / 2 is computed again where it is rounded (the same
+  // double) instead of held in a K x D array.
+  std::vector<double> work(4 * D, 0.0);
+  double *amax = work.data(), *sum = amax + D, *unit_of = sum + D, *bound = unit_of + D;
+  const auto exact = [&](size_t k, size_t d) { return double(p.quant[k].step) * double(p.basis[k * D + d]) / 2; };
   for (size_t k = 0; k < K; ++k)
     for (size_t d = 0; d < D; ++d) {
-      const double e = double(p.quant[k].step) * double(p.basis[k * D + d]) / 2;
-      exact[k * D + d] = e;
+      const double e = exact(k, d);
       amax[d] = std::max(amax[d], std::fabs(e));
       sum[d] += cmax[k] * std::fabs(e);
     }
@@ -423,15 +465,22 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out) {
     scale[d] = su;
     unit_of[d] = double(su);
   }
-  bool fits = true;
-  for (size_t k = 0; k < K; ++k)
+  // |exact / unit| <= 32767 (su >= amax / 32767; a zero column divides 0
+  // by 1): round_weight's range, and int32's. A row's weights are rounded
+  // into row_w (no reduction but integer ors: the loop vectorises), then
+  // scattered to the madd layout.
+  uint32_t outside = 0;
+  std::vector<int16_t> row_w(D);
+  for (size_t k = 0; k < K; ++k) {
     for (size_t d = 0; d < D; ++d) {
-      const double r = round_even(exact[k * D + d] / unit_of[d]);
-      fits &= std::fabs(r) <= 32767;  // not failed: su >= amax / 32767
-      w[recon_w_index(k, d, kp2)] = int16_t(r);
+      const double r = round_weight<kPlain>(exact(k, d) / unit_of[d]);
+      outside |= uint32_t(!(std::fabs(r) <= 32767));
+      row_w[d] = int16_t(int32_t(r));
       bound[d] += cmax[k] * std::fabs(r);
     }
-  if (!fits) return false;
+    for (size_t d = 0; d < D; ++d) w[recon_w_index(k, d, kp2)] = row_w[d];
+  }
+  if (outside) return false;  // not reached: su >= amax / 32767
   for (size_t d = 0; d < D; ++d)
     if (bound[d] > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
   out.recon_zero2 = std::move(zero2), out.recon_scale = std::move(scale), out.recon_w = std::move(w);
@@ -443,17 +492,20 @@ inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * d
 
 // The integer projection's tables (HeadKernels::proj_int); false, with the
 // tables cleared, when the basis or a quantizer does not allow them.
-bool build_proj_int(const HeadParams& p, HeadKernels& out) {
+// basis_finite: the basis holds no NaN or infinity (scan_values). kPlain:
+// the plain rounding (the reference).
+template <bool kPlain>
+bool build_proj_int(const HeadParams& p, HeadKernels& out, bool basis_finite) {
   out.proj_w.clear(), out.proj_qscale.clear();
   out.proj_unit = out.proj_scale = out.proj_max_abs = out.proj_max_sq = 0.0f;
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   if (K == 0 || D == 0 || p.basis.size() != K * D || p.quant.size() != K) return false;
+  if (!basis_finite) return false;
   double bmax = 0, nmax = 0, range_sq = 0;
   for (size_t k = 0; k < K; ++k) {
     double ss = 0;
     for (size_t d = 0; d < D; ++d) {
       const double b = p.basis[k * D + d];
-      if (!std::isfinite(b)) return false;
       bmax = std::max(bmax, std::fabs(b));
       ss += b * b;
     }
@@ -475,17 +527,26 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out) {
   if (!std::isnormal(fu)) return false;
   const size_t dp2 = (D + 1) / 2, K8 = round_up8(K);
   std::vector<int16_t> w(K8 / 8 * dp2 * 16, 0);
+  // |basis * fu| <= 32767 (fu <= 32767 / bmax): round_weight's range, and
+  // int32's. A row's weights go through row_r (rounding vectorised; the
+  // squares summed in order d, as one chain per row) and row_w.
   double wn = 0;
+  uint32_t outside = 0;
+  std::vector<double> row_r(D);
+  std::vector<int16_t> row_w(D);
   for (size_t k = 0; k < K; ++k) {
-    double ss = 0;
     for (size_t d = 0; d < D; ++d) {
-      const double r = round_even(double(p.basis[k * D + d]) * double(fu));
-      if (std::fabs(r) > 32767) return false;  // not reached: fu <= 32767 / bmax
-      w[proj_w_index(k, d, dp2)] = int16_t(r);
-      ss += r * r;
+      const double r = round_weight<kPlain>(double(p.basis[k * D + d]) * double(fu));
+      outside |= uint32_t(!(std::fabs(r) <= 32767));
+      row_r[d] = r;
+      row_w[d] = int16_t(int32_t(r));
     }
+    double ss = 0;
+    for (size_t d = 0; d < D; ++d) ss += row_r[d] * row_r[d];
+    for (size_t d = 0; d < D; ++d) w[proj_w_index(k, d, dp2)] = row_w[d];
     wn = std::max(wn, std::sqrt(ss));
   }
+  if (outside) return false;  // not reached: fu <= 32767 / bmax
   // ||x||_2 <= x_norm keeps ||x|| * max ||W|| < 2^31; the rows' scaled
   // norms stay below it less the rounding of x (sqrt(D) / 2).
   const double x_norm = 2147483647.0 / (wn * (1 + 1e-9) + 1) - std::sqrt(double(D)) / 2 - 1;
@@ -507,17 +568,19 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out) {
   return true;
 }
 
-}  // namespace
-
-std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, KernelSet which) {
+// HeadKernels::build (kPlain false) and build_reference (true).
+template <bool kPlain>
+std::shared_ptr<const HeadKernels> build_kernels(const HeadParams& p, KernelSet which) {
   auto built = std::make_shared<HeadKernels>();
   HeadKernels& out = *built;
   out.set = which;
   const bool decoding = uint8_t(which) & uint8_t(KernelSet::kDecode);
   const bool encoding = uint8_t(which) & uint8_t(KernelSet::kEncode);
-  out.recon_int = decoding && build_recon_int(p, out);
+  const auto scan = [](const std::vector<float>& v) { return kPlain ? scan_values_plain(v) : scan_values(v); };
+  const ValueScan mean = scan(p.mean), basis = scan(p.basis);
+  out.recon_int = decoding && build_recon_int<kPlain>(p, out, mean.finite && basis.finite);
   if (!out.recon_int) out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
-  out.proj_int = encoding && build_proj_int(p, out);
+  out.proj_int = encoding && build_proj_int<kPlain>(p, out, basis.finite);
   if (!out.proj_int) out.proj_w.clear(), out.proj_qscale.clear();
   if (encoding) {
     out.rans_encode.reserve(p.rans_tables.size());  // held at exact size
@@ -530,15 +593,14 @@ std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, Kerne
   // finite with no nonzero value below 2^-40 in magnitude; steps >= 2^-39
   // (so a nonzero coefficient, |code - offset| >= 1/2 steps, is >= 2^-40).
   out.recon_skip_zeros = p.mean.size() == size_t(p.dim) && p.basis.size() == size_t(p.n_kept()) * size_t(p.dim) &&
-                         p.quant.size() == size_t(p.n_kept());
+                         p.quant.size() == size_t(p.n_kept()) && mean.finite && mean.no_negative_zero &&
+                         basis.finite && basis.no_tiny;
   const float tiny = std::ldexp(1.0f, -40);
-  for (float m : p.mean) out.recon_skip_zeros &= std::isfinite(m) && !(m == 0.0f && std::signbit(m));
-  for (float b : p.basis) out.recon_skip_zeros &= std::isfinite(b) && (b == 0.0f || std::fabs(b) >= tiny);
   for (const ComponentQuantizer& q : p.quant) out.recon_skip_zeros &= std::isfinite(q.step) && q.step >= 2.0f * tiny;
   if (!out.rans_decode.empty()) {
     std::vector<const entropy::RansDecodeTable*> tables;
     for (const auto& t : out.rans_decode) tables.push_back(&t);
-    out.rans_groups = entropy::rans_group_tables(tables);
+    out.rans_groups = kPlain ? entropy::rans_group_tables_reference(tables) : entropy::rans_group_tables(tables);
     // The columns the scalar lanes decode throughout get their lookup
     // table: all of them when the group decoder does not apply, else the
     // small alphabets of its scalar groups (a group holding an alphabet it
@@ -562,6 +624,16 @@ std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, Kerne
         out.rans_decode[k] = entropy::RansDecodeTable(p.rans_tables[k], entropy::RansLookup::kScalar);
   }
   return built;
+}
+
+}  // namespace
+
+std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, KernelSet which) {
+  return build_kernels<false>(p, which);
+}
+
+std::shared_ptr<const HeadKernels> HeadKernels::build_reference(const HeadParams& p, KernelSet which) {
+  return build_kernels<true>(p, which);
 }
 
 uint64_t HeadParams::params_held_bytes() const {

@@ -144,6 +144,10 @@ struct HeadKernels {
 
   // Builds `which` from p (kNone: none, the plain paths).
   static std::shared_ptr<const HeadKernels> build(const HeadParams& p, KernelSet which);
+  // The same kernels by plain loops (value checks one by one, the rounding
+  // with its range test, the window search's reference): what build's
+  // branch-free loops are tested against, field by field.
+  static std::shared_ptr<const HeadKernels> build_reference(const HeadParams& p, KernelSet which);
   // Heap bytes held (capacities), the object itself included.
   uint64_t held_bytes() const;
 
