@@ -18,6 +18,17 @@ void fill_cum(FrequencyTable& t) {
   for (uint32_t s = 0; s < t.alphabet_size; ++s) t.cum[s + 1] = t.cum[s] + t.freq[s];
 }
 
+// The table of frequencies already known valid (each >= 1, summing to
+// 2^scale_bits, scale and alphabet in range).
+FrequencyTable valid_table(std::vector<uint32_t> freq, uint32_t scale_bits) {
+  FrequencyTable t;
+  t.alphabet_size = uint32_t(freq.size());
+  t.scale_bits = scale_bits;
+  t.freq = std::move(freq);
+  fill_cum(t);
+  return t;
+}
+
 // Change in cost (bits) of giving symbol with count c one more slot / one
 // fewer slot. Convex in f, which makes the greedy allocation optimal.
 double gain_up(uint64_t c, uint32_t f) { return c == 0 ? 0.0 : double(c) * std::log2(double(f + 1) / double(f)); }
@@ -70,12 +81,7 @@ FrequencyTable FrequencyTable::from_freqs(std::vector<uint32_t> freq, uint32_t s
   }
   if (sum != (uint64_t(1) << scale_bits))
     invalid("frequencies sum to " + std::to_string(sum) + ", expected " + std::to_string(1u << scale_bits));
-  FrequencyTable t;
-  t.alphabet_size = uint32_t(freq.size());
-  t.scale_bits = scale_bits;
-  t.freq = std::move(freq);
-  fill_cum(t);
-  return t;
+  return valid_table(std::move(freq), scale_bits);
 }
 
 FrequencyTable FrequencyTable::from_counts(const std::vector<uint64_t>& counts_in, uint32_t scale_bits,
@@ -239,7 +245,7 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
   std::vector<uint32_t> f(a, 0);
   if (a == 1) {
     f[0] = uint32_t(total);
-    return from_freqs(std::move(f), scale);
+    return valid_table(std::move(f), scale);
   }
   const uint32_t top = in.get(index_bits(a));
   if (top >= a) bad_format("largest-symbol index " + std::to_string(top) + " >= alphabet size " + std::to_string(a));
@@ -270,8 +276,11 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
       }
     }
   }
+  // Valid as parsed (every other frequency >= 1, theirs summing below the
+  // total: top's >= 1; scale 1..16, alphabet 1..limit): from_freqs' checks
+  // would only repeat them, on every kvtc head opening.
   f[top] = uint32_t(total - sum);
-  return from_freqs(std::move(f), scale);
+  return valid_table(std::move(f), scale);
 }
 
 double FrequencyTable::cost_bits(const std::vector<uint64_t>& counts) const {

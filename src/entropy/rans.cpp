@@ -677,8 +677,7 @@ RansEncodeTable::RansEncodeTable(const FrequencyTable& t) : alphabet_size(t.alph
       e.shift = 0;
       e.bias = t.cum[s] + M - 1;
     } else {
-      uint32_t l = 0;
-      while ((1u << l) < f) ++l;
+      const uint32_t l = uint32_t(std::bit_width(f - 1));  // ceil(log2 f)
       // ceil(2^(31 + l) / f) < 2^32 for f >= 2; x * rcp's error stays below
       // 2^(31 + l) for x < 2^31, so the quotient is exact.
       e.rcp = uint32_t(((uint64_t(1) << (31 + l)) + f - 1) / f);

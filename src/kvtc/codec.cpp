@@ -656,9 +656,9 @@ uint64_t HeadKernels::held_bytes() const {
   return n;
 }
 
-const HeadKernels& HeadParams::derived() const {
+const HeadKernels& HeadParams::no_kernels() {
   static const HeadKernels none;
-  return kernels ? *kernels : none;
+  return none;
 }
 
 // --- small dense products -----------------------------------------------------
@@ -1795,6 +1795,7 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet k
   if (p.basis_bits != 16 && p.basis_bits != 8) throw Error(ErrorCode::kFormat, "kvtc head params: bad basis_bits");
   const int K = in.u16();
   if (K > p.dim) throw Error(ErrorCode::kFormat, "kvtc head params: more kept components than dim");
+  p.kept.reserve(size_t(K));  // K <= dim < 2^16: sized once, not grown (a cache parses these per call)
   for (int k = 0; k < K; ++k) {
     const uint16_t idx = in.u16();
     if (idx >= p.dim || (k > 0 && idx <= p.kept.back()))
@@ -1820,6 +1821,7 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet k
     p.row_scale.push_back(scale);
     for (int d = 0; d < p.dim; ++d) row[d] = float(int8_t(in.u8())) * scale;
   }
+  p.quant.reserve(size_t(K)), p.fixed_widths.reserve(size_t(K)), p.bits.reserve(size_t(K));
   for (int k = 0; k < K; ++k) {
     ComponentQuantizer q;
     q.step = in.f32();
@@ -1836,6 +1838,8 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet k
   const uint32_t blob_size = in.u32();
   const uint8_t* blob = in.bytes(blob_size).data();
   entropy::BitReader tables(blob, blob_size);
+  if (p.coder == CoderChoice::kRans) p.rans_tables.reserve(size_t(K));
+  if (p.coder == CoderChoice::kHuffman) p.huffman_tables.reserve(size_t(K));
   if (p.coder == CoderChoice::kRans)
     for (int k = 0; k < K; ++k) p.rans_tables.push_back(entropy::FrequencyTable::deserialize(tables, p.quant[size_t(k)].levels));
   if (p.coder == CoderChoice::kHuffman)
