@@ -286,10 +286,9 @@ uint32_t best_window(const DecCol* c, uint32_t g_rows, bool fast) {
   return best_w;
 }
 
-void choose_window(const DecCol* c, SimdGroup& g, std::vector<int32_t>& rows, bool fast) {
+// Group g's window of best_w rows (best_window; 0: none), its rows appended.
+void add_window(const DecCol* c, SimdGroup& g, std::vector<int32_t>& rows, uint32_t best_w) {
   g.windowed = false;
-  if (g.rows < 6) return;
-  const uint32_t best_w = best_window(c, g.rows, fast);
   if (best_w == 0) return;
   g.windowed = true;
   g.wrows = best_w;
@@ -323,7 +322,26 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
     if (!too_big(ext[k])) packed &= ext[k].scale <= kPackedMaxScale && ext[k].last <= kPackedMaxRows;
   any_scalar = false;
   bool any_vector = false;
+  // Sized once: the groups' rows and their windows' (the window lengths
+  // chosen first), so the tables are neither regrown nor copied by
+  // shrink_to_fit (a cache opening its heads per call builds them per call).
+  std::vector<uint32_t> window_rows;
+  size_t n_rows = 0;
   size_t k0 = 0;
+  do {
+    bool scalar = false;
+    uint32_t amax = 1;
+    for (size_t j = 0; j < kRansLanes; ++j) {
+      scalar |= too_big(ext[k0 + j]);
+      amax = std::max(amax, ext[k0 + j].last + 1);
+    }
+    const uint32_t w = !scalar && windows && packed && amax - 1 >= 6 ? best_window(ext + k0, amax - 1, fast_windows) : 0;
+    window_rows.push_back(w);
+    n_rows += scalar ? 0 : size_t(amax - 1 + w) * kRansLanes;
+    k0 = (k0 + kRansLanes) % n_active;
+  } while (k0 != 0);
+  groups.reserve(window_rows.size());
+  rows.reserve(n_rows);
   do {
     group_at[k0] = uint32_t(groups.size());
     SimdGroup& g = groups.emplace_back();
@@ -361,13 +379,9 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
     }
     k0 = (k0 + kRansLanes) % n_active;
   } while (k0 != 0);
-  if (windows && packed) {
-    k0 = 0;
-    do {
-      SimdGroup& g = groups[group_at[k0]];
-      if (g.rows > 0 && !g.scalar) choose_window(ext + k0, g, rows, fast_windows);
-      k0 = (k0 + kRansLanes) % n_active;
-    } while (k0 != 0);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const size_t start = i * kRansLanes % n_active;  // groups are in visiting order
+    if (!groups[i].scalar) add_window(ext + start, groups[i], rows, window_rows[i]);
   }
   return any_vector;
 }
