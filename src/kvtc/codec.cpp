@@ -417,6 +417,30 @@ inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * 
 
 // The integer reconstruction's tables (HeadKernels::recon_int); false, with
 // the tables cleared, when some level count or value does not allow them.
+// Whether some weight of a row lies outside int16's symmetric range
+// (integer compares only: the loop vectorises).
+uint32_t outside_int16(const int32_t* w, size_t n) {
+  uint32_t outside = 0;
+  for (size_t i = 0; i < n; ++i) outside |= uint32_t(w[i] > 32767) | uint32_t(w[i] < -32767);
+  return outside;
+}
+
+// One row k of the integer reconstruction's weights (build_recon_int):
+// w[d] = round(step * basis[d] / 2 / unit[d]) into row_w, bound[d] +=
+// cmax * |w[d]|. Apart, with restrict pointers and the range check after
+// the loop (a flag from double compares keeps GCC from vectorising it),
+// so that it vectorises. The callers' units keep |w| <= 32767, far inside
+// int32.
+template <bool kPlain>
+void round_recon_row(const float* __restrict basis, double step, double cmax, const double* __restrict unit,
+                     size_t D, int32_t* __restrict row_w, double* __restrict bound) {
+  for (size_t d = 0; d < D; ++d) {
+    const double r = round_weight<kPlain>(step * double(basis[d]) / 2 / unit[d]);
+    row_w[d] = int32_t(r);
+    bound[d] += cmax * std::fabs(r);
+  }
+}
+
 // values_finite: the mean and the basis hold no NaN or infinity
 // (scan_values). kPlain: the plain rounding (the reference).
 template <bool kPlain>
@@ -467,18 +491,13 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) 
   }
   // |exact / unit| <= 32767 (su >= amax / 32767; a zero column divides 0
   // by 1): round_weight's range, and int32's. A row's weights are rounded
-  // into row_w (no reduction but integer ors: the loop vectorises), then
-  // scattered to the madd layout.
+  // into row_w, then scattered to the madd layout.
   uint32_t outside = 0;
-  std::vector<int16_t> row_w(D);
+  std::vector<int32_t> row_w(D);
   for (size_t k = 0; k < K; ++k) {
-    for (size_t d = 0; d < D; ++d) {
-      const double r = round_weight<kPlain>(exact(k, d) / unit_of[d]);
-      outside |= uint32_t(!(std::fabs(r) <= 32767));
-      row_w[d] = int16_t(int32_t(r));
-      bound[d] += cmax[k] * std::fabs(r);
-    }
-    for (size_t d = 0; d < D; ++d) w[recon_w_index(k, d, kp2)] = row_w[d];
+    round_recon_row<kPlain>(p.basis.data() + k * D, double(p.quant[k].step), cmax[k], unit_of, D, row_w.data(), bound);
+    outside |= outside_int16(row_w.data(), D);
+    for (size_t d = 0; d < D; ++d) w[recon_w_index(k, d, kp2)] = int16_t(row_w[d]);
   }
   if (outside) return false;  // not reached: su >= amax / 32767
   for (size_t d = 0; d < D; ++d)
@@ -492,6 +511,14 @@ inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * d
 
 // The integer projection's tables (HeadKernels::proj_int); false, with the
 // tables cleared, when the basis or a quantizer does not allow them.
+// One row of the integer projection's weights (build_proj_int): w[d] =
+// round(basis[d] * unit), |w| <= 32767 by the caller's unit; apart so
+// that the loop vectorises (as round_recon_row).
+template <bool kPlain>
+void round_proj_row(const float* __restrict basis, double unit, size_t D, int32_t* __restrict row_w) {
+  for (size_t d = 0; d < D; ++d) row_w[d] = int32_t(round_weight<kPlain>(double(basis[d]) * unit));
+}
+
 // basis_finite: the basis holds no NaN or infinity (scan_values). kPlain:
 // the plain rounding (the reference).
 template <bool kPlain>
@@ -528,22 +555,17 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out, bool basis_finite) {
   const size_t dp2 = (D + 1) / 2, K8 = round_up8(K);
   std::vector<int16_t> w(K8 / 8 * dp2 * 16, 0);
   // |basis * fu| <= 32767 (fu <= 32767 / bmax): round_weight's range, and
-  // int32's. A row's weights go through row_r (rounding vectorised; the
-  // squares summed in order d, as one chain per row) and row_w.
+  // int32's. A row's weights are rounded into row_w (their squares then
+  // summed in order d, exact integers as doubles), then scattered.
   double wn = 0;
   uint32_t outside = 0;
-  std::vector<double> row_r(D);
-  std::vector<int16_t> row_w(D);
+  std::vector<int32_t> row_w(D);
   for (size_t k = 0; k < K; ++k) {
-    for (size_t d = 0; d < D; ++d) {
-      const double r = round_weight<kPlain>(double(p.basis[k * D + d]) * double(fu));
-      outside |= uint32_t(!(std::fabs(r) <= 32767));
-      row_r[d] = r;
-      row_w[d] = int16_t(int32_t(r));
-    }
+    round_proj_row<kPlain>(p.basis.data() + k * D, double(fu), D, row_w.data());
+    outside |= outside_int16(row_w.data(), D);
     double ss = 0;
-    for (size_t d = 0; d < D; ++d) ss += row_r[d] * row_r[d];
-    for (size_t d = 0; d < D; ++d) w[proj_w_index(k, d, dp2)] = row_w[d];
+    for (size_t d = 0; d < D; ++d) ss += double(row_w[d]) * double(row_w[d]);
+    for (size_t d = 0; d < D; ++d) w[proj_w_index(k, d, dp2)] = int16_t(row_w[d]);
     wn = std::max(wn, std::sqrt(ss));
   }
   if (outside) return false;  // not reached: fu <= 32767 / bmax
