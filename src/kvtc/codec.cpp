@@ -425,6 +425,21 @@ uint32_t outside_int16(const int32_t* w, size_t n) {
   return outside;
 }
 
+// Row k of the reconstruction's weights into recon_w's layout: 8 columns
+// at a time (stride 2 within a block of 16), or by recon_w_index (kPlain).
+template <bool kPlain>
+void scatter_recon_row(const int32_t* row, size_t k, size_t D, size_t kp2, int16_t* w) {
+  if constexpr (kPlain) {
+    for (size_t d = 0; d < D; ++d) w[recon_w_index(k, d, kp2)] = int16_t(row[d]);
+  } else {
+    for (size_t d0 = 0; d0 < D; d0 += 8) {
+      int16_t* dst = w + recon_w_index(k, d0, kp2);
+      const size_t n = std::min<size_t>(8, D - d0);
+      for (size_t i = 0; i < n; ++i) dst[2 * i] = int16_t(row[d0 + i]);
+    }
+  }
+}
+
 // One row k of the integer reconstruction's weights (build_recon_int):
 // w[d] = round(step * basis[d] / 2 / unit[d]) into row_w, bound[d] +=
 // cmax * |w[d]|. Apart, with restrict pointers and the range check after
@@ -497,7 +512,7 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) 
   for (size_t k = 0; k < K; ++k) {
     round_recon_row<kPlain>(p.basis.data() + k * D, double(p.quant[k].step), cmax[k], unit_of, D, row_w.data(), bound);
     outside |= outside_int16(row_w.data(), D);
-    for (size_t d = 0; d < D; ++d) w[recon_w_index(k, d, kp2)] = int16_t(row_w[d]);
+    scatter_recon_row<kPlain>(row_w.data(), k, D, kp2, w.data());
   }
   if (outside) return false;  // not reached: su >= amax / 32767
   for (size_t d = 0; d < D; ++d)
@@ -511,6 +526,18 @@ inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * d
 
 // The integer projection's tables (HeadKernels::proj_int); false, with the
 // tables cleared, when the basis or a quantizer does not allow them.
+// Row k of the projection's weights into proj_w's layout: pairs of
+// columns 16 apart, or by proj_w_index (kPlain).
+template <bool kPlain>
+void scatter_proj_row(const int32_t* row, size_t k, size_t D, size_t dp2, int16_t* w) {
+  if constexpr (kPlain) {
+    for (size_t d = 0; d < D; ++d) w[proj_w_index(k, d, dp2)] = int16_t(row[d]);
+  } else {
+    int16_t* dst = w + proj_w_index(k, 0, dp2);
+    for (size_t d = 0; d < D; ++d) dst[(d / 2) * 16 + d % 2] = int16_t(row[d]);
+  }
+}
+
 // One row of the integer projection's weights (build_proj_int): w[d] =
 // round(basis[d] * unit), |w| <= 32767 by the caller's unit; apart so
 // that the loop vectorises (as round_recon_row).
@@ -565,7 +592,7 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out, bool basis_finite) {
     outside |= outside_int16(row_w.data(), D);
     double ss = 0;
     for (size_t d = 0; d < D; ++d) ss += double(row_w[d]) * double(row_w[d]);
-    for (size_t d = 0; d < D; ++d) w[proj_w_index(k, d, dp2)] = int16_t(row_w[d]);
+    scatter_proj_row<kPlain>(row_w.data(), k, D, dp2, w.data());
     wn = std::max(wn, std::sqrt(ss));
   }
   if (outside) return false;  // not reached: fu <= 32767 / bmax
