@@ -12,6 +12,19 @@ namespace {
 
 [[noreturn]] void invalid(const std::string& what) { throw Error(ErrorCode::kInvalidArgument, "FrequencyTable: " + what); }
 [[noreturn]] void bad_format(const std::string& what) { throw Error(ErrorCode::kFormat, "frequency table: " + what); }
+// The parse loop's errors, out of line: their message building kept the
+// loop's per-symbol step from inlining (a kvtc cache parses every table of a
+// head on every call).
+[[noreturn, gnu::cold, gnu::noinline]] void bad_sum(uint64_t total, uint32_t s) {
+  bad_format("frequencies exceed the total " + std::to_string(total) + " at symbol " + std::to_string(s));
+}
+[[noreturn, gnu::cold, gnu::noinline]] void bad_exponent(uint32_t s, int e, uint32_t scale) {
+  bad_format("symbol " + std::to_string(s) + ": frequency exponent " + std::to_string(e) + " outside 1.." +
+             std::to_string(scale));
+}
+[[noreturn, gnu::cold, gnu::noinline]] void bad_run() {
+  bad_format("run of unit frequencies runs past the alphabet end");
+}
 
 void fill_cum(FrequencyTable& t) {
   t.cum.assign(t.alphabet_size + 1, 0);
@@ -254,14 +267,14 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
   // Slots left for the implied 'top' must stay >= 1 after each symbol.
   auto add = [&](uint32_t s, uint64_t v) {
     sum += v;
-    if (sum >= total) bad_format("frequencies exceed the total " + std::to_string(total) + " at symbol " + std::to_string(s));
+    if (sum >= total) [[unlikely]] bad_sum(total, s);
     f[s] = uint32_t(v);
   };
   int prev_e = 1;
   for (uint32_t s = 0; s < a; ++s) {
     if (s == top) continue;
     const int e = prev_e + unzigzag(in.get_gamma(6) - 1);
-    if (e < 1 || e > int(scale)) bad_format("symbol " + std::to_string(s) + ": frequency exponent " + std::to_string(e) + " outside 1.." + std::to_string(scale));
+    if (e < 1 || e > int(scale)) [[unlikely]] bad_exponent(s, e, scale);
     prev_e = e;
     const unsigned m = std::min<unsigned>(unsigned(e) - 1, precision - 1);
     const uint32_t mant = in.get(m);
@@ -269,7 +282,7 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
     if (e == 1) {
       const uint64_t run = in.get_gamma(17) - 1;
       for (uint64_t done = 0; done < run;) {
-        if (++s >= a) bad_format("run of unit frequencies runs past the alphabet end");
+        if (++s >= a) [[unlikely]] bad_run();
         if (s == top) continue;
         add(s, 1);
         ++done;
