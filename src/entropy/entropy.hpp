@@ -288,6 +288,9 @@ struct RansGroupTables {
   uint64_t held_bytes() const;  // heap bytes (capacity)
 };
 RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tables);
+// The same tables with the window lengths chosen by plain loops over the
+// frequencies (the reference the branch-free search is tested against).
+RansGroupTables rans_group_tables_reference(const std::vector<const RansDecodeTable*>& tables);
 
 // Codes the non-skipped columns of symbols[n_rows x n_cols] (token-major).
 // tables.size() == n_cols; nullptr skips a column. Output: the final states

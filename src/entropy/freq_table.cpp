@@ -12,10 +12,34 @@ namespace {
 
 [[noreturn]] void invalid(const std::string& what) { throw Error(ErrorCode::kInvalidArgument, "FrequencyTable: " + what); }
 [[noreturn]] void bad_format(const std::string& what) { throw Error(ErrorCode::kFormat, "frequency table: " + what); }
+// The parse loop's errors, out of line: their message building kept the
+// loop's per-symbol step from inlining (a kvtc cache parses every table of a
+// head on every call).
+[[noreturn, gnu::cold, gnu::noinline]] void bad_sum(uint64_t total, uint32_t s) {
+  bad_format("frequencies exceed the total " + std::to_string(total) + " at symbol " + std::to_string(s));
+}
+[[noreturn, gnu::cold, gnu::noinline]] void bad_exponent(uint32_t s, int e, uint32_t scale) {
+  bad_format("symbol " + std::to_string(s) + ": frequency exponent " + std::to_string(e) + " outside 1.." +
+             std::to_string(scale));
+}
+[[noreturn, gnu::cold, gnu::noinline]] void bad_run() {
+  bad_format("run of unit frequencies runs past the alphabet end");
+}
 
 void fill_cum(FrequencyTable& t) {
   t.cum.assign(t.alphabet_size + 1, 0);
   for (uint32_t s = 0; s < t.alphabet_size; ++s) t.cum[s + 1] = t.cum[s] + t.freq[s];
+}
+
+// The table of frequencies already known valid (each >= 1, summing to
+// 2^scale_bits, scale and alphabet in range).
+FrequencyTable valid_table(std::vector<uint32_t> freq, uint32_t scale_bits) {
+  FrequencyTable t;
+  t.alphabet_size = uint32_t(freq.size());
+  t.scale_bits = scale_bits;
+  t.freq = std::move(freq);
+  fill_cum(t);
+  return t;
 }
 
 // Change in cost (bits) of giving symbol with count c one more slot / one
@@ -70,12 +94,7 @@ FrequencyTable FrequencyTable::from_freqs(std::vector<uint32_t> freq, uint32_t s
   }
   if (sum != (uint64_t(1) << scale_bits))
     invalid("frequencies sum to " + std::to_string(sum) + ", expected " + std::to_string(1u << scale_bits));
-  FrequencyTable t;
-  t.alphabet_size = uint32_t(freq.size());
-  t.scale_bits = scale_bits;
-  t.freq = std::move(freq);
-  fill_cum(t);
-  return t;
+  return valid_table(std::move(freq), scale_bits);
 }
 
 FrequencyTable FrequencyTable::from_counts(const std::vector<uint64_t>& counts_in, uint32_t scale_bits,
@@ -239,7 +258,7 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
   std::vector<uint32_t> f(a, 0);
   if (a == 1) {
     f[0] = uint32_t(total);
-    return from_freqs(std::move(f), scale);
+    return valid_table(std::move(f), scale);
   }
   const uint32_t top = in.get(index_bits(a));
   if (top >= a) bad_format("largest-symbol index " + std::to_string(top) + " >= alphabet size " + std::to_string(a));
@@ -248,14 +267,14 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
   // Slots left for the implied 'top' must stay >= 1 after each symbol.
   auto add = [&](uint32_t s, uint64_t v) {
     sum += v;
-    if (sum >= total) bad_format("frequencies exceed the total " + std::to_string(total) + " at symbol " + std::to_string(s));
+    if (sum >= total) [[unlikely]] bad_sum(total, s);
     f[s] = uint32_t(v);
   };
   int prev_e = 1;
   for (uint32_t s = 0; s < a; ++s) {
     if (s == top) continue;
     const int e = prev_e + unzigzag(in.get_gamma(6) - 1);
-    if (e < 1 || e > int(scale)) bad_format("symbol " + std::to_string(s) + ": frequency exponent " + std::to_string(e) + " outside 1.." + std::to_string(scale));
+    if (e < 1 || e > int(scale)) [[unlikely]] bad_exponent(s, e, scale);
     prev_e = e;
     const unsigned m = std::min<unsigned>(unsigned(e) - 1, precision - 1);
     const uint32_t mant = in.get(m);
@@ -263,15 +282,18 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
     if (e == 1) {
       const uint64_t run = in.get_gamma(17) - 1;
       for (uint64_t done = 0; done < run;) {
-        if (++s >= a) bad_format("run of unit frequencies runs past the alphabet end");
+        if (++s >= a) [[unlikely]] bad_run();
         if (s == top) continue;
         add(s, 1);
         ++done;
       }
     }
   }
+  // Valid as parsed (every other frequency >= 1, theirs summing below the
+  // total: top's >= 1; scale 1..16, alphabet 1..limit): from_freqs' checks
+  // would only repeat them, on every kvtc head opening.
   f[top] = uint32_t(total - sum);
-  return from_freqs(std::move(f), scale);
+  return valid_table(std::move(f), scale);
 }
 
 double FrequencyTable::cost_bits(const std::vector<uint64_t>& counts) const {

@@ -221,33 +221,74 @@ inline int32_t packed_key(const DecCol& c, uint32_t s) {
 // frequency; the probabilities are the table's own.
 constexpr double kWindowCheckRows = 3.0;
 constexpr double kEscapeRows = 14.0;
-void choose_window(const DecCol* c, SimdGroup& g, std::vector<int32_t>& rows) {
-  g.windowed = false;
-  if (g.rows < 6) return;
-  const auto best_start = [&](const DecCol& col, uint32_t w, uint32_t& mass) {
-    // The largest sum of freq over symbols a .. a + w (clipped to the alphabet).
-    uint32_t sum = 0, best = 0, at = 0;
-    for (uint32_t s = 0; s <= std::min(w, col.last); ++s) sum += col.syms[s].freq;
-    best = sum;
-    for (uint32_t a = 1; a + w <= col.last; ++a) {
-      sum += col.syms[a + w].freq - col.syms[a - 1].freq;
-      if (sum > best) best = sum, at = a;
-    }
-    mass = best;
-    return at;
-  };
-  double best_cost = double(g.rows);
+
+// The start a and mass (sum of freq over a .. a + w, clipped to the
+// alphabet) of col's heaviest window of w + 1 symbols, the first of equal
+// mass: plain loops, the reference for best_window's fast masses.
+uint32_t best_start(const DecCol& col, uint32_t w, uint32_t& mass) {
+  uint32_t sum = 0, best = 0, at = 0;
+  for (uint32_t s = 0; s <= std::min(w, col.last); ++s) sum += col.syms[s].freq;
+  best = sum;
+  for (uint32_t a = 1; a + w <= col.last; ++a) {
+    sum += col.syms[a + w].freq - col.syms[a - 1].freq;
+    if (sum > best) best = sum, at = a;
+  }
+  mass = best;
+  return at;
+}
+
+// The window length W minimising the expected cost in rows (see above).
+// fast: every lane's best_start mass at once, from the lanes' cumulative
+// frequencies transposed, cum[s][j] = lane j's cum[s] up to s = last + 1
+// (the total; kept past it): one SSE2 subtract and max per start covers 8
+// lanes (a packed column's totals are <= 2^12: int16). A window past a
+// lane's alphabet then sums a tail (total - cum[a]), which its window ending
+// at the last symbol contains: the maxima are best_start's. Else
+// best_start's loops (the reference). ~10x fewer instructions, where a
+// cache opening its heads per call builds these tables on every fetch.
+uint32_t best_window(const DecCol* c, uint32_t g_rows, bool fast) {
+  alignas(16) int16_t cum[kPackedMaxRows + 2][kRansLanes];
+  uint32_t top = 0;  // the lanes' largest last symbol
+  for (size_t j = 0; j < kRansLanes && fast; ++j) {
+    fast = c[j].scale <= kPackedMaxScale && c[j].last <= kPackedMaxRows;  // always, in a packed group
+    top = std::max(top, c[j].last);
+  }
+  for (size_t j = 0; j < kRansLanes && fast; ++j) {
+    for (uint32_t s = 0; s <= c[j].last; ++s) cum[s][j] = int16_t(c[j].syms[s].cum);
+    for (uint32_t s = c[j].last + 1; s <= top + 1; ++s) cum[s][j] = int16_t(c[j].mask + 1);
+  }
+  double best_cost = double(g_rows);
   uint32_t best_w = 0;
   for (uint32_t w = 1; double(w) + kWindowCheckRows < best_cost; ++w) {
+    alignas(16) int16_t fast_mass[kRansLanes];
+    if (fast && w < top) {
+      __m128i m = _mm_setzero_si128();
+      for (uint32_t a = 0; a + w <= top; ++a)
+        m = _mm_max_epi16(m, _mm_sub_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(cum[a + w + 1])),
+                                           _mm_load_si128(reinterpret_cast<const __m128i*>(cum[a]))));
+      _mm_store_si128(reinterpret_cast<__m128i*>(fast_mass), m);
+    } else if (fast) {
+      for (size_t j = 0; j < kRansLanes; ++j) fast_mass[j] = cum[top + 1][j];  // w >= every last: the total
+    }
     double p_in = 1.0;
     for (size_t j = 0; j < kRansLanes; ++j) {
       uint32_t mass = 0;
-      best_start(c[j], w, mass);
+      if (fast) {
+        mass = uint32_t(fast_mass[j]);
+      } else {
+        best_start(c[j], w, mass);
+      }
       p_in *= double(mass) / double(c[j].mask + 1);
     }
-    const double cost = double(w) + kWindowCheckRows + (1.0 - p_in) * (kEscapeRows + double(g.rows));
+    const double cost = double(w) + kWindowCheckRows + (1.0 - p_in) * (kEscapeRows + double(g_rows));
     if (cost < best_cost) best_cost = cost, best_w = w;
   }
+  return best_w;
+}
+
+// Group g's window of best_w rows (best_window; 0: none), its rows appended.
+void add_window(const DecCol* c, SimdGroup& g, std::vector<int32_t>& rows, uint32_t best_w) {
+  g.windowed = false;
   if (best_w == 0) return;
   g.windowed = true;
   g.wrows = best_w;
@@ -266,7 +307,7 @@ void choose_window(const DecCol* c, SimdGroup& g, std::vector<int32_t>& rows) {
 
 bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup>& groups,
                        std::vector<uint32_t>& group_at, std::vector<int32_t>& rows, bool& packed, bool& any_scalar,
-                       bool windows = false) {
+                       bool windows = false, bool fast_windows = true) {
   // Only the starts k0 reachable from 0 get a group (n_active / gcd(n_active,
   // 8) of them: 8 for 64 columns), in visiting order; group_at maps k0 to it.
   groups.clear();
@@ -281,7 +322,26 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
     if (!too_big(ext[k])) packed &= ext[k].scale <= kPackedMaxScale && ext[k].last <= kPackedMaxRows;
   any_scalar = false;
   bool any_vector = false;
+  // Sized once: the groups' rows and their windows' (the window lengths
+  // chosen first), so the tables are neither regrown nor copied by
+  // shrink_to_fit (a cache opening its heads per call builds them per call).
+  std::vector<uint32_t> window_rows;
+  size_t n_rows = 0;
   size_t k0 = 0;
+  do {
+    bool scalar = false;
+    uint32_t amax = 1;
+    for (size_t j = 0; j < kRansLanes; ++j) {
+      scalar |= too_big(ext[k0 + j]);
+      amax = std::max(amax, ext[k0 + j].last + 1);
+    }
+    const uint32_t w = !scalar && windows && packed && amax - 1 >= 6 ? best_window(ext + k0, amax - 1, fast_windows) : 0;
+    window_rows.push_back(w);
+    n_rows += scalar ? 0 : size_t(amax - 1 + w) * kRansLanes;
+    k0 = (k0 + kRansLanes) % n_active;
+  } while (k0 != 0);
+  groups.reserve(window_rows.size());
+  rows.reserve(n_rows);
   do {
     group_at[k0] = uint32_t(groups.size());
     SimdGroup& g = groups.emplace_back();
@@ -319,13 +379,9 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
     }
     k0 = (k0 + kRansLanes) % n_active;
   } while (k0 != 0);
-  if (windows && packed) {
-    k0 = 0;
-    do {
-      SimdGroup& g = groups[group_at[k0]];
-      if (g.rows > 0 && !g.scalar) choose_window(ext + k0, g, rows);
-      k0 = (k0 + kRansLanes) % n_active;
-    } while (k0 != 0);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const size_t start = i * kRansLanes % n_active;  // groups are in visiting order
+    if (!groups[i].scalar) add_window(ext + start, groups[i], rows, window_rows[i]);
   }
   return any_vector;
 }
@@ -635,8 +691,7 @@ RansEncodeTable::RansEncodeTable(const FrequencyTable& t) : alphabet_size(t.alph
       e.shift = 0;
       e.bias = t.cum[s] + M - 1;
     } else {
-      uint32_t l = 0;
-      while ((1u << l) < f) ++l;
+      const uint32_t l = uint32_t(std::bit_width(f - 1));  // ceil(log2 f)
       // ceil(2^(31 + l) / f) < 2^32 for f >= 2; x * rcp's error stays below
       // 2^(31 + l) for x < 2^31, so the quotient is exact.
       e.rcp = uint32_t(((uint64_t(1) << (31 + l)) + f - 1) / f);
@@ -1417,7 +1472,9 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
   rans_decode_impl(data, size, n_rows, n_cols, tables, out, /*allow_simd=*/true, &groups);
 }
 
-RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tables) {
+namespace {
+
+RansGroupTables group_tables(const std::vector<const RansDecodeTable*>& tables, bool fast_windows) {
   RansGroupTables g;
 #ifdef KVCODEC_RANS_AVX2
   std::vector<uint32_t> cols;
@@ -1434,13 +1491,23 @@ RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tab
   // Not usable: group_at is still sized, so the decoder takes the scalar
   // lanes without rebuilding.
   g.usable = build_simd_groups(ext.data(), g.n_active, g.groups, g.group_at, g.rows, g.packed, g.any_scalar,
-                               /*windows=*/true);
+                               /*windows=*/true, fast_windows);
   g.groups.shrink_to_fit();  // held for the tables' lifetime: exact size
   g.rows.shrink_to_fit();
 #else
-  (void)tables;
+  (void)tables, (void)fast_windows;
 #endif
   return g;
+}
+
+}  // namespace
+
+RansGroupTables rans_group_tables(const std::vector<const RansDecodeTable*>& tables) {
+  return group_tables(tables, /*fast_windows=*/true);
+}
+
+RansGroupTables rans_group_tables_reference(const std::vector<const RansDecodeTable*>& tables) {
+  return group_tables(tables, /*fast_windows=*/false);
 }
 
 void rans_decode_portable(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,

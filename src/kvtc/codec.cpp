@@ -372,16 +372,98 @@ inline double round_even(double v) {
   constexpr double kShift = 0x1.8p52;
   return (v + kShift) - kShift;  // not reassociated: no -ffast-math here
 }
+// round_even where the caller knows |v| < 2^51 (and v is not NaN): the
+// addition alone, branch-free, so the weight loops vectorise (a cache
+// opening its heads per call builds these weights on every fetch).
+template <bool kPlain>
+inline double round_weight(double v) {
+  if constexpr (kPlain) return round_even(v);
+  constexpr double kShift = 0x1.8p52;
+  return (v + kShift) - kShift;
+}
+
+// What the kernels' conditions ask of the mean's and the basis's values,
+// found in one pass of bit tests without an early exit (the loop
+// vectorises): none is NaN or infinite; every nonzero magnitude is >= 2^-40
+// (HeadKernels::recon_skip_zeros); none is -0.
+struct ValueScan {
+  bool finite = true, no_tiny = true, no_negative_zero = true;
+};
+ValueScan scan_values(const std::vector<float>& v) {
+  constexpr uint32_t kInf = 0x7f800000u, kTiny = std::bit_cast<uint32_t>(0x1p-40f);
+  uint32_t nonfinite = 0, tiny = 0, negative_zero = 0;
+  for (const float x : v) {
+    const uint32_t bits = std::bit_cast<uint32_t>(x), mag = bits & 0x7fffffffu;
+    nonfinite |= uint32_t(mag >= kInf);
+    tiny |= uint32_t(mag != 0) & uint32_t(mag < kTiny);
+    negative_zero |= uint32_t(bits == 0x80000000u);
+  }
+  return {nonfinite == 0, tiny == 0, negative_zero == 0};
+}
+// The same by the plain loops (HeadKernels::build_reference).
+ValueScan scan_values_plain(const std::vector<float>& v) {
+  ValueScan out;
+  const float tiny = std::ldexp(1.0f, -40);
+  for (float x : v) {
+    out.finite &= std::isfinite(x);
+    out.no_tiny &= !std::isfinite(x) || x == 0.0f || std::fabs(x) >= tiny;
+    out.no_negative_zero &= !(x == 0.0f && std::signbit(x));
+  }
+  return out;
+}
 
 // Index of W[k][d] in HeadKernels::recon_w ([ceil(D/8)][Kp/2][8][2]).
 inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
 
 // The integer reconstruction's tables (HeadKernels::recon_int); false, with
 // the tables cleared, when some level count or value does not allow them.
-bool build_recon_int(const HeadParams& p, HeadKernels& out) {
+// Whether some weight of a row lies outside int16's symmetric range
+// (integer compares only: the loop vectorises).
+uint32_t outside_int16(const int32_t* w, size_t n) {
+  uint32_t outside = 0;
+  for (size_t i = 0; i < n; ++i) outside |= uint32_t(w[i] > 32767) | uint32_t(w[i] < -32767);
+  return outside;
+}
+
+// Row k of the reconstruction's weights into recon_w's layout: 8 columns
+// at a time (stride 2 within a block of 16), or by recon_w_index (kPlain).
+template <bool kPlain>
+void scatter_recon_row(const int32_t* row, size_t k, size_t D, size_t kp2, int16_t* w) {
+  if constexpr (kPlain) {
+    for (size_t d = 0; d < D; ++d) w[recon_w_index(k, d, kp2)] = int16_t(row[d]);
+  } else {
+    for (size_t d0 = 0; d0 < D; d0 += 8) {
+      int16_t* dst = w + recon_w_index(k, d0, kp2);
+      const size_t n = std::min<size_t>(8, D - d0);
+      for (size_t i = 0; i < n; ++i) dst[2 * i] = int16_t(row[d0 + i]);
+    }
+  }
+}
+
+// One row k of the integer reconstruction's weights (build_recon_int):
+// w[d] = round(step * basis[d] / 2 / unit[d]) into row_w, bound[d] +=
+// cmax * |w[d]|. Apart, with restrict pointers and the range check after
+// the loop (a flag from double compares keeps GCC from vectorising it),
+// so that it vectorises. The callers' units keep |w| <= 32767, far inside
+// int32.
+template <bool kPlain>
+void round_recon_row(const float* __restrict basis, double step, double cmax, const double* __restrict unit,
+                     size_t D, int32_t* __restrict row_w, double* __restrict bound) {
+  for (size_t d = 0; d < D; ++d) {
+    const double r = round_weight<kPlain>(step * double(basis[d]) / 2 / unit[d]);
+    row_w[d] = int32_t(r);
+    bound[d] += cmax * std::fabs(r);
+  }
+}
+
+// values_finite: the mean and the basis hold no NaN or infinity
+// (scan_values). kPlain: the plain rounding (the reference).
+template <bool kPlain>
+bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) {
   out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   if (K == 0 || D == 0 || p.mean.size() != D || p.basis.size() != K * D || p.quant.size() != K) return false;
+  if (!values_finite) return false;
   std::vector<double> cmax(K);  // the largest |c| = |2 code - zero2| of a valid code
   std::vector<int16_t> zero2(K);
   for (size_t k = 0; k < K; ++k) {
@@ -393,21 +475,20 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out) {
     zero2[k] = int16_t(z2);
     cmax[k] = double(m);
   }
-  for (float v : p.mean)
-    if (!std::isfinite(v)) return false;
-  for (float v : p.basis)
-    if (!std::isfinite(v)) return false;
   const size_t kp2 = (K + 1) / 2;
   std::vector<float> scale(D, 0.0f);
   std::vector<int16_t> w(((D + 7) / 8) * kp2 * 16, 0);
   // Row by row (k outer, d inner: contiguous loops the compiler vectorises;
   // a cache opens these per call), every column's sums still taken in
-  // ascending k, so each value is the column-by-column loop's.
-  std::vector<double> exact(K * D), amax(D, 0.0), sum(D, 0.0), unit_of(D), bound(D, 0.0);
+  // ascending k, so each value is the column-by-column loop's. The exact
+  // weight step * basis / 2 is computed again where it is rounded (the same
+  // double) instead of held in a K x D array.
+  std::vector<double> work(4 * D, 0.0);
+  double *amax = work.data(), *sum = amax + D, *unit_of = sum + D, *bound = unit_of + D;
+  const auto exact = [&](size_t k, size_t d) { return double(p.quant[k].step) * double(p.basis[k * D + d]) / 2; };
   for (size_t k = 0; k < K; ++k)
     for (size_t d = 0; d < D; ++d) {
-      const double e = double(p.quant[k].step) * double(p.basis[k * D + d]) / 2;
-      exact[k * D + d] = e;
+      const double e = exact(k, d);
       amax[d] = std::max(amax[d], std::fabs(e));
       sum[d] += cmax[k] * std::fabs(e);
     }
@@ -423,15 +504,17 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out) {
     scale[d] = su;
     unit_of[d] = double(su);
   }
-  bool fits = true;
-  for (size_t k = 0; k < K; ++k)
-    for (size_t d = 0; d < D; ++d) {
-      const double r = round_even(exact[k * D + d] / unit_of[d]);
-      fits &= std::fabs(r) <= 32767;  // not failed: su >= amax / 32767
-      w[recon_w_index(k, d, kp2)] = int16_t(r);
-      bound[d] += cmax[k] * std::fabs(r);
-    }
-  if (!fits) return false;
+  // |exact / unit| <= 32767 (su >= amax / 32767; a zero column divides 0
+  // by 1): round_weight's range, and int32's. A row's weights are rounded
+  // into row_w, then scattered to the madd layout.
+  uint32_t outside = 0;
+  std::vector<int32_t> row_w(D);
+  for (size_t k = 0; k < K; ++k) {
+    round_recon_row<kPlain>(p.basis.data() + k * D, double(p.quant[k].step), cmax[k], unit_of, D, row_w.data(), bound);
+    outside |= outside_int16(row_w.data(), D);
+    scatter_recon_row<kPlain>(row_w.data(), k, D, kp2, w.data());
+  }
+  if (outside) return false;  // not reached: su >= amax / 32767
   for (size_t d = 0; d < D; ++d)
     if (bound[d] > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
   out.recon_zero2 = std::move(zero2), out.recon_scale = std::move(scale), out.recon_w = std::move(w);
@@ -443,17 +526,40 @@ inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * d
 
 // The integer projection's tables (HeadKernels::proj_int); false, with the
 // tables cleared, when the basis or a quantizer does not allow them.
-bool build_proj_int(const HeadParams& p, HeadKernels& out) {
+// Row k of the projection's weights into proj_w's layout: pairs of
+// columns 16 apart, or by proj_w_index (kPlain).
+template <bool kPlain>
+void scatter_proj_row(const int32_t* row, size_t k, size_t D, size_t dp2, int16_t* w) {
+  if constexpr (kPlain) {
+    for (size_t d = 0; d < D; ++d) w[proj_w_index(k, d, dp2)] = int16_t(row[d]);
+  } else {
+    int16_t* dst = w + proj_w_index(k, 0, dp2);
+    for (size_t d = 0; d < D; ++d) dst[(d / 2) * 16 + d % 2] = int16_t(row[d]);
+  }
+}
+
+// One row of the integer projection's weights (build_proj_int): w[d] =
+// round(basis[d] * unit), |w| <= 32767 by the caller's unit; apart so
+// that the loop vectorises (as round_recon_row).
+template <bool kPlain>
+void round_proj_row(const float* __restrict basis, double unit, size_t D, int32_t* __restrict row_w) {
+  for (size_t d = 0; d < D; ++d) row_w[d] = int32_t(round_weight<kPlain>(double(basis[d]) * unit));
+}
+
+// basis_finite: the basis holds no NaN or infinity (scan_values). kPlain:
+// the plain rounding (the reference).
+template <bool kPlain>
+bool build_proj_int(const HeadParams& p, HeadKernels& out, bool basis_finite) {
   out.proj_w.clear(), out.proj_qscale.clear();
   out.proj_unit = out.proj_scale = out.proj_max_abs = out.proj_max_sq = 0.0f;
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   if (K == 0 || D == 0 || p.basis.size() != K * D || p.quant.size() != K) return false;
+  if (!basis_finite) return false;
   double bmax = 0, nmax = 0, range_sq = 0;
   for (size_t k = 0; k < K; ++k) {
     double ss = 0;
     for (size_t d = 0; d < D; ++d) {
       const double b = p.basis[k * D + d];
-      if (!std::isfinite(b)) return false;
       bmax = std::max(bmax, std::fabs(b));
       ss += b * b;
     }
@@ -475,17 +581,21 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out) {
   if (!std::isnormal(fu)) return false;
   const size_t dp2 = (D + 1) / 2, K8 = round_up8(K);
   std::vector<int16_t> w(K8 / 8 * dp2 * 16, 0);
+  // |basis * fu| <= 32767 (fu <= 32767 / bmax): round_weight's range, and
+  // int32's. A row's weights are rounded into row_w (their squares then
+  // summed in order d, exact integers as doubles), then scattered.
   double wn = 0;
+  uint32_t outside = 0;
+  std::vector<int32_t> row_w(D);
   for (size_t k = 0; k < K; ++k) {
+    round_proj_row<kPlain>(p.basis.data() + k * D, double(fu), D, row_w.data());
+    outside |= outside_int16(row_w.data(), D);
     double ss = 0;
-    for (size_t d = 0; d < D; ++d) {
-      const double r = round_even(double(p.basis[k * D + d]) * double(fu));
-      if (std::fabs(r) > 32767) return false;  // not reached: fu <= 32767 / bmax
-      w[proj_w_index(k, d, dp2)] = int16_t(r);
-      ss += r * r;
-    }
+    for (size_t d = 0; d < D; ++d) ss += double(row_w[d]) * double(row_w[d]);
+    scatter_proj_row<kPlain>(row_w.data(), k, D, dp2, w.data());
     wn = std::max(wn, std::sqrt(ss));
   }
+  if (outside) return false;  // not reached: fu <= 32767 / bmax
   // ||x||_2 <= x_norm keeps ||x|| * max ||W|| < 2^31; the rows' scaled
   // norms stay below it less the rounding of x (sqrt(D) / 2).
   const double x_norm = 2147483647.0 / (wn * (1 + 1e-9) + 1) - std::sqrt(double(D)) / 2 - 1;
@@ -507,17 +617,19 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out) {
   return true;
 }
 
-}  // namespace
-
-std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, KernelSet which) {
+// HeadKernels::build (kPlain false) and build_reference (true).
+template <bool kPlain>
+std::shared_ptr<const HeadKernels> build_kernels(const HeadParams& p, KernelSet which) {
   auto built = std::make_shared<HeadKernels>();
   HeadKernels& out = *built;
   out.set = which;
   const bool decoding = uint8_t(which) & uint8_t(KernelSet::kDecode);
   const bool encoding = uint8_t(which) & uint8_t(KernelSet::kEncode);
-  out.recon_int = decoding && build_recon_int(p, out);
+  const auto scan = [](const std::vector<float>& v) { return kPlain ? scan_values_plain(v) : scan_values(v); };
+  const ValueScan mean = scan(p.mean), basis = scan(p.basis);
+  out.recon_int = decoding && build_recon_int<kPlain>(p, out, mean.finite && basis.finite);
   if (!out.recon_int) out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
-  out.proj_int = encoding && build_proj_int(p, out);
+  out.proj_int = encoding && build_proj_int<kPlain>(p, out, basis.finite);
   if (!out.proj_int) out.proj_w.clear(), out.proj_qscale.clear();
   if (encoding) {
     out.rans_encode.reserve(p.rans_tables.size());  // held at exact size
@@ -530,15 +642,14 @@ std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, Kerne
   // finite with no nonzero value below 2^-40 in magnitude; steps >= 2^-39
   // (so a nonzero coefficient, |code - offset| >= 1/2 steps, is >= 2^-40).
   out.recon_skip_zeros = p.mean.size() == size_t(p.dim) && p.basis.size() == size_t(p.n_kept()) * size_t(p.dim) &&
-                         p.quant.size() == size_t(p.n_kept());
+                         p.quant.size() == size_t(p.n_kept()) && mean.finite && mean.no_negative_zero &&
+                         basis.finite && basis.no_tiny;
   const float tiny = std::ldexp(1.0f, -40);
-  for (float m : p.mean) out.recon_skip_zeros &= std::isfinite(m) && !(m == 0.0f && std::signbit(m));
-  for (float b : p.basis) out.recon_skip_zeros &= std::isfinite(b) && (b == 0.0f || std::fabs(b) >= tiny);
   for (const ComponentQuantizer& q : p.quant) out.recon_skip_zeros &= std::isfinite(q.step) && q.step >= 2.0f * tiny;
   if (!out.rans_decode.empty()) {
     std::vector<const entropy::RansDecodeTable*> tables;
     for (const auto& t : out.rans_decode) tables.push_back(&t);
-    out.rans_groups = entropy::rans_group_tables(tables);
+    out.rans_groups = kPlain ? entropy::rans_group_tables_reference(tables) : entropy::rans_group_tables(tables);
     // The columns the scalar lanes decode throughout get their lookup
     // table: all of them when the group decoder does not apply, else the
     // small alphabets of its scalar groups (a group holding an alphabet it
@@ -564,6 +675,16 @@ std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, Kerne
   return built;
 }
 
+}  // namespace
+
+std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, KernelSet which) {
+  return build_kernels<false>(p, which);
+}
+
+std::shared_ptr<const HeadKernels> HeadKernels::build_reference(const HeadParams& p, KernelSet which) {
+  return build_kernels<true>(p, which);
+}
+
 uint64_t HeadParams::params_held_bytes() const {
   uint64_t n = held_bytes(mean) + held_bytes(kept) + held_bytes(basis) + held_bytes(row_scale) + held_bytes(quant) +
                held_bytes(fixed_widths) + held_bytes(eigenvalues) + held_bytes(bits);
@@ -584,9 +705,9 @@ uint64_t HeadKernels::held_bytes() const {
   return n;
 }
 
-const HeadKernels& HeadParams::derived() const {
+const HeadKernels& HeadParams::no_kernels() {
   static const HeadKernels none;
-  return kernels ? *kernels : none;
+  return none;
 }
 
 // --- small dense products -----------------------------------------------------
@@ -1723,6 +1844,7 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet k
   if (p.basis_bits != 16 && p.basis_bits != 8) throw Error(ErrorCode::kFormat, "kvtc head params: bad basis_bits");
   const int K = in.u16();
   if (K > p.dim) throw Error(ErrorCode::kFormat, "kvtc head params: more kept components than dim");
+  p.kept.reserve(size_t(K));  // K <= dim < 2^16: sized once, not grown (a cache parses these per call)
   for (int k = 0; k < K; ++k) {
     const uint16_t idx = in.u16();
     if (idx >= p.dim || (k > 0 && idx <= p.kept.back()))
@@ -1748,6 +1870,7 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet k
     p.row_scale.push_back(scale);
     for (int d = 0; d < p.dim; ++d) row[d] = float(int8_t(in.u8())) * scale;
   }
+  p.quant.reserve(size_t(K)), p.fixed_widths.reserve(size_t(K)), p.bits.reserve(size_t(K));
   for (int k = 0; k < K; ++k) {
     ComponentQuantizer q;
     q.step = in.f32();
@@ -1764,6 +1887,8 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet k
   const uint32_t blob_size = in.u32();
   const uint8_t* blob = in.bytes(blob_size).data();
   entropy::BitReader tables(blob, blob_size);
+  if (p.coder == CoderChoice::kRans) p.rans_tables.reserve(size_t(K));
+  if (p.coder == CoderChoice::kHuffman) p.huffman_tables.reserve(size_t(K));
   if (p.coder == CoderChoice::kRans)
     for (int k = 0; k < K; ++k) p.rans_tables.push_back(entropy::FrequencyTable::deserialize(tables, p.quant[size_t(k)].levels));
   if (p.coder == CoderChoice::kHuffman)

@@ -144,6 +144,10 @@ struct HeadKernels {
 
   // Builds `which` from p (kNone: none, the plain paths).
   static std::shared_ptr<const HeadKernels> build(const HeadParams& p, KernelSet which);
+  // The same kernels by plain loops (value checks one by one, the rounding
+  // with its range test, the window search's reference): what build's
+  // branch-free loops are tested against, field by field.
+  static std::shared_ptr<const HeadKernels> build_reference(const HeadParams& p, KernelSet which);
   // Heap bytes held (capacities), the object itself included.
   uint64_t held_bytes() const;
 
@@ -187,8 +191,9 @@ struct HeadParams {
   // of other codes or bits.
   std::shared_ptr<const HeadKernels> kernels;
   KernelSet kernel_set() const { return kernels ? kernels->set : KernelSet::kNone; }
-  // *kernels, or an empty set when none are built.
-  const HeadKernels& derived() const;
+  // *kernels, or an empty set when none are built. Inline: the encoder's
+  // row loops read the kernels' scales through it once per row.
+  const HeadKernels& derived() const { return kernels ? *kernels : no_kernels(); }
   void build_kernels(KernelSet which) { kernels = HeadKernels::build(*this, which); }
   void build_decoders() { build_kernels(KernelSet::kBoth); }
 
@@ -198,6 +203,9 @@ struct HeadParams {
   // For CacheStats::resident_bytes.
   uint64_t params_held_bytes() const;
   uint64_t derived_held_bytes() const { return kernels ? kernels->held_bytes() : 0; }
+
+ private:
+  static const HeadKernels& no_kernels();  // the empty set derived() returns
 };
 
 // Fits one head from x [n, D] (row-major) given its PCA (eigen-sorted axes).

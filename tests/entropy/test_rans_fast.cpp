@@ -595,6 +595,63 @@ TEST(RansFast, WindowSearchMatchesPortable) {
 #endif
 }
 
+// The branch-free window search (window_mass over cumulative frequencies)
+// chooses the window lengths and starts the plain loops choose: every field
+// of every group and every row equal, for peaked tables of 2..64 symbols
+// (windows of many lengths), flat ones (none), and mixes with alphabets the
+// group decoder cannot search (scalar groups).
+TEST(RansFast, WindowChoiceMatchesReference) {
+  std::mt19937_64 rng(321);
+  size_t windowed = 0, lengths = 0;
+  std::vector<bool> seen_length(70, false);
+  for (int trial = 0; trial < 300; ++trial) {
+    const size_t cols = 1 + size_t(rng() % 80);
+    std::vector<FrequencyTable> ft;
+    for (size_t k = 0; k < cols; ++k) {
+      const uint32_t alphabet = trial % 7 == 6 && rng() % 8 == 0 ? 66 + uint32_t(rng() % 200) : 2 + uint32_t(rng() % 63);
+      const double width = 0.2 + double(rng() % 200) / 20.0;
+      const double centre = double(rng() % alphabet);
+      std::vector<uint64_t> counts(alphabet);
+      for (uint32_t s = 0; s < alphabet; ++s)
+        counts[s] = trial % 5 == 4 ? 1 + rng() % 1000
+                                   : 1 + uint64_t(1e6 * std::exp(-std::fabs(double(s) - centre) / width));
+      ft.push_back(FrequencyTable::from_counts(counts, trial % 3 == 2 ? 0 : 12));
+    }
+    std::vector<RansDecodeTable> dt(ft.begin(), ft.end());
+    std::vector<const RansDecodeTable*> dp;
+    for (const auto& t : dt) dp.push_back(&t);
+    const RansGroupTables fast = rans_group_tables(dp), ref = rans_group_tables_reference(dp);
+    ASSERT_EQ(fast.usable, ref.usable) << "trial " << trial;
+    ASSERT_EQ(fast.packed, ref.packed) << "trial " << trial;
+    ASSERT_EQ(fast.any_scalar, ref.any_scalar) << "trial " << trial;
+    ASSERT_EQ(fast.group_at, ref.group_at) << "trial " << trial;
+    ASSERT_EQ(fast.rows, ref.rows) << "trial " << trial;
+    ASSERT_EQ(fast.groups.size(), ref.groups.size()) << "trial " << trial;
+    for (size_t i = 0; i < ref.groups.size(); ++i) {
+      const auto &a = fast.groups[i], &b = ref.groups[i];
+      ASSERT_EQ(a.windowed, b.windowed) << "trial " << trial << " group " << i;
+      ASSERT_EQ(a.wrows, b.wrows) << "trial " << trial << " group " << i;
+      ASSERT_EQ(a.wfirst, b.wfirst) << "trial " << trial << " group " << i;
+      ASSERT_EQ(a.first, b.first) << "trial " << trial << " group " << i;
+      ASSERT_EQ(a.rows, b.rows) << "trial " << trial << " group " << i;
+      ASSERT_EQ(a.scalar, b.scalar) << "trial " << trial << " group " << i;
+      for (size_t j = 0; j < kRansLanes; ++j) {
+        ASSERT_EQ(a.wfloor[j], b.wfloor[j]) << "trial " << trial << " group " << i << " lane " << j;
+        ASSERT_EQ(a.wceil[j], b.wceil[j]) << "trial " << trial << " group " << i << " lane " << j;
+        ASSERT_EQ(a.scale[j], b.scale[j]);
+        ASSERT_EQ(a.mask[j], b.mask[j]);
+        ASSERT_EQ(a.key0[j], b.key0[j]);
+      }
+      windowed += b.windowed;
+      if (b.windowed && !seen_length[b.wrows]) seen_length[b.wrows] = true, ++lengths;
+    }
+  }
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  EXPECT_GT(windowed, 300u);  // the window search ran (builds with the AVX2 paths build group tables)
+  EXPECT_GT(lengths, 10u);    // over many window lengths
+#endif
+}
+
 // The vectorised validation (16 columns at a time) finds an out-of-range
 // symbol wherever it sits, before any byte is written, and accepts the
 // largest symbol of the largest alphabet.

@@ -84,7 +84,7 @@ RateBlock rate_block(uint32_t seed, double target) {
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 struct Case {
@@ -838,6 +838,109 @@ TEST(Codec, CopiedParamsShareTheirKernels) {
   EXPECT_EQ(kept.kernel_set(), KernelSet::kBoth);
   EXPECT_EQ(copy.kernel_set(), KernelSet::kDecode);
 }
+
+// Every field of two kernel sets, for KernelsEqualTheirReference.
+void expect_same_kernels(const HeadKernels& a, const HeadKernels& b, const std::string& what) {
+  EXPECT_EQ(a.set, b.set) << what;
+  EXPECT_EQ(a.recon_skip_zeros, b.recon_skip_zeros) << what;
+  EXPECT_EQ(a.recon_int, b.recon_int) << what;
+  EXPECT_EQ(a.recon_zero2, b.recon_zero2) << what;
+  EXPECT_TRUE(same_bits(a.recon_scale, b.recon_scale)) << what;
+  EXPECT_EQ(a.recon_w, b.recon_w) << what;
+  EXPECT_EQ(a.proj_int, b.proj_int) << what;
+  EXPECT_EQ(a.proj_w, b.proj_w) << what;
+  EXPECT_TRUE(same_bits(a.proj_qscale, b.proj_qscale)) << what;
+  EXPECT_TRUE(same_bits({a.proj_unit, a.proj_scale, a.proj_max_abs, a.proj_max_sq},
+                        {b.proj_unit, b.proj_scale, b.proj_max_abs, b.proj_max_sq}))
+      << what;
+  ASSERT_EQ(a.rans_decode.size(), b.rans_decode.size()) << what;
+  for (size_t k = 0; k < a.rans_decode.size(); ++k) {
+    const auto &x = a.rans_decode[k], &y = b.rans_decode[k];
+    EXPECT_EQ(x.alphabet_size, y.alphabet_size) << what << " column " << k;
+    EXPECT_EQ(x.scale_bits, y.scale_bits) << what << " column " << k;
+    EXPECT_EQ(x.slot_symbol, y.slot_symbol) << what << " column " << k;
+    EXPECT_EQ(x.search, y.search) << what << " column " << k;
+    ASSERT_EQ(x.syms.size(), y.syms.size()) << what << " column " << k;
+    for (size_t s = 0; s < x.syms.size(); ++s)
+      ASSERT_TRUE(x.syms[s].freq == y.syms[s].freq && x.syms[s].cum == y.syms[s].cum) << what << " column " << k;
+  }
+  ASSERT_EQ(a.rans_encode.size(), b.rans_encode.size()) << what;
+  for (size_t k = 0; k < a.rans_encode.size(); ++k) {
+    const auto &x = a.rans_encode[k], &y = b.rans_encode[k];
+    ASSERT_EQ(x.syms.size(), y.syms.size()) << what << " column " << k;
+    for (size_t s = 0; s < x.syms.size(); ++s)
+      ASSERT_TRUE(x.syms[s].x_max == y.syms[s].x_max && x.syms[s].rcp == y.syms[s].rcp &&
+                  x.syms[s].bias == y.syms[s].bias && x.syms[s].cmpl_freq == y.syms[s].cmpl_freq &&
+                  x.syms[s].shift == y.syms[s].shift)
+          << what << " column " << k << " symbol " << s;
+  }
+  const entropy::RansGroupTables &g = a.rans_groups, &h = b.rans_groups;
+  EXPECT_EQ(g.usable, h.usable) << what;
+  EXPECT_EQ(g.packed, h.packed) << what;
+  EXPECT_EQ(g.any_scalar, h.any_scalar) << what;
+  EXPECT_EQ(g.n_active, h.n_active) << what;
+  EXPECT_EQ(g.group_at, h.group_at) << what;
+  EXPECT_EQ(g.rows, h.rows) << what;
+  ASSERT_EQ(g.groups.size(), h.groups.size()) << what;
+  for (size_t i = 0; i < g.groups.size(); ++i) {
+    const auto &x = g.groups[i], &y = h.groups[i];
+    EXPECT_TRUE(x.first == y.first && x.rows == y.rows && x.scalar == y.scalar && x.windowed == y.windowed &&
+                x.wfirst == y.wfirst && x.wrows == y.wrows)
+        << what << " group " << i;
+    EXPECT_EQ(0, std::memcmp(x.scale, y.scale, sizeof x.scale) | std::memcmp(x.mask, y.mask, sizeof x.mask) |
+                     std::memcmp(x.key0, y.key0, sizeof x.key0) | std::memcmp(x.wfloor, y.wfloor, sizeof x.wfloor) |
+                     std::memcmp(x.wceil, y.wceil, sizeof x.wceil))
+        << what << " group " << i;
+  }
+}
+
+}  // namespace
+
+// HeadKernels::build (branch-free value checks, rounding and window search,
+// what a cache runs on every call) builds every table and flag exactly as
+// the plain loops of build_reference: fitted heads of both allocators,
+// both basis widths and several dims (D % 8 != 0 included), and heads
+// edited so that each condition fails (NaN, infinity, -0 in the mean, a
+// basis value or step below the zero-skip's 2^-40 bound, a level count past
+// int16's doubled codes), with each kernel set.
+TEST(Codec, KernelsEqualTheirReference) {
+  int compared = 0, recon_on = 0, proj_on = 0, skip_on = 0;
+  for (int dim : {64, 128, 37}) {
+    const auto x = correlated(320, dim, uint32_t(40 + dim));
+    for (int setting = 0; setting < 4; ++setting) {
+      const HeadParams fitted = fit(x, 320, dim, setting_options(setting, dim, dim));
+      for (int edit = 0; edit < 9; ++edit) {
+        HeadParams p = fitted;
+        const size_t K = size_t(p.n_kept());
+        if (K < 3) continue;
+        if (edit == 1) p.basis[5] = std::numeric_limits<float>::quiet_NaN();
+        if (edit == 2) p.mean[1] = std::numeric_limits<float>::infinity();
+        if (edit == 3) p.mean[2] = -0.0f;
+        if (edit == 4) p.basis[size_t(dim) + 3] = std::ldexp(1.0f, -60);
+        if (edit == 5) p.basis[7] = 0.0f, p.basis[8] = -0.0f;  // zeros: allowed
+        if (edit == 6) p.quant[1].step = std::ldexp(1.0f, -45);
+        if (edit == 7) p.quant[2].levels = 16385, p.quant[2].zero = 0;
+        if (edit == 8) p.basis[3] = -std::numeric_limits<float>::infinity();
+        for (KernelSet set : {KernelSet::kDecode, KernelSet::kEncode, KernelSet::kBoth}) {
+          const auto fast = HeadKernels::build(p, set), ref = HeadKernels::build_reference(p, set);
+          expect_same_kernels(*fast, *ref,
+                              "dim " + std::to_string(dim) + " setting " + std::to_string(setting) + " edit " +
+                                  std::to_string(edit) + " set " + std::to_string(int(set)));
+          ++compared, recon_on += ref->recon_int, proj_on += ref->proj_int, skip_on += ref->recon_skip_zeros;
+        }
+      }
+    }
+  }
+  EXPECT_GT(compared, 200);
+  EXPECT_GT(recon_on, 40);  // the conditions pass and fail: both sides compared
+  EXPECT_GT(proj_on, 40);
+  EXPECT_GT(skip_on, 20);
+  EXPECT_LT(recon_on, compared);
+  EXPECT_LT(skip_on, compared);
+}
+
+namespace {
+
 
 // build_decoders() keeps a scalar lookup table only where the scalar lanes
 // decode a column throughout: in AVX2 builds the columns of the group
