@@ -414,36 +414,27 @@ AllocationResult allocate_bits_measured(const std::vector<std::vector<double>>& 
   return make_result(p, solve_dp(p));
 }
 
-struct MeasuredAllocator::Impl {
-  Problem problem;
-  DpTable table;
-  int rate_grid = 16;
-  double max_budget_bits = 0;
-};
-
 MeasuredAllocator::MeasuredAllocator(const std::vector<std::vector<double>>& rate_bits,
                                      const std::vector<std::vector<double>>& distortion,
-                                     const std::vector<int>& bit_choices, double max_budget_bits, int rate_grid)
-{
-  auto impl = std::make_shared<Impl>();
-  impl->problem = measured_problem(rate_bits, distortion, bit_choices, max_budget_bits, rate_grid);
-  impl->table = solve_dp_table(impl->problem);
-  impl->rate_grid = rate_grid;
-  impl->max_budget_bits = max_budget_bits;
-  impl_ = std::move(impl);
+                                     const std::vector<int>& bit_choices, double max_budget_bits, int rate_grid) {
+  // The problem and its table live in the closure (their types are this
+  // file's own).
+  auto problem = std::make_shared<const Problem>(
+      measured_problem(rate_bits, distortion, bit_choices, max_budget_bits, rate_grid));
+  auto table = std::make_shared<const DpTable>(solve_dp_table(*problem));
+  at_ = [problem, table, rate_grid, max_budget_bits](double budget_bits) {
+    // Compared on the grid, as the budget is used: a budget that rounds to
+    // the table's own units is inside it.
+    const double units = std::floor(budget_bits * rate_grid);
+    if (!std::isfinite(budget_bits) || budget_bits < 0.0 || units > double(problem->budget)) {
+      invalid("measured allocation: budget_bits = " + std::to_string(budget_bits) + ", must be in [0, " +
+              std::to_string(max_budget_bits) + "] (the allocator's largest budget)");
+    }
+    return make_result(*problem, backtrack(*problem, *table, static_cast<int64_t>(units)));
+  };
 }
 
-AllocationResult MeasuredAllocator::at(double budget_bits) const {
-  // Compared on the grid, as the budget is used: a budget that rounds to the
-  // table's own units is inside it.
-  const double units_f = std::floor(budget_bits * impl_->rate_grid);
-  if (!std::isfinite(budget_bits) || budget_bits < 0.0 || units_f > double(impl_->problem.budget)) {
-    invalid("measured allocation: budget_bits = " + std::to_string(budget_bits) + ", must be in [0, " +
-            std::to_string(impl_->max_budget_bits) + "] (the allocator's largest budget)");
-  }
-  const auto units = static_cast<int64_t>(units_f);
-  return make_result(impl_->problem, backtrack(impl_->problem, impl_->table, units));
-}
+AllocationResult MeasuredAllocator::at(double budget_bits) const { return at_(budget_bits); }
 
 AllocationResult allocate_bits_measured_brute_force(const std::vector<std::vector<double>>& rate_bits,
                                                     const std::vector<std::vector<double>>& distortion,

@@ -19,7 +19,6 @@
 #pragma once
 
 #include <functional>
-#include <memory>
 #include <vector>
 
 namespace kvcodec::alloc {
@@ -78,8 +77,7 @@ class MeasuredAllocator {
   AllocationResult at(double budget_bits) const;
 
  private:
-  struct Impl;
-  std::shared_ptr<const Impl> impl_;
+  std::function<AllocationResult(double)> at_;  // over the problem and its DP table
 };
 
 // Brute-force twin of allocate_bits_measured (same grid and tie rules). For tests.
