@@ -29,15 +29,7 @@ Settings settings() {
 
 // [B, 2, S, 8] tokens of the calibration's structure.
 Tensor tokens(int64_t B, int64_t S, uint32_t seed) {
-  const std::vector<float> x = fuzz::low_rank(B * S, fuzz::kCalHeads * fuzz::kCalDim, seed);
-  Tensor t(DType::kF32, {B, fuzz::kCalHeads, S, fuzz::kCalDim});
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < fuzz::kCalHeads; ++h)
-      for (int64_t s = 0; s < S; ++s)
-        for (int64_t d = 0; d < fuzz::kCalDim; ++d)
-          t.data_as<float>()[((b * fuzz::kCalHeads + h) * S + s) * fuzz::kCalDim + d] =
-              x[size_t(((b * S + s) * fuzz::kCalHeads + h) * fuzz::kCalDim + d)];
-  return t;
+  return fuzz::low_rank_tokens(B, fuzz::kCalHeads, S, fuzz::kCalDim, seed);
 }
 
 }  // namespace

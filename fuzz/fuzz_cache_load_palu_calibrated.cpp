@@ -35,16 +35,7 @@ Settings settings(bool joint) {
 
 // [B, 2, S, 8] tokens of the calibration's structure.
 Tensor tokens(int64_t B, int64_t S, uint32_t seed) {
-  const int V = fuzz::kPaluHeads * fuzz::kPaluDim;
-  const std::vector<float> x = fuzz::low_rank(B * S, V, seed);
-  Tensor t(DType::kF32, {B, fuzz::kPaluHeads, S, fuzz::kPaluDim});
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < fuzz::kPaluHeads; ++h)
-      for (int64_t s = 0; s < S; ++s)
-        for (int64_t d = 0; d < fuzz::kPaluDim; ++d)
-          t.data_as<float>()[((b * fuzz::kPaluHeads + h) * S + s) * fuzz::kPaluDim + d] =
-              x[size_t(((b * S + s) * fuzz::kPaluHeads + h) * fuzz::kPaluDim + d)];
-  return t;
+  return fuzz::low_rank_tokens(B, fuzz::kPaluHeads, S, fuzz::kPaluDim, seed);
 }
 
 }  // namespace

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "kvcodec/tensor.hpp"
+
 namespace kvcodec::fuzz {
 
 inline void write_seed(const std::string& name, const std::vector<uint8_t>& bytes) {
@@ -38,6 +40,19 @@ inline std::vector<float> low_rank(int64_t n, int dim, uint32_t seed) {
     }
   }
   return x;
+}
+
+// [B, H, S, D] f32 tokens whose H * D values per token are low_rank's
+// vectors (one per (b, s)), as calibrations built from low_rank expect.
+inline Tensor low_rank_tokens(int64_t B, int64_t H, int64_t S, int64_t D, uint32_t seed) {
+  const std::vector<float> x = low_rank(B * S, int(H * D), seed);
+  Tensor t(DType::kF32, {B, H, S, D});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < D; ++d)
+          t.data_as<float>()[((b * H + h) * S + s) * D + d] = x[size_t(((b * S + s) * H + h) * D + d)];
+  return t;
 }
 
 }  // namespace kvcodec::fuzz
