@@ -23,6 +23,8 @@ size_t basis_bytes(int dim) { return 2 + 8 * size_t(dim) + 4 * size_t(dim) * siz
 
 std::vector<uint8_t> serialize_basis(const palu::Eigenbasis& e) {
   std::vector<uint8_t> out;
+  // Sized once (GCC 12 also warned, falsely, of an overflow while growing it).
+  out.reserve(basis_bytes(e.dim));
   cache_impl::ByteWriter w{out};
   w.u16(uint16_t(e.dim));
   w.bytes(e.lambda.data(), 8 * e.lambda.size());

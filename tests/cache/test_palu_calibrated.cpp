@@ -225,7 +225,6 @@ TEST(PaluCalibratedCache, StreamingEqualsOneShotSaveLoadIsExactAndTrimKeepsThePr
     const SameReads same = expect_steps_and_reload_read_as_whole(*whole, *steps);
     const KVPair& a = same.whole_read;
     const std::vector<uint8_t>& saved = same.saved;
-    const std::unique_ptr<KVCache>& loaded = same.loaded;
     // A calibrated save read by a per-sequence cache is refused (its settings differ).
     auto plain = make_cache("palu", layer_config(1), {{"n_head_groups", "2"}});
     EXPECT_THROW(plain->load(saved.data(), saved.size()), Error);
