@@ -12,15 +12,7 @@ using namespace kvcodec;
 
 namespace {
 
-CacheConfig config() {
-  CacheConfig c;
-  c.layer = 0;
-  c.n_layers = 1;
-  c.n_kv_heads = fuzz::kCalHeads;
-  c.head_dim = fuzz::kCalDim;
-  c.rope_theta = 10000.0;
-  return c;
-}
+CacheConfig config() { return fuzz::one_layer_config(fuzz::kCalHeads, fuzz::kCalDim); }
 
 Settings settings() {
   return {{"calibration", fuzz::small_calibration_path()}, {"sinks", "2"}, {"window", "4"}, {"block", "8"},

@@ -14,15 +14,7 @@ using namespace kvcodec;
 
 namespace {
 
-CacheConfig config() {
-  CacheConfig c;
-  c.layer = 0;
-  c.n_layers = 1;
-  c.n_kv_heads = fuzz::kPaluHeads;
-  c.head_dim = fuzz::kPaluDim;
-  c.rope_theta = 10000.0;
-  return c;
-}
+CacheConfig config() { return fuzz::one_layer_config(fuzz::kPaluHeads, fuzz::kPaluDim); }
 
 // Quantization groups of 4 tokens, so that a few tokens make several; the
 // joint calibration with the Walsh-Hadamard rotation, the shared without.

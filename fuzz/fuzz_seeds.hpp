@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kvcodec/cache.hpp"
 #include "kvcodec/tensor.hpp"
 
 namespace kvcodec::fuzz {
@@ -40,6 +41,17 @@ inline std::vector<float> low_rank(int64_t n, int dim, uint32_t seed) {
     }
   }
   return x;
+}
+
+// Layer 0 of a one-layer model of H KV heads of D (the small calibrations' shape).
+inline CacheConfig one_layer_config(int H, int D) {
+  CacheConfig c;
+  c.layer = 0;
+  c.n_layers = 1;
+  c.n_kv_heads = H;
+  c.head_dim = D;
+  c.rope_theta = 10000.0;
+  return c;
 }
 
 // [B, H, S, D] f32 tokens whose H * D values per token are low_rank's
