@@ -191,8 +191,12 @@ std::vector<kvtc::HeadParams> fit_tensor_at_ratios(const std::vector<float>& x, 
 // per-layer samples: each token's keys of every layer (RoPE removed) times
 // the layer's attention weights (o.attention_weighting) and divided by that
 // layer's RMS on the samples form one vector of L * H_kv * D values; its
-// values likewise. The sensitivity allocation and refinement do not apply
-// (one tensor each for K and V). `model` is needed with attention weighting.
+// values likewise. With o.sensitivity_allocation each layer is scaled by
+// sqrt(its tensor's KL per distortion) instead of to unit RMS (measured on a
+// per-layer fit at the middle target; the tensor then at unit RMS overall),
+// so the one allocation weighs each layer's error by what it costs in KL.
+// Refinement does not apply. `model` is needed with attention weighting or
+// the sensitivity.
 std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& config, const std::string& config_hash,
                                                           const CalibrationSamples& samples, const CalibrateOptions& o,
                                                           const std::vector<double>& targets,

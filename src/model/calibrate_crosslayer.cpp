@@ -1,5 +1,6 @@
 // Cross-layer calibration (issue 21): one codec per tensor over every layer of
 // a token; the parameters' layout is cache/kvtc_crosslayer.hpp's.
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -22,6 +23,31 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
   if (targets.empty()) throw Error(ErrorCode::kInvalidArgument, "fit_cross_layer_calibrations: no target ratio");
   const int L = s.n_layers;
   const int64_t V = int64_t(s.n_kv_heads) * s.head_dim, W = L * V, n = s.tokens;
+  // Layer sensitivity (o.sensitivity_allocation): per tensor t = 2 * l +
+  // {0 key, 1 value}, KL per unit of distortion in the per-layer weighted
+  // space (x * w), measured on a per-layer fit at the middle target. Scaling
+  // layer l by sqrt(alpha_t) instead of 1 / RMS_l makes the one tensor's
+  // squared error sum_l alpha_t D_t, the KL it predicts, so the cross-layer
+  // allocation spends bits where an error costs the most.
+  std::vector<double> alpha(size_t(2 * L), 0.0);
+  if (o.sensitivity_allocation) {
+    if (!model) throw Error(ErrorCode::kInvalidArgument, "fit_cross_layer_calibrations: layer sensitivity needs the model");
+    CalibrateOptions po = o;
+    std::vector<double> sorted = targets;
+    std::sort(sorted.begin(), sorted.end());
+    po.target_ratio = sorted[sorted.size() / 2];
+    po.refine_ratio = 0.0;
+    std::vector<TensorSensitivity> sens;
+    if (progress) progress(0, 2, "layer sensitivity: per-layer fit at target " + std::to_string(po.target_ratio));
+    fit_calibration(config, config_hash, s, po, progress, model, &sens);
+    for (int t = 0; t < 2 * L; ++t) {
+      alpha[size_t(t)] = sens[size_t(t)].per_distortion();
+      if (!(alpha[size_t(t)] > 0.0) || !std::isfinite(alpha[size_t(t)]))
+        throw Error(ErrorCode::kInvalidArgument, "cross-layer calibration: layer " + std::to_string(t / 2) +
+                                                     (t % 2 == 0 ? " keys" : " values") + " have KL sensitivity " +
+                                                     std::to_string(alpha[size_t(t)]));
+    }
+  }
   std::vector<KvtcCalibration> cals(targets.size());
   for (size_t i = 0; i < targets.size(); ++i) {
     KvtcCalibration& c = cals[i];
@@ -34,8 +60,12 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
     c.value_scale.assign(1, std::vector<float>(size_t(W)));
   }
   for (const bool is_key : {true, false}) {
-    // scale_l[d] = w_l[d] / RMS_l(x * w_l): unit RMS per layer after weighting.
+    // scale_l[d] = w_l[d] * c_l: c_l = 1 / RMS_l(x * w_l) (unit RMS per layer
+    // after weighting), or sqrt(alpha_l) / norm with the layer sensitivity,
+    // norm making the tensor's overall RMS 1.
     std::vector<float> scale(static_cast<size_t>(W)), x(static_cast<size_t>(n * W));
+    std::vector<double> rms(static_cast<size_t>(L));
+    std::vector<std::vector<float>> weights(static_cast<size_t>(L));
     for (int l = 0; l < L; ++l) {
       std::vector<float> w(size_t(V), 1.0f);
       if (o.attention_weighting) {
@@ -46,11 +76,26 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
       double sq = 0.0;
       for (int64_t t = 0; t < n; ++t)
         for (int64_t d = 0; d < V; ++d) sq += std::pow(double(src[size_t(t * V + d)]) * w[size_t(d)], 2);
-      const double rms = std::sqrt(sq / double(n * V));
-      if (!(rms > 0.0) || !std::isfinite(rms))
+      const double layer_rms = std::sqrt(sq / double(n * V));
+      if (!(layer_rms > 0.0) || !std::isfinite(layer_rms))
         throw Error(ErrorCode::kInvalidArgument, "cross-layer calibration: layer " + std::to_string(l) +
-                                                     (is_key ? " keys" : " values") + " have RMS " + std::to_string(rms));
-      for (int64_t d = 0; d < V; ++d) scale[size_t(l * V + d)] = float(double(w[size_t(d)]) / rms);
+                                                     (is_key ? " keys" : " values") + " have RMS " + std::to_string(layer_rms));
+      rms[size_t(l)] = layer_rms;
+      weights[size_t(l)] = std::move(w);
+    }
+    double norm = 1.0;
+    if (o.sensitivity_allocation) {
+      double ms = 0.0;
+      for (int l = 0; l < L; ++l) ms += alpha[size_t(2 * l + (is_key ? 0 : 1))] * rms[size_t(l)] * rms[size_t(l)];
+      norm = std::sqrt(ms / L);
+    }
+    for (int l = 0; l < L; ++l) {
+      const double c = o.sensitivity_allocation ? std::sqrt(alpha[size_t(2 * l + (is_key ? 0 : 1))]) / norm : 0.0;
+      const std::vector<float>& src = (is_key ? s.keys : s.values)[size_t(l)];
+      for (int64_t d = 0; d < V; ++d) {
+        const double w = weights[size_t(l)][size_t(d)];
+        scale[size_t(l * V + d)] = float(o.sensitivity_allocation ? w * c : w / rms[size_t(l)]);
+      }
       for (int64_t t = 0; t < n; ++t)
         for (int64_t d = 0; d < V; ++d) x[size_t(t * W + l * V + d)] = src[size_t(t * V + d)] * scale[size_t(l * V + d)];
     }
@@ -73,7 +118,14 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
   for (size_t i = 0; i < targets.size(); ++i) {
     KvtcCalibration& c = cals[i];
     c.info["cross_layers"] = std::to_string(L);
-    c.info["layer_scaling"] = "attention weights / layer RMS";
+    c.info["layer_scaling"] = o.sensitivity_allocation ? "attention weights x sqrt(layer KL sensitivity)"
+                                                        : "attention weights / layer RMS";
+    if (o.sensitivity_allocation) {
+      std::string a;
+      for (int t = 0; t < 2 * L; ++t)
+        a += (t ? " L" : "L") + std::to_string(t / 2) + (t % 2 == 0 ? "K=" : "V=") + std::to_string(alpha[size_t(t)]);
+      c.info["layer_sensitivity"] = a;
+    }
     c.info["tokens_per_layer"] = std::to_string(n);
     c.info["sinks"] = std::to_string(o.sinks);
     c.info["windows"] = std::to_string(o.first_window) + "-" + std::to_string(o.first_window + o.windows - 1);

@@ -245,10 +245,11 @@ void run_calibrate(const CalibrateArgs& a) {
   const std::string hash = model::model_config_hash(dir);
   if (a.cross_layer) {
     // One cross-layer calibration per target (stored prefixes; xkvtc in eval).
-    if (!a.allocators.empty() || !a.weightings.empty() || !a.quantizers.empty() || o.refine_ratio > 0 ||
-        sensitivity_given)
-      throw_config_error("--cross-layer", "set",
-                         "without --allocators / --weightings / --quantizers / refine_ratio / sensitivity");
+    if (!a.allocators.empty() || !a.weightings.empty() || !a.quantizers.empty() || o.refine_ratio > 0)
+      throw_config_error("--cross-layer", "set", "without --allocators / --weightings / --quantizers / refine_ratio");
+    // Across layers the sensitivity scales each layer inside the one tensor
+    // (model::fit_cross_layer_calibrations); off unless asked for.
+    if (!sensitivity_given) o.sensitivity_allocation = false;
     std::vector<double> targets;
     for (const std::string& r : ratios) {
       char* end = nullptr;
@@ -327,7 +328,7 @@ void register_calibrate(CLI::App& app) {
   cmd->add_option("-o,--output", args->output, "Calibration file to write")->required();
   cmd->add_option("--set", args->sets, "kvtc.<field>=<value>: bit_budget, target_ratio, key_target_ratio, value_target_ratio, "
                                   "allocator (measured [default]|dp|rate), weighting (attention [default]|none), weight_floor [0.01], "
-                                  "sensitivity (kl [default]|none), sensitivity_windows [2], quantizers (midtread [default]|midrise), refine_ratio (refinement code's payload ratio; none by default), "
+                                  "sensitivity (kl [default; none with --cross-layer]|none), sensitivity_windows [2], quantizers (midtread [default]|midrise), refine_ratio (refinement code's payload ratio; none by default), "
                                   "bit_choices, beta, coder, basis_bits");
   cmd->add_option("--target-ratios", args->target_ratios,
                   "Comma-separated target ratios: one calibration each from one model run; -o must contain {}");
@@ -339,7 +340,8 @@ void register_calibrate(CLI::App& app) {
                   "Comma-separated quantizer families (midrise, midtread): one calibration each; -o must contain {quant}");
   cmd->add_flag("--cross-layer", args->cross_layer,
                 "One codec per tensor over every layer of a token (stored prefixes: eval --protocol prefix, method "
-                "xkvtc); with kvtc.target_ratio or --target-ratios");
+                "xkvtc); with kvtc.target_ratio or --target-ratios; kvtc.sensitivity=kl scales each layer by its measured KL "
+                "sensitivity instead of to unit RMS");
   cmd->add_option("--method", args->method,
                   "kvtc (default) or palu: PALU's per-layer eigenbases (--set palu.group_mode=shared|joint, "
                   "palu.n_head_groups=N [4]) for palu.calibration=FILE")
