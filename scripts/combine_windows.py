@@ -6,7 +6,8 @@ ppl = exp(NLL), ratio = summed fp16 bytes / summed stored bytes, ppl change
 against fp16 over the range, and its standard error from the per-window
 changes (exact: every window is its own file). fp16 may come from another job's
 file of the same window. Methods named <m>:<tag><target> where the tag is
-letters-digits-letter (xkvtc:w8t18) are renamed <m>-<w8>:t18, so that
+letters-digits-then-letter (xkvtc:w8t18, xkvtc:w20b4t22) are renamed
+<m>-<w8>:t18 (<m>-<w20b4>:t22), so that
 scripts/ratio_curve.py reads one series per window setting.
 
 usage: scripts/combine_windows.py DIR FIRST LAST > combined.json
@@ -51,7 +52,7 @@ for m in order:
     se = math.sqrt(sum((c - mu) ** 2 for c in changes) / (k - 1) / k) if k > 1 else 0.0
     fp16 = sum(r["fp16_bytes"] for r in rows)
     stored = sum(r["compressed_bytes"] for r in rows)
-    name = re.sub(r"^([^:]+):([a-z]+\d+)([a-z])(\d+)$", r"\1-\2:\3\4", m)
+    name = re.sub(r"^([^:]+):([a-z]+\d[a-z0-9]*?)([a-z])(\d+)$", r"\1-\2:\3\4", m)
     out.append({"method": name, "scored": n, "nll": nll, "ppl": math.exp(nll),
                 "ppl_change_pct": 100.0 * (math.exp(nll - nll0) - 1.0), "ppl_change_se_pct": se,
                 "ppl_change_min_pct": min(changes), "ppl_change_max_pct": max(changes),

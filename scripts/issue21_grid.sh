@@ -8,6 +8,7 @@
 #   xa    fp16, streaming xkvtc window 16 / block 16 at XA16 targets and
 #         window 8 / block 8 at XA8 targets                 (CAL/<XPREFIX><t>.kvcal)
 #   xb    streaming xkvtc window 4 / block 4 at XB4 targets
+#   xw    streaming xkvtc at XW="W:B:t1,t2 ..." (window W, block B, targets)
 # Calibrations (fitted on windows 16-31):
 #   kvcodec calibrate --cross-layer --target-ratios 18,20,22,25,28 -o 'CAL/xl{}.kvcal'
 #   kvcodec calibrate --method palu --set palu.group_mode=joint --set palu.n_head_groups=1 -o CAL/joint.pcal
@@ -15,11 +16,11 @@
 # RESULTS/<job>_<window>.json and .err; progress lines go to stdout.
 # Usage: KVCODEC=build/kvcodec TOKENS=../shared/models/tinycode/eval_tokens.u16 CAL=out RESULTS=DIR \
 #        [JOBS=$(nproc)] [KINDS="xa palu xb"] [WINDOWS="0 ... 15"] [XPREFIX=xl] \
-#        [XA16="20 22 25"] [XA8="18 20 22 25 28"] [XB4="18 20 22 25 28"] scripts/issue21_grid.sh
+#        [XA16="20 22 25"] [XA8="18 20 22 25 28"] [XB4="18 20 22 25 28"] [XW=...] scripts/issue21_grid.sh
 set -euo pipefail
 : "${KVCODEC:?}" "${TOKENS:?}" "${CAL:?}" "${RESULTS:?}"
 export KVCODEC TOKENS CAL RESULTS XPREFIX=${XPREFIX:-xl} XA16=${XA16-20 22 25} XA8=${XA8-18 20 22 25 28} \
-  XB4=${XB4-18 20 22 25 28}
+  XB4=${XB4-18 20 22 25 28} XW=${XW-}
 mkdir -p "$RESULTS"
 run_one() {
   local kind=$1 w=$2 m set=() t e
@@ -44,6 +45,17 @@ run_one() {
       for t in $XB4; do
         m+="${m:+,}xkvtc:w4t$t"
         set+=(--set "xkvtc:w4t$t.calibration=$CAL/$XPREFIX$t.kvcal" --set "xkvtc:w4t$t.window=4" --set "xkvtc:w4t$t.block=4")
+      done ;;
+    xw)  # XW="W:B:t1,t2 ...": window W, block B at each target
+      m=""
+      local spec W Bk ts
+      for spec in $XW; do
+        IFS=: read -r W Bk ts <<< "$spec"
+        for t in ${ts//,/ }; do
+          m+="${m:+,}xkvtc:w${W}b${Bk}t$t"
+          set+=(--set "xkvtc:w${W}b${Bk}t$t.calibration=$CAL/$XPREFIX$t.kvcal" --set "xkvtc:w${W}b${Bk}t$t.window=$W"
+                --set "xkvtc:w${W}b${Bk}t$t.block=$Bk")
+        done
       done ;;
     *) echo "issue21_grid.sh: unknown job '$kind'" >&2; return 2 ;;
   esac
