@@ -9,6 +9,8 @@
 #         window 8 / block 8 at XA8 targets                 (CAL/<XPREFIX><t>.kvcal)
 #   xb    streaming xkvtc window 4 / block 4 at XB4 targets
 #   xw    streaming xkvtc at XW="W:B:t1,t2 ..." (window W, block B, targets)
+#   xr    streaming xkvtc with a recent tier, XR="W:B:R:Q:t1,t2 ..." (the R newest
+#         coded tokens at target Q's calibration, the rest at each target)
 # Calibrations (fitted on windows 16-31):
 #   kvcodec calibrate --cross-layer --target-ratios 18,20,22,25,28 -o 'CAL/xl{}.kvcal'
 #   kvcodec calibrate --method palu --set palu.group_mode=joint --set palu.n_head_groups=1 -o CAL/joint.pcal
@@ -16,11 +18,11 @@
 # RESULTS/<job>_<window>.json and .err; progress lines go to stdout.
 # Usage: KVCODEC=build/kvcodec TOKENS=../shared/models/tinycode/eval_tokens.u16 CAL=out RESULTS=DIR \
 #        [JOBS=$(nproc)] [KINDS="xa palu xb"] [WINDOWS="0 ... 15"] [XPREFIX=xl] \
-#        [XA16="20 22 25"] [XA8="18 20 22 25 28"] [XB4="18 20 22 25 28"] [XW=...] scripts/issue21_grid.sh
+#        [XA16="20 22 25"] [XA8="18 20 22 25 28"] [XB4="18 20 22 25 28"] [XW=...] [XR=...] scripts/issue21_grid.sh
 set -euo pipefail
 : "${KVCODEC:?}" "${TOKENS:?}" "${CAL:?}" "${RESULTS:?}"
 export KVCODEC TOKENS CAL RESULTS XPREFIX=${XPREFIX:-xl} XA16=${XA16-20 22 25} XA8=${XA8-18 20 22 25 28} \
-  XB4=${XB4-18 20 22 25 28} XW=${XW-}
+  XB4=${XB4-18 20 22 25 28} XW=${XW-} XR=${XR-}
 mkdir -p "$RESULTS"
 run_one() {
   local kind=$1 w=$2 m set=() t e
@@ -55,6 +57,18 @@ run_one() {
           m+="${m:+,}xkvtc:w${W}b${Bk}t$t"
           set+=(--set "xkvtc:w${W}b${Bk}t$t.calibration=$CAL/$XPREFIX$t.kvcal" --set "xkvtc:w${W}b${Bk}t$t.window=$W"
                 --set "xkvtc:w${W}b${Bk}t$t.block=$Bk")
+        done
+      done ;;
+    xr)  # XR="W:B:R:Q:t1,t2 ...": window W, block B, recent tier of R tokens at target Q, base at each target
+      m=""
+      local spec W Bk Rr Q ts name
+      for spec in $XR; do
+        IFS=: read -r W Bk Rr Q ts <<< "$spec"
+        for t in ${ts//,/ }; do
+          name="xkvtc:w${W}b${Bk}r${Rr}q${Q}t$t"
+          m+="${m:+,}$name"
+          set+=(--set "$name.calibration=$CAL/$XPREFIX$t.kvcal" --set "$name.window=$W" --set "$name.block=$Bk"
+                --set "$name.recent=$Rr" --set "$name.recent_calibration=$CAL/$XPREFIX$Q.kvcal")
         done
       done ;;
     *) echo "issue21_grid.sh: unknown job '$kind'" >&2; return 2 ;;

@@ -26,6 +26,7 @@ struct LayerState {
 struct CodedBlock {
   int64_t first = 0, n = 0;
   std::vector<uint8_t> k, v;  // kvtc payloads of the block's cross-layer vectors
+  bool recent = false;        // coded with the recent tier's calibration
 };
 
 void f16_rows_to_f32(const uint16_t* src, size_t count, std::vector<float>& out) {
@@ -62,7 +63,13 @@ class CrossLayerStreamGroup {
     st.n += S;
     int64_t all = st.n;  // tokens every layer has
     for (const LayerState& s : layers_) all = std::min(all, s.n);
-    while (all - o_.window - coded_end_ >= o_.block) code_block();
+    while (all - o_.window - coded_end_ >= o_.block) {
+      code_block();
+      // Blocks with `recent` coded tokens behind them leave the recent tier.
+      while (o_.recent > 0 && first_recent_ < blocks_.size() &&
+             blocks_[first_recent_].first + blocks_[first_recent_].n + o_.recent <= coded_end_)
+        recode_to_base(blocks_[first_recent_++]);
+    }
   }
 
   void visit(int l, const KVCache::BlockVisitor& fn) const {
@@ -124,8 +131,15 @@ class CrossLayerStreamGroup {
       s.extras["value.payload_bytes"] = double(pv);
       s.extras["coded_tokens"] = double(coded_end_ - o_.sinks);
       s.extras["decoded_token_vectors"] = double(decoded_.load());
+      if (o_.recent > 0) {
+        s.extras["recent_tokens"] = double(coded_end_ - o_.sinks - recoded_);
+        s.extras["recoded_tokens"] = double(recoded_);
+      }
     }
     s.shared["xkvtc:" + std::to_string(reinterpret_cast<uintptr_t>(cal_.get()))] = cal_->held_bytes();
+    if (o_.recent_calibration)
+      s.shared["xkvtc:" + std::to_string(reinterpret_cast<uintptr_t>(o_.recent_calibration.get()))] =
+          o_.recent_calibration->held_bytes();
     return s;
   }
 
@@ -143,10 +157,15 @@ class CrossLayerStreamGroup {
     for (int64_t d = 0; d < V_; ++d) rows.push_back(f32_to_f16(x[d]));
   }
 
-  // Codes tokens [coded_end_, coded_end_ + block) of every layer and drops their raw rows.
+  const KvtcCalibration& cal_of(const CodedBlock& b) const { return b.recent ? *o_.recent_calibration : *cal_; }
+
+  // Codes tokens [coded_end_, coded_end_ + block) of every layer (with the
+  // recent tier's calibration when there is one) and drops their raw rows.
   void code_block() {
     const int64_t n = o_.block, t0 = coded_end_;
-    CodedBlock b{t0, n, code_tensor(true, t0, n), code_tensor(false, t0, n)};
+    const bool recent = o_.recent > 0;
+    const KvtcCalibration& cal = recent ? *o_.recent_calibration : *cal_;
+    CodedBlock b{t0, n, code_tensor(cal, true, t0, n), code_tensor(cal, false, t0, n), recent};
     for (LayerState& st : layers_) {
       st.k.tail.erase(st.k.tail.begin(), st.k.tail.begin() + n * V_);
       st.v.tail.erase(st.v.tail.begin(), st.v.tail.begin() + n * V_);
@@ -165,7 +184,7 @@ class CrossLayerStreamGroup {
     coded_end_ += n;
   }
 
-  std::vector<uint8_t> code_tensor(bool is_key, int64_t t0, int64_t n) const {
+  std::vector<uint8_t> code_tensor(const KvtcCalibration& cal, bool is_key, int64_t t0, int64_t n) const {
     std::vector<std::vector<float>> rows(static_cast<size_t>(L_));
     std::vector<const float*> ptrs;
     for (int l = 0; l < L_; ++l) {
@@ -173,10 +192,55 @@ class CrossLayerStreamGroup {
       f16_rows_to_f32(r.tail.data(), size_t(n * V_), rows[size_t(l)]);  // the tail starts at t0
       ptrs.push_back(rows[size_t(l)].data());
     }
+    return code_rows(cal, is_key, ptrs.data(), t0, n);
+  }
+
+  // layer_rows[l]: layer l's tokens [t0, t0 + n) as f32 [n, H * D].
+  std::vector<uint8_t> code_rows(const KvtcCalibration& cal, bool is_key, const float* const* layer_rows, int64_t t0,
+                                 int64_t n) const {
     std::vector<float> x(size_t(n * L_ * V_));
-    cross_layer_to_codec(ptrs.data(), L_, H_, D_, n, t0, is_key, inv_freq_,
-                         is_key ? cal_->key_scale[0] : cal_->value_scale[0], x.data());
-    return kvtc::encode_block(is_key ? cal_->keys[0] : cal_->values[0], x.data(), n);
+    cross_layer_to_codec(layer_rows, L_, H_, D_, n, t0, is_key, inv_freq_,
+                         is_key ? cal.key_scale[0] : cal.value_scale[0], x.data());
+    return kvtc::encode_block(is_key ? cal.keys[0] : cal.values[0], x.data(), n);
+  }
+
+  // Re-codes a recent-tier block with the base calibration from its
+  // recent-tier reconstruction (the scratch's rows, or decoded here), and
+  // puts the base code's reconstruction in the scratch.
+  void recode_to_base(CodedBlock& b) {
+    std::vector<std::vector<float>> kf, vf;
+    if (o_.decoded_scratch) {
+      kf.resize(size_t(L_));
+      vf.resize(size_t(L_));
+      const size_t at = size_t((b.first - o_.sinks) * V_), count = size_t(b.n * V_);
+      for (int l = 0; l < L_; ++l) {
+        const RawRows& k = layers_[size_t(l)].k;
+        const RawRows& v = layers_[size_t(l)].v;
+        kf[size_t(l)].assign(k.decoded.begin() + at, k.decoded.begin() + at + count);
+        vf[size_t(l)].assign(v.decoded.begin() + at, v.decoded.begin() + at + count);
+      }
+    } else {
+      decode(b, kf, vf);
+    }
+    std::vector<const float*> kp, vp;
+    for (int l = 0; l < L_; ++l) {
+      kp.push_back(kf[size_t(l)].data());
+      vp.push_back(vf[size_t(l)].data());
+    }
+    b.k = code_rows(*cal_, true, kp.data(), b.first, b.n);
+    b.v = code_rows(*cal_, false, vp.data(), b.first, b.n);
+    b.k.shrink_to_fit();
+    b.v.shrink_to_fit();
+    b.recent = false;
+    recoded_ += b.n;
+    if (o_.decoded_scratch) {
+      decode(b, kf, vf);
+      const size_t at = size_t((b.first - o_.sinks) * V_);
+      for (int l = 0; l < L_; ++l) {
+        std::copy(kf[size_t(l)].begin(), kf[size_t(l)].end(), layers_[size_t(l)].k.decoded.begin() + at);
+        std::copy(vf[size_t(l)].begin(), vf[size_t(l)].end(), layers_[size_t(l)].v.decoded.begin() + at);
+      }
+    }
   }
 
   // Block b decoded whole (every layer): rows[l] = layer l's keys / values
@@ -189,8 +253,9 @@ class CrossLayerStreamGroup {
 
   void decode_tensor(const CodedBlock& b, bool is_key, std::vector<std::vector<float>>& rows) const {
     const std::vector<uint8_t>& payload = is_key ? b.k : b.v;
+    const KvtcCalibration& cal = cal_of(b);
     std::vector<float> x(size_t(b.n * L_ * V_));
-    kvtc::decode_block(is_key ? cal_->keys[0] : cal_->values[0], payload.data(), payload.size(), b.n, x.data());
+    kvtc::decode_block(is_key ? cal.keys[0] : cal.values[0], payload.data(), payload.size(), b.n, x.data());
     rows.resize(size_t(L_));
     std::vector<float*> ptrs;
     for (auto& r : rows) {
@@ -198,7 +263,7 @@ class CrossLayerStreamGroup {
       ptrs.push_back(r.data());
     }
     cross_layer_from_codec(x.data(), L_, H_, D_, b.n, b.first, is_key, inv_freq_,
-                           is_key ? cal_->key_scale[0] : cal_->value_scale[0], ptrs.data());
+                           is_key ? cal.key_scale[0] : cal.value_scale[0], ptrs.data());
   }
 
   std::shared_ptr<const KvtcCalibration> cal_;
@@ -209,6 +274,8 @@ class CrossLayerStreamGroup {
   std::vector<LayerState> layers_;
   std::vector<CodedBlock> blocks_;
   int64_t coded_end_;  // tokens [sinks, coded_end_) are coded
+  size_t first_recent_ = 0;  // blocks_[first_recent_..] are in the recent tier (all of them without one)
+  int64_t recoded_ = 0;      // tokens re-coded from the recent tier to the base calibration
   mutable std::atomic<uint64_t> decoded_{0};  // work: tokens decoded (all layers of each)
 };
 
@@ -259,6 +326,11 @@ void check_options(const CrossLayerStreamOptions& o) {
   if (o.sinks < 0 || o.sinks > (1 << 20)) throw_config_error("xkvtc.sinks", std::to_string(o.sinks), "[0, 2^20]");
   if (o.window < 0 || o.window > (1 << 20)) throw_config_error("xkvtc.window", std::to_string(o.window), "[0, 2^20]");
   if (o.block < 1 || o.block > (1 << 16)) throw_config_error("xkvtc.block", std::to_string(o.block), "[1, 65536]");
+  if (o.recent < 0 || o.recent > (1 << 20)) throw_config_error("xkvtc.recent", std::to_string(o.recent), "[0, 2^20]");
+  if (o.recent > 0 && !o.recent_calibration)
+    throw_config_error("xkvtc.recent", std::to_string(o.recent), "0 without xkvtc.recent_calibration");
+  if (o.recent == 0 && o.recent_calibration)
+    throw_config_error("xkvtc.recent_calibration", "(set)", "unset with xkvtc.recent = 0");
 }
 
 }  // namespace
@@ -270,6 +342,9 @@ std::vector<std::unique_ptr<KVCache>> make_cross_layer_stream_caches(std::shared
   check_cross_layer_calibration(*cal, config.n_layers, config.n_kv_heads, config.head_dim, config.rope_theta,
                                 "(xkvtc stream)");
   check_options(options);
+  if (options.recent_calibration)
+    check_cross_layer_calibration(*options.recent_calibration, config.n_layers, config.n_kv_heads, config.head_dim,
+                                  config.rope_theta, "(xkvtc stream, recent tier)");
   auto group = std::make_shared<CrossLayerStreamGroup>(std::move(cal), config, options);
   std::vector<std::unique_ptr<KVCache>> caches;
   for (int l = 0; l < config.n_layers; ++l) {

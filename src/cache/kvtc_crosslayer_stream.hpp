@@ -25,6 +25,15 @@
 // and reported apart (CacheStats::shared). Not savable and not trimmable
 // (blocks span every layer): save/load/trim throw Error(kUnsupported).
 //
+// Recent tier (options.recent > 0): a block is first coded with
+// options.recent_calibration (a higher-rate cross-layer calibration), and
+// once `recent` newer tokens are coded behind it, it is re-coded with the
+// base calibration from its recent-tier reconstruction (the raw rows are
+// gone by then: nothing uncompressed is kept for it). Each block is re-coded
+// once: O(1) per appended token; the stored bytes count whichever payload a
+// block holds. Why: in streaming the error that costs perplexity is in the
+// tokens just behind the window, which attention reads most.
+//
 // Prefill caveat (cross-layer by construction): a block is coded when the
 // LAST layer appends it, so during one forward pass layers 0..L-2 read the
 // new tokens raw; from the next pass on every layer reads them coded.
@@ -48,11 +57,14 @@ struct CrossLayerStreamOptions {
   int window = 16;
   int block = 16;
   bool decoded_scratch = true;
+  int recent = 0;  // coded tokens held in the recent tier (0: none)
+  std::shared_ptr<const KvtcCalibration> recent_calibration;  // needed when recent > 0
 };
 
 // The n_layers caches of one sequence (config.layer is ignored; caches[l]
-// serves layer l). Throws Error(kShapeMismatch) unless cal is a cross-layer
-// calibration for config's shape, Error(kConfig) for bad options.
+// serves layer l). Throws Error(kShapeMismatch) unless cal (and the recent
+// tier's) is a cross-layer calibration for config's shape, Error(kConfig)
+// for bad options.
 std::vector<std::unique_ptr<KVCache>> make_cross_layer_stream_caches(std::shared_ptr<const KvtcCalibration> cal,
                                                                      const CacheConfig& config,
                                                                      const CrossLayerStreamOptions& options);

@@ -150,6 +150,78 @@ TEST(CrossLayerStream, ScratchAndPerReadDecodingAgreeAndTheWorkIsAsStated) {
   EXPECT_EQ(sw.compressed_bytes(), so.compressed_bytes());
 }
 
+// A higher-rate calibration for the recent tier.
+std::shared_ptr<const KvtcCalibration> recent_calibration() {
+  static const auto cal = std::make_shared<const KvtcCalibration>(
+      fit_cross_layer_calibrations(config(), "h", samples(2048), options(), {3.0})[0]);
+  return cal;
+}
+
+TEST(CrossLayerStream, RecentTierCodesNewBlocksFinerAndRecodesThemFromTheirReconstructionOnce) {
+  // sinks 4, window 8, blocks of 16: 8 blocks (4..131) coded at 150 tokens.
+  // recent 32: a block leaves the tier once 32 coded tokens follow it, so
+  // blocks 4..99 are re-coded with the base calibration and 100..131 stay.
+  const int64_t S = 150, coded_end = 132, recent_from = 100;
+  const std::vector<KVPair> p = f16_prefix(S, 13);
+  // Plain reference from whole-prefix stores: the recent tier's reconstruction
+  // of every block, then the base code of that reconstruction.
+  std::vector<KVPair> coded;
+  for (const KVPair& kv : p)
+    coded.push_back({Tensor::from_view(kv.keys.view().slice_tokens(0, coded_end)),
+                     Tensor::from_view(kv.values.view().slice_tokens(0, coded_end))});
+  const std::vector<KVPair> fine =
+      restore_prefix_cross_layer(*recent_calibration(), store_prefix_cross_layer(*recent_calibration(), coded, 4, 16));
+  const CrossLayerPrefixBytes recoded_bytes = store_prefix_cross_layer(*calibration(), fine, 4, 16);
+  const std::vector<KVPair> recoded = restore_prefix_cross_layer(*calibration(), recoded_bytes);
+  uint64_t stored[2] = {0, 0};
+  for (const bool scratch : {true, false}) {
+    CrossLayerStreamOptions o = opts(scratch);
+    o.recent = 32;
+    o.recent_calibration = recent_calibration();
+    auto caches = make_cross_layer_stream_caches(calibration(), cache_config(), o);
+    for (int64_t t = 0; t < S;) {  // one token per step after a prefill of 60
+      const int64_t n = t == 0 ? 60 : 1;
+      feed(caches, p, t, n);
+      t += n;
+    }
+    for (int l = 0; l < kL; ++l) {
+      const KVPair got = caches[size_t(l)]->fetch(DType::kF32);
+      for (const bool is_key : {true, false}) {
+        const float* g = (is_key ? got.keys : got.values).data_as<float>();
+        const float* raw = (is_key ? p[size_t(l)].keys : p[size_t(l)].values).data_as<float>();
+        const float* f = (is_key ? fine[size_t(l)].keys : fine[size_t(l)].values).data_as<float>();
+        const float* r = (is_key ? recoded[size_t(l)].keys : recoded[size_t(l)].values).data_as<float>();
+        for (int h = 0; h < kH; ++h)
+          for (int64_t t = 0; t < S; ++t)
+            for (int d = 0; d < kD; ++d) {
+              const int64_t i = (h * S + t) * kD + d, j = (h * coded_end + t) * kD + d;
+              const float want = t < 4 || t >= coded_end ? raw[i] : t >= recent_from ? f[j] : r[j];
+              ASSERT_EQ(g[i], want) << "l " << l << " t " << t << " k " << is_key << " scratch " << scratch;
+            }
+      }
+    }
+    const CacheStats s0 = caches[0]->stats();
+    EXPECT_EQ(s0.extras.at("recoded_tokens"), double(recent_from - 4));
+    EXPECT_EQ(s0.extras.at("recent_tokens"), double(coded_end - recent_from));
+    CacheStats total;
+    for (const auto& c : caches) total += c->stats();
+    EXPECT_EQ(total.shared.size(), 2u);  // both calibrations, apart
+    stored[scratch] = total.compressed_bytes();
+  }
+  EXPECT_EQ(stored[0], stored[1]);
+  // Every byte of both tiers: more than the base code alone of the same
+  // blocks, since the newest two blocks hold the finer code.
+  const uint64_t base_only = recoded_bytes.keys.size() + recoded_bytes.values.size();
+  EXPECT_GT(stored[1], base_only);
+  // Refused: a tier without its calibration, a calibration without a tier.
+  CrossLayerStreamOptions bad = opts(true);
+  bad.recent = 16;
+  EXPECT_THROW(make_cross_layer_stream_caches(calibration(), cache_config(), bad), Error);
+  bad.recent = 0;
+  bad.recent_calibration = recent_calibration();
+  EXPECT_THROW(make_cross_layer_stream_caches(calibration(), cache_config(), bad), Error);
+}
+
 TEST(CrossLayerStream, RefusesWhatItCannotDoWithClearErrors) {
   auto code_of = [](auto&& f) {
     try {

@@ -104,12 +104,16 @@ Corpus read_corpus(const EvalArgs& a, const std::string& dir, model::EvalOptions
 // kvcodec calibrate --cross-layer). With --protocol prefix the store of whole
 // prefixes (fields sinks [4], block [64]); streaming, the per-layer caches of
 // a sequence sharing one coder (cache/kvtc_crosslayer_stream.hpp: sinks [4],
-// window [16], block [16], scratch decoded|none [decoded]).
+// window [16], block [16], scratch decoded|none [decoded], recent [0] with
+// recent_calibration=FILE: the recent tier, coded tokens first coded with
+// that calibration and re-coded with the base one once `recent` newer tokens
+// are coded).
 model::MethodSpec cross_layer_spec(const std::string& name, const Settings& settings, const model::EvalOptions& o,
                                    const model::ModelConfig& config) {
   const std::vector<std::string> fields =
       o.stored_prefix ? std::vector<std::string>{"calibration", "sinks", "block"}
-                      : std::vector<std::string>{"calibration", "sinks", "window", "block", "scratch"};
+                      : std::vector<std::string>{"calibration", "sinks", "window", "block", "scratch", "recent",
+                                                 "recent_calibration"};
   std::string allowed;
   for (const std::string& f : fields) allowed += (allowed.empty() ? "" : ", ") + f;
   for (const auto& [field, value] : settings)
@@ -138,6 +142,12 @@ model::MethodSpec cross_layer_spec(const std::string& name, const Settings& sett
     const std::string scratch = settings.count("scratch") ? settings.at("scratch") : "decoded";
     if (scratch != "decoded" && scratch != "none") throw_config_error("xkvtc.scratch", scratch, "decoded or none");
     so.decoded_scratch = scratch == "decoded";
+    so.recent = int_field("recent", 0, 0);
+    if (settings.count("recent_calibration")) {
+      so.recent_calibration = KvtcCalibration::load_shared(settings.at("recent_calibration"));
+      check_cross_layer_calibration(*so.recent_calibration, config.n_layers, config.n_kv_heads, config.head_dim,
+                                    config.rope_theta, settings.at("recent_calibration"));
+    }
     return {name, cross_layer_stream_factory(std::move(cal), so)};
   }
   model::MethodSpec s{name, model::method_cache_factory("fp16")};
