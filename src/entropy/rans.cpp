@@ -672,12 +672,54 @@ uint32_t RansDecodeTable::symbol_of(uint32_t slot) const {
   return lo;
 }
 
-RansEncodeTable::RansEncodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
+namespace {
+
+#ifdef KVCODEC_RANS_AVX2
+KVCODEC_AVX2_BEGIN
+// rans_rcp(f[i], bit_width(f[i] - 1)) for i < n / 4 * 4, four per double
+// division (rans_rcp's argument: the rounded quotient has the exact one's
+// ceiling); junk where f[i] < 2 (the caller's constants there). bit_width
+// of 1 <= f - 1 < 2^24 is the biased exponent of float(f - 1) less 126, and
+// 2^(31 + l) the double of biased exponent 1023 + 31 + l; the ceiling
+// (< 2^32) converts to uint32 through the int32 range, offset by 2^31.
+void rans_rcp_avx2(const uint32_t* f, size_t n, uint32_t* out) {
+  const __m256d two31 = _mm256_set1_pd(2147483648.0);
+  for (size_t i = 0; i + 4 <= n; i += 4) {
+    const __m128i fv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f + i));
+    const __m128i fm1 = _mm_sub_epi32(fv, _mm_set1_epi32(1));
+    const __m128i l = _mm_sub_epi32(_mm_srli_epi32(_mm_castps_si128(_mm_cvtepi32_ps(fm1)), 23), _mm_set1_epi32(126));
+    const __m256i nbits = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_add_epi32(l, _mm_set1_epi32(1023 + 31))), 52);
+    const __m256d q = _mm256_div_pd(_mm256_castsi256_pd(nbits), _mm256_cvtepi32_pd(fv));
+    const __m256d c = _mm256_round_pd(q, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    const __m128i r = _mm_xor_si128(_mm256_cvttpd_epi32(_mm256_sub_pd(c, two31)), _mm_set1_epi32(int32_t(0x80000000u)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), r);
+  }
+}
+KVCODEC_AVX2_END
+#endif
+
+}  // namespace
+
+void RansEncodeTable::assign(const FrequencyTable& t) {
+  alphabet_size = t.alphabet_size, scale_bits = t.scale_bits;
   if (t.alphabet_size == 0 || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.freq.size() != t.alphabet_size ||
       t.cum.size() != size_t(t.alphabet_size) + 1 || t.cum.back() != t.total())
     throw Error(ErrorCode::kInvalidArgument, "RansEncodeTable: invalid frequency table");
   const uint32_t M = t.total();
   syms.resize(alphabet_size);
+  // The reciprocals of the first alphabet / 4 * 4 symbols four at a time
+  // where AVX2 runs (the divisions were most of a kvtc head's encode
+  // tables); the rest, and every one elsewhere, by rans_rcp.
+  const uint32_t* rcps = nullptr;
+  uint32_t n_rcps = 0;
+#ifdef KVCODEC_RANS_AVX2
+  thread_local std::vector<uint32_t> rcp_buf;
+  if (alphabet_size >= 4 && simd_avx2()) {
+    rcp_buf.resize(alphabet_size);
+    rans_rcp_avx2(t.freq.data(), alphabet_size, rcp_buf.data());
+    rcps = rcp_buf.data(), n_rcps = alphabet_size / 4 * 4;
+  }
+#endif
   for (uint32_t s = 0; s < alphabet_size; ++s) {
     const uint32_t f = t.freq[s];
     if (f == 0 || f > M || t.cum[s] + f != t.cum[s + 1])
@@ -694,7 +736,7 @@ RansEncodeTable::RansEncodeTable(const FrequencyTable& t) : alphabet_size(t.alph
       const uint32_t l = uint32_t(std::bit_width(f - 1));  // ceil(log2 f)
       // ceil(2^(31 + l) / f) < 2^32 for f >= 2; x * rcp's error stays below
       // 2^(31 + l) for x < 2^31, so the quotient is exact.
-      e.rcp = uint32_t(((uint64_t(1) << (31 + l)) + f - 1) / f);
+      e.rcp = s < n_rcps ? rcps[s] : rans_rcp(f, l);
       e.shift = uint16_t(l - 1);
       e.bias = t.cum[s];
     }

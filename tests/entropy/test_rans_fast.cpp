@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <random>
 
@@ -41,6 +42,26 @@ TEST(RansFast, QuotientIsExactForEveryFrequency) {
   }
   const RansEncodeTable full(FrequencyTable::from_freqs({65536}, 16));
   for (uint32_t x : {kRansLow, x_hi}) ASSERT_EQ(quotient(full.syms[0], x), x >> 16);
+}
+
+// RansEncodeTable's reciprocals (rans_rcp by a double division, four per
+// AVX2 division in tables of 4+ symbols) are the integer division's
+// ceil(2^(31 + l) / f) for every frequency: f alone ({f, 65536 - f}: the
+// scalar path), and f in the vector lanes ({f, 1, 1, 65534 - f}, f == 1
+// lanes taking the special constants).
+TEST(RansFast, ReciprocalEqualsTheIntegerDivision) {
+  const auto l_of = [](uint32_t f) { return uint32_t(std::bit_width(f - 1)); };
+  for (uint32_t f = 2; f <= 65536; ++f) ASSERT_EQ(rans_rcp(f, l_of(f)), rans_rcp_reference(f, l_of(f))) << f;
+  const auto check = [&](const FrequencyTable& t) {
+    const RansEncodeTable enc(t);
+    for (uint32_t s = 0; s < t.alphabet_size; ++s) {
+      const uint32_t f = t.freq[s];
+      ASSERT_EQ(enc.syms[s].rcp, f == 1 ? 0xffffffffu : rans_rcp_reference(f, l_of(f))) << "f " << f << " s " << s;
+    }
+  };
+  for (uint32_t f = 2; f < 65535; ++f) check(FrequencyTable::from_freqs({f, 65536 - f}, 16));
+  for (uint32_t f = 2; f <= 65532; ++f) check(FrequencyTable::from_freqs({f, 1, 1, 65534 - f}, 16));
+  for (uint32_t f = 1; f <= 1364; ++f) check(FrequencyTable::from_freqs({f, f, f, 4096 - 3 * f}, 12));
 }
 
 struct Case {
