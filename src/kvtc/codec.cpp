@@ -680,6 +680,18 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out, bool basis_finite) {
   return true;
 }
 
+#ifdef KVCODEC_KVTC_GEMM
+// build_proj_int<false> compiled for AVX2 (every call inlined into this
+// function, so its loops take 256-bit vectors): the same values, each
+// lane doing the plain loop's operations in its order (no FMA contraction:
+// -ffp-contract=off); a cache opening its heads per call builds these for
+// every head it codes. Codec.KernelsEqualTheirReference compares.
+KVCODEC_TARGET_AVX2 __attribute__((flatten)) bool build_proj_int_avx2(const HeadParams& p, HeadKernels& out,
+                                                                      bool basis_finite) {
+  return build_proj_int<false>(p, out, basis_finite);
+}
+#endif
+
 // HeadKernels::build (kPlain false) and build_reference (true), into out:
 // a fresh object, or one built before (HeadOpener), every field of which is
 // set again (the encoder's vectors keeping their capacity).
@@ -697,7 +709,13 @@ void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
   const ValueScan mean = decoding || kPlain ? scan(p.mean) : ValueScan{}, basis = scan(p.basis);
   out.recon_int = decoding && build_recon_int<kPlain>(p, out, mean.finite && basis.finite);
   if (!out.recon_int) out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
-  out.proj_int = encoding && build_proj_int<kPlain>(p, out, basis.finite);
+  const auto proj = [&] {
+#ifdef KVCODEC_KVTC_GEMM
+    if (!kPlain && simd_avx2()) return build_proj_int_avx2(p, out, basis.finite);
+#endif
+    return build_proj_int<kPlain>(p, out, basis.finite);
+  };
+  out.proj_int = encoding && proj();
   if (!out.proj_int) {
     // Released, as the tables of a fresh build that fails hold nothing.
     std::vector<int16_t>().swap(out.proj_w), std::vector<float>().swap(out.proj_qscale);
