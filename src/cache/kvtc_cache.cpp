@@ -86,8 +86,14 @@ class KvtcCache final : public cache_impl::KvtcCacheBase {
   // Keeps fitted (or loaded) parameters as their serialised bytes.
   static void hold_params(Stream& s, const std::vector<kvtc::HeadParams>& heads);
   OpenHeads fit();
-  void encode_ready_blocks(const OpenHeads& open);
-  void encode_direct(const OpenHeads& open, const TensorView& keys, const TensorView& values, int64_t n);
+  // The encoders' `open` heads when the call has them (kept, or just
+  // fitted); null: each head parsed and built by encoder_head, once per call.
+  void encode_ready_blocks(const OpenHeads* open);
+  void encode_direct(const OpenHeads* open, const TensorView& keys, const TensorView& values, int64_t n);
+  // Head h of s for this call's encoder: open's, or the held bytes opened in
+  // this thread's kvtc::HeadOpener (valid until its next head: a head's
+  // blocks are coded before the thread takes another).
+  const kvtc::HeadParams& encoder_head(const OpenHeads* open, const Stream& s, int64_t h) const;
   void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
   void reset() override;
   TensorBytes tensor_bytes(bool is_key) const override;
@@ -172,6 +178,18 @@ KvtcCache::OpenHeads KvtcCache::open_heads(kvtc::KernelSet kernels) const {
   return open;
 }
 
+const kvtc::HeadParams& KvtcCache::encoder_head(const OpenHeads* open, const Stream& s, int64_t h) const {
+  if (open) return open->of(s, *this)[size_t(h)];
+  // Per-thread scratch, not held by any cache: its storage grows to the
+  // largest head this thread opened and is parsed into again per head,
+  // without the allocation and freeing of ~200 vectors a head
+  // (HeadParams::deserialize) that were most of a bulk append's opening.
+  thread_local kvtc::HeadOpener opener;
+  const auto& bytes = s.params[size_t(h)];
+  ByteReader in(bytes.data(), bytes.size(), "kvtc head params");
+  return opener.open(in, config_.head_dim, kvtc::KernelSet::kEncode);
+}
+
 void KvtcCache::hold_params(Stream& s, const std::vector<kvtc::HeadParams>& heads) {
   s.params.clear();
   s.n_kept.clear();
@@ -215,16 +233,17 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   if (fitted_ && raw_tokens() == sink_tokens() && rows_ok(keys) && rows_ok(values) && S > options_.window)
     direct = (S - options_.window) / options_.block * options_.block;
   // The encoder's heads, built at most once per call and only when a block
-  // is coded (kept between calls only while they are small: see kept_).
+  // is coded (kept between calls only while they are small: see kept_); a
+  // bulk append opens each head where it codes it (encoder_head).
   kept_.keep = S < options_.block;
   if (!kept_.keep) kept_.set(nullptr);
   std::shared_ptr<const OpenHeads> open;
   const auto need_encoder = [&] {
-    if (!open) open = heads_for_call(kvtc::KernelSet::kEncode);
+    if (!open && kept_.keep) open = heads_for_call(kvtc::KernelSet::kEncode);
   };
   if (direct > 0) {
     need_encoder();
-    encode_direct(*open, keys, values, direct);
+    encode_direct(open.get(), keys, values, direct);
   }
   const int64_t S_raw = S - direct;
   for (Stream* stream : {&key_, &value_}) {
@@ -258,7 +277,7 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   }
   if (fitted_ && ready_blocks() > 0) {
     need_encoder();
-    encode_ready_blocks(*open);
+    encode_ready_blocks(open.get());
   }
 }
 
@@ -305,7 +324,7 @@ KvtcCache::OpenHeads KvtcCache::fit() {
   return open;
 }
 
-void KvtcCache::encode_direct(const OpenHeads& open, const TensorView& keys, const TensorView& values,
+void KvtcCache::encode_direct(const OpenHeads* open, const TensorView& keys, const TensorView& values,
                               int64_t n) {
   const int64_t B = options_.block;
   const int64_t heads = heads_total();
@@ -313,23 +332,23 @@ void KvtcCache::encode_direct(const OpenHeads& open, const TensorView& keys, con
   const size_t n_blocks = size_t(n / B);
   for (Stream* stream : {&key_, &value_}) {
     const TensorView& src = stream == &key_ ? keys : values;
-    const auto& params = open.of(*stream, *this);
     const size_t first = stream->blocks.size();
     stream->blocks.resize(first + n_blocks);
     for (size_t j = 0; j < n_blocks; ++j) stream->blocks[first + j].payload.resize(size_t(heads));
     parallel_heads(heads, [&](int64_t h) {
       const float* base = static_cast<const float*>(src.data) + (h / H) * src.strides[0] + (h % H) * src.strides[1];
+      const kvtc::HeadParams& params = encoder_head(open, *stream, h);
       for (size_t j = 0; j < n_blocks; ++j) {
         // The rounding to the raw dtype fused into the encoder's centring.
         stream->blocks[first + j].payload[size_t(h)] = kvtc::encode_block_rows(
-            params[size_t(h)], base + int64_t(j) * B * src.strides[2], src.strides[2], B, raw_dtype_);
+            params, base + int64_t(j) * B * src.strides[2], src.strides[2], B, raw_dtype_);
       }
     });
     count_coded(*stream, int64_t(n_blocks));
   }
 }
 
-void KvtcCache::encode_ready_blocks(const OpenHeads& open) {
+void KvtcCache::encode_ready_blocks(const OpenHeads* open) {
   const int D = config_.head_dim;
   const int64_t heads = heads_total();
   const int64_t B = options_.block;
@@ -341,16 +360,16 @@ void KvtcCache::encode_ready_blocks(const OpenHeads& open) {
   // The oldest tail tokens: raw index sinks (they sit right after the sinks).
   const int64_t sinks = sink_tokens();
   for (Stream* stream : {&key_, &value_}) {
-    const auto& params = open.of(*stream, *this);
     const size_t first = stream->blocks.size();
     stream->blocks.resize(first + size_t(n_new));
     for (int64_t j = 0; j < n_new; ++j) stream->blocks[first + size_t(j)].payload.resize(size_t(heads));
     const auto encode_head = [&](int64_t h) {
       std::vector<float> x(size_t(B) * size_t(D));
       auto& raw = stream->raw[size_t(h)];
+      const kvtc::HeadParams& params = encoder_head(open, *stream, h);
       for (int64_t j = 0; j < n_new; ++j) {
         raw_to_f32(raw, sinks + j * B, B, x.data());
-        stream->blocks[first + size_t(j)].payload[size_t(h)] = kvtc::encode_block(params[size_t(h)], x.data(), B);
+        stream->blocks[first + size_t(j)].payload[size_t(h)] = kvtc::encode_block(params, x.data(), B);
       }
       raw.erase(raw.begin() + sinks * D, raw.begin() + (sinks + n_new * B) * D);
       shrink_if_oversized(raw, size_t(sinks + B + options_.window) * D);

@@ -155,6 +155,10 @@ struct FrequencyTable {
   // Validates everything (alphabet <= max_alphabet, scale, each freq >= 1,
   // exact sum); throws Error(kFormat) on bad input.
   static FrequencyTable deserialize(BitReader& in, uint32_t max_alphabet);
+  // The same table parsed into `out`, whose vectors keep their capacity (a
+  // kvtc cache opening a head per call parses into last call's storage:
+  // no allocation once it has grown). On an error `out` holds junk.
+  static void deserialize_into(BitReader& in, uint32_t max_alphabet, FrequencyTable& out);
 
   // sum counts[s] * -log2(freq[s] / total): the ideal payload in bits.
   // counts.size() must be <= alphabet_size (missing symbols count 0).
@@ -223,6 +227,24 @@ struct RansDecodeTable {
   uint32_t symbol_of(uint32_t slot) const;
 };
 
+// RansEncodeTable's reciprocal ceil(2^(31 + l) / f) of a frequency f in
+// [2, 2^16], l = ceil(log2 f), by the plain 64-bit integer division (the
+// reference) and by a double division: 2^(31 + l) and f are exact doubles,
+// the quotient (< 2^32) is rounded by less than 2^-21, and a non-integer
+// quotient N / f lies at least 1 / f >= 2^-16 from an integer, so the
+// rounded quotient has the same ceiling. The double division pipelines
+// where the integer one does not (a kvtc head opening builds one per
+// symbol of every table). Test RansFast.ReciprocalEqualsTheIntegerDivision
+// (every f).
+inline uint32_t rans_rcp_reference(uint32_t f, uint32_t l) {
+  return uint32_t(((uint64_t(1) << (31 + l)) + f - 1) / f);
+}
+inline uint32_t rans_rcp(uint32_t f, uint32_t l) {
+  const double q = double(uint64_t(1) << (31 + l)) / double(f);
+  const uint64_t t = uint64_t(q);  // floor (q > 0)
+  return uint32_t(t + uint64_t(double(t) != q));
+}
+
 // Division-free encoder constants of one frozen table, built once and cached
 // by the caller. Encoding symbol s from state x (after renormalisation):
 // q = floor(x / freq) = (x * rcp) >> (32 + shift), exact for x < 2^31 (every
@@ -244,7 +266,10 @@ struct RansEncodeTable {
 
   RansEncodeTable() = default;
   // Throws Error(kInvalidArgument) for a table that is not a valid model.
-  explicit RansEncodeTable(const FrequencyTable& table);
+  explicit RansEncodeTable(const FrequencyTable& table) { assign(table); }
+  // The same constants rebuilt in place, syms keeping its capacity (a
+  // per-thread opening reuses one); the same errors (syms then junk).
+  void assign(const FrequencyTable& table);
 };
 
 // The AVX2 decoder's per-group model tables of one column sequence (the

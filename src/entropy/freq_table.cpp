@@ -27,8 +27,10 @@ namespace {
 }
 
 void fill_cum(FrequencyTable& t) {
-  t.cum.assign(t.alphabet_size + 1, 0);
-  for (uint32_t s = 0; s < t.alphabet_size; ++s) t.cum[s + 1] = t.cum[s] + t.freq[s];
+  t.cum.resize(size_t(t.alphabet_size) + 1);  // every entry written below
+  uint32_t c = 0;
+  t.cum[0] = 0;
+  for (uint32_t s = 0; s < t.alphabet_size; ++s) t.cum[s + 1] = c += t.freq[s];
 }
 
 // The table of frequencies already known valid (each >= 1, summing to
@@ -246,6 +248,12 @@ size_t FrequencyTable::serialized_bits() const {
 }
 
 FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet) {
+  FrequencyTable t;
+  deserialize_into(in, max_alphabet, t);
+  return t;
+}
+
+void FrequencyTable::deserialize_into(BitReader& in, uint32_t max_alphabet, FrequencyTable& out) {
   const uint64_t alphabet = in.get_gamma(17);
   const uint64_t limit = std::min<uint64_t>(max_alphabet, kMaxAlphabet);
   if (alphabet > limit)
@@ -255,10 +263,19 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
   if (alphabet > total)
     bad_format("alphabet size " + std::to_string(alphabet) + " exceeds 2^scale_bits = " + std::to_string(total));
   const uint32_t a = uint32_t(alphabet);
-  std::vector<uint32_t> f(a, 0);
+  // Valid as parsed (every other frequency >= 1, theirs summing below the
+  // total: top's >= 1; scale 1..16, alphabet 1..limit): from_freqs' checks
+  // would only repeat them, on every kvtc head opening.
+  const auto finish = [&] {
+    out.alphabet_size = a;
+    out.scale_bits = scale;
+    fill_cum(out);
+  };
+  std::vector<uint32_t>& f = out.freq;
+  f.assign(a, 0);
   if (a == 1) {
     f[0] = uint32_t(total);
-    return valid_table(std::move(f), scale);
+    return finish();
   }
   const uint32_t top = in.get(index_bits(a));
   if (top >= a) bad_format("largest-symbol index " + std::to_string(top) + " >= alphabet size " + std::to_string(a));
@@ -289,11 +306,8 @@ FrequencyTable FrequencyTable::deserialize(BitReader& in, uint32_t max_alphabet)
       }
     }
   }
-  // Valid as parsed (every other frequency >= 1, theirs summing below the
-  // total: top's >= 1; scale 1..16, alphabet 1..limit): from_freqs' checks
-  // would only repeat them, on every kvtc head opening.
   f[top] = uint32_t(total - sum);
-  return valid_table(std::move(f), scale);
+  finish();
 }
 
 double FrequencyTable::cost_bits(const std::vector<uint64_t>& counts) const {

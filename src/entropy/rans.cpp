@@ -6,6 +6,7 @@
 // chains the CPU overlaps.
 #include <algorithm>
 #include <bit>
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -672,13 +673,82 @@ uint32_t RansDecodeTable::symbol_of(uint32_t slot) const {
   return lo;
 }
 
-RansEncodeTable::RansEncodeTable(const FrequencyTable& t) : alphabet_size(t.alphabet_size), scale_bits(t.scale_bits) {
+namespace {
+
+#ifdef KVCODEC_RANS_AVX2
+KVCODEC_AVX2_BEGIN
+// RansEncodeTable::assign's constants of the symbols below n / 4 * 4, four
+// at a time: the values of its scalar loop (the formulas there; the
+// reciprocal as rans_rcp, four per double division: bit_width of
+// 1 <= f - 1 < 2^24 is the biased exponent of float(f - 1) less 126, and
+// 2^(31 + l) the double of biased exponent 1023 + 31 + l; the ceiling,
+// < 2^32, converts through the int32 range offset by 2^31). f == 1 lanes
+// take their constants by masks. False when some symbol fails the scalar
+// loop's checks (which then finds it and throws).
+bool encode_syms_avx2(const uint32_t* freq, const uint32_t* cum, size_t n, uint32_t scale_bits,
+                      RansEncodeTable::Sym* out) {
+  static_assert(sizeof(RansEncodeTable::Sym) == 16 && offsetof(RansEncodeTable::Sym, rcp) == 4 &&
+                offsetof(RansEncodeTable::Sym, bias) == 8 && offsetof(RansEncodeTable::Sym, cmpl_freq) == 12 &&
+                offsetof(RansEncodeTable::Sym, shift) == 14);
+  const uint32_t M = 1u << scale_bits;
+  const __m128i vm = _mm_set1_epi32(int32_t(M)), one = _mm_set1_epi32(1);
+  const __m128i xmul = _mm_set1_epi32(int32_t((kRansLow >> scale_bits) << 8));
+  const __m256d two31 = _mm256_set1_pd(2147483648.0);
+  __m128i bad = _mm_setzero_si128();
+  for (size_t i = 0; i + 4 <= n; i += 4) {
+    const __m128i f = _mm_loadu_si128(reinterpret_cast<const __m128i*>(freq + i));
+    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cum + i));
+    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cum + i + 1));
+    bad = _mm_or_si128(bad, _mm_cmpeq_epi32(f, _mm_setzero_si128()));
+    bad = _mm_or_si128(bad, _mm_xor_si128(_mm_max_epu32(f, vm), vm));  // f > M
+    bad = _mm_or_si128(bad, _mm_xor_si128(_mm_add_epi32(c0, f), c1));
+    const __m128i is1 = _mm_cmpeq_epi32(f, one);
+    const __m128i l = _mm_sub_epi32(_mm_srli_epi32(_mm_castps_si128(_mm_cvtepi32_ps(_mm_sub_epi32(f, one))), 23),
+                                    _mm_set1_epi32(126));
+    const __m256i nbits = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_add_epi32(l, _mm_set1_epi32(1023 + 31))), 52);
+    const __m256d q = _mm256_div_pd(_mm256_castsi256_pd(nbits), _mm256_cvtepi32_pd(f));
+    const __m256d c = _mm256_round_pd(q, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    __m128i rcp = _mm_xor_si128(_mm256_cvttpd_epi32(_mm256_sub_pd(c, two31)), _mm_set1_epi32(int32_t(0x80000000u)));
+    rcp = _mm_or_si128(rcp, is1);                                        // 0xffffffff for f == 1
+    const __m128i shift = _mm_andnot_si128(is1, _mm_sub_epi32(l, one));  // 0 for f == 1
+    const __m128i bias = _mm_add_epi32(c0, _mm_and_si128(is1, _mm_sub_epi32(vm, one)));
+    const __m128i x_max = _mm_mullo_epi32(f, xmul);
+    const __m128i cs =
+        _mm_or_si128(_mm_and_si128(_mm_sub_epi32(vm, f), _mm_set1_epi32(0xffff)), _mm_slli_epi32(shift, 16));
+    // Rows (x_max, rcp, bias, cmpl_freq | shift << 16) to one Sym per symbol.
+    const __m128i t0 = _mm_unpacklo_epi32(x_max, rcp), t1 = _mm_unpackhi_epi32(x_max, rcp);
+    const __m128i t2 = _mm_unpacklo_epi32(bias, cs), t3 = _mm_unpackhi_epi32(bias, cs);
+    __m128i* o = reinterpret_cast<__m128i*>(out + i);
+    _mm_storeu_si128(o + 0, _mm_unpacklo_epi64(t0, t2));
+    _mm_storeu_si128(o + 1, _mm_unpackhi_epi64(t0, t2));
+    _mm_storeu_si128(o + 2, _mm_unpacklo_epi64(t1, t3));
+    _mm_storeu_si128(o + 3, _mm_unpackhi_epi64(t1, t3));
+  }
+  return _mm_testz_si128(bad, bad);
+}
+KVCODEC_AVX2_END
+#endif
+
+}  // namespace
+
+void RansEncodeTable::assign(const FrequencyTable& t) {
+  alphabet_size = t.alphabet_size, scale_bits = t.scale_bits;
   if (t.alphabet_size == 0 || t.scale_bits < 1 || t.scale_bits > kMaxScaleBits || t.freq.size() != t.alphabet_size ||
       t.cum.size() != size_t(t.alphabet_size) + 1 || t.cum.back() != t.total())
     throw Error(ErrorCode::kInvalidArgument, "RansEncodeTable: invalid frequency table");
   const uint32_t M = t.total();
   syms.resize(alphabet_size);
-  for (uint32_t s = 0; s < alphabet_size; ++s) {
+  // The first alphabet / 4 * 4 symbols four at a time where AVX2 runs (a
+  // kvtc head opened per call builds these for every symbol of its tables;
+  // a division per symbol was most of it); the rest, every symbol
+  // elsewhere, and all of them when a check fails there, by the loop below.
+  uint32_t first = 0;
+#ifdef KVCODEC_RANS_AVX2
+  if (alphabet_size >= 4 && simd_avx2() &&
+      encode_syms_avx2(t.freq.data(), t.cum.data(), alphabet_size, scale_bits, syms.data()))
+    first = alphabet_size / 4 * 4;
+#endif
+  for (uint32_t s = first; s < alphabet_size; ++s) {
     const uint32_t f = t.freq[s];
     if (f == 0 || f > M || t.cum[s] + f != t.cum[s + 1])
       throw Error(ErrorCode::kInvalidArgument, "RansEncodeTable: frequencies do not match the cumulative table");
@@ -694,7 +764,7 @@ RansEncodeTable::RansEncodeTable(const FrequencyTable& t) : alphabet_size(t.alph
       const uint32_t l = uint32_t(std::bit_width(f - 1));  // ceil(log2 f)
       // ceil(2^(31 + l) / f) < 2^32 for f >= 2; x * rcp's error stays below
       // 2^(31 + l) for x < 2^31, so the quotient is exact.
-      e.rcp = uint32_t(((uint64_t(1) << (31 + l)) + f - 1) / f);
+      e.rcp = rans_rcp(f, l);
       e.shift = uint16_t(l - 1);
       e.bias = t.cum[s];
     }

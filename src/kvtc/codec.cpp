@@ -533,8 +533,14 @@ void scatter_proj_row(const int32_t* row, size_t k, size_t D, size_t dp2, int16_
   if constexpr (kPlain) {
     for (size_t d = 0; d < D; ++d) w[proj_w_index(k, d, dp2)] = int16_t(row[d]);
   } else {
+    // A pair of columns (adjacent in the layout) per 32-bit store.
     int16_t* dst = w + proj_w_index(k, 0, dp2);
-    for (size_t d = 0; d < D; ++d) dst[(d / 2) * 16 + d % 2] = int16_t(row[d]);
+    size_t d = 0;
+    for (; d + 2 <= D; d += 2) {
+      const uint32_t pair = uint32_t(uint16_t(row[d])) | uint32_t(uint16_t(row[d + 1])) << 16;
+      std::memcpy(dst + (d / 2) * 16, &pair, sizeof pair);
+    }
+    if (d < D) dst[(d / 2) * 16] = int16_t(row[d]);
   }
 }
 
@@ -544,6 +550,34 @@ void scatter_proj_row(const int32_t* row, size_t k, size_t D, size_t dp2, int16_
 template <bool kPlain>
 void round_proj_row(const float* __restrict basis, double unit, size_t D, int32_t* __restrict row_w) {
   for (size_t d = 0; d < D; ++d) row_w[d] = int32_t(round_weight<kPlain>(double(basis[d]) * unit));
+}
+
+// build_proj_int's largest |b| (into bmax) and largest row norm (returned)
+// of a finite basis [K, D]: the plain loops' values (see there).
+double basis_norms(const float* basis, size_t K, size_t D, double& bmax) {
+  uint32_t mag = 0;
+  for (size_t i = 0; i < K * D; ++i) mag = std::max(mag, std::bit_cast<uint32_t>(basis[i]) & 0x7fffffffu);
+  bmax = double(std::bit_cast<float>(mag));
+  double nmax = 0;
+  size_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const float *r0 = basis + k * D, *r1 = r0 + D, *r2 = r1 + D, *r3 = r2 + D;
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t d = 0; d < D; ++d) {
+      const double b0 = r0[d], b1 = r1[d], b2 = r2[d], b3 = r3[d];
+      s0 += b0 * b0, s1 += b1 * b1, s2 += b2 * b2, s3 += b3 * b3;
+    }
+    nmax = std::max({nmax, std::sqrt(s0), std::sqrt(s1), std::sqrt(s2), std::sqrt(s3)});
+  }
+  for (; k < K; ++k) {
+    double ss = 0;
+    for (size_t d = 0; d < D; ++d) {
+      const double b = basis[k * D + d];
+      ss += b * b;
+    }
+    nmax = std::max(nmax, std::sqrt(ss));
+  }
+  return nmax;
 }
 
 // basis_finite: the basis holds no NaN or infinity (scan_values). kPlain:
@@ -556,14 +590,25 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out, bool basis_finite) {
   if (K == 0 || D == 0 || p.basis.size() != K * D || p.quant.size() != K) return false;
   if (!basis_finite) return false;
   double bmax = 0, nmax = 0, range_sq = 0;
-  for (size_t k = 0; k < K; ++k) {
-    double ss = 0;
-    for (size_t d = 0; d < D; ++d) {
-      const double b = p.basis[k * D + d];
-      bmax = std::max(bmax, std::fabs(b));
-      ss += b * b;
+  if constexpr (kPlain) {
+    for (size_t k = 0; k < K; ++k) {
+      double ss = 0;
+      for (size_t d = 0; d < D; ++d) {
+        const double b = p.basis[k * D + d];
+        bmax = std::max(bmax, std::fabs(b));
+        ss += b * b;
+      }
+      nmax = std::max(nmax, std::sqrt(ss));
     }
-    nmax = std::max(nmax, std::sqrt(ss));
+  } else {
+    // The same values: the largest |b| by integer compares of the magnitude
+    // bits (finite floats order as their bits do; a max has no rounding),
+    // and each row's square sum in the plain loop's order (d ascending, the
+    // same double operations), four rows side by side so that their add
+    // chains overlap instead of one waiting on the next.
+    nmax = basis_norms(p.basis.data(), K, D, bmax);
+  }
+  for (size_t k = 0; k < K; ++k) {
     const ComponentQuantizer& q = p.quant[k];
     const double step = q.step, offset = code_offset(q);
     if (!std::isfinite(step) || !(step > 0) || q.levels == 0) return false;
@@ -580,18 +625,35 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out, bool basis_finite) {
   if (double(fu) > unit) fu = std::nextafter(fu, 0.0f);
   if (!std::isnormal(fu)) return false;
   const size_t dp2 = (D + 1) / 2, K8 = round_up8(K);
-  std::vector<int16_t> w(K8 / 8 * dp2 * 16, 0);
+  // Written in place (a per-thread opening reuses the capacity); cleared
+  // by the caller when this returns false.
+  std::vector<int16_t>& w = out.proj_w;
+  w.assign(K8 / 8 * dp2 * 16, 0);
   // |basis * fu| <= 32767 (fu <= 32767 / bmax): round_weight's range, and
   // int32's. A row's weights are rounded into row_w (their squares then
   // summed in order d, exact integers as doubles), then scattered.
   double wn = 0;
   uint32_t outside = 0;
-  std::vector<int32_t> row_w(D);
+  thread_local std::vector<int32_t> row_w;
+  row_w.resize(D);
   for (size_t k = 0; k < K; ++k) {
     round_proj_row<kPlain>(p.basis.data() + k * D, double(fu), D, row_w.data());
     outside |= outside_int16(row_w.data(), D);
     double ss = 0;
-    for (size_t d = 0; d < D; ++d) ss += double(row_w[d]) * double(row_w[d]);
+    if constexpr (kPlain) {
+      for (size_t d = 0; d < D; ++d) ss += double(row_w[d]) * double(row_w[d]);
+    } else {
+      // The same double: with |w| <= 32767 (else `outside` refuses the
+      // tables) each square is below 2^30 and D < 2^16, so every partial
+      // sum, in any order, is an integer below 2^46, which doubles hold
+      // exactly: four interleaved sums (vectorised) give the plain loop's.
+      double acc[4] = {0, 0, 0, 0};
+      size_t d = 0;
+      for (; d + 4 <= D; d += 4)
+        for (size_t j = 0; j < 4; ++j) acc[j] += double(row_w[d + j]) * double(row_w[d + j]);
+      for (; d < D; ++d) acc[0] += double(row_w[d]) * double(row_w[d]);
+      ss = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    }
     scatter_proj_row<kPlain>(row_w.data(), k, D, dp2, w.data());
     wn = std::max(wn, std::sqrt(ss));
   }
@@ -606,36 +668,67 @@ bool build_proj_int(const HeadParams& p, HeadKernels& out, bool basis_finite) {
   const float sc = float(x_norm / std::sqrt(range_sq));
   if (!std::isnormal(sc)) return false;
   const float margin = 1.0f - 0x1p-10f;  // covers the float roundings of the row checks
-  std::vector<float> qscale(K8, 0.0f);
+  std::vector<float>& qscale = out.proj_qscale;
+  qscale.assign(K8, 0.0f);
   for (size_t k = 0; k < K; ++k) {
     qscale[k] = float(1.0 / (double(fu) * double(sc) * double(p.quant[k].step)));
     if (!std::isfinite(qscale[k]) || qscale[k] == 0.0f) return false;
   }
-  out.proj_w = std::move(w), out.proj_qscale = std::move(qscale), out.proj_unit = fu, out.proj_scale = sc;
+  out.proj_unit = fu, out.proj_scale = sc;
   out.proj_max_abs = 32767.0f * margin;
   out.proj_max_sq = float(x_norm * x_norm) * margin;
   return true;
 }
 
-// HeadKernels::build (kPlain false) and build_reference (true).
+#ifdef KVCODEC_KVTC_GEMM
+// build_proj_int<false> compiled for AVX2 (every call inlined into this
+// function, so its loops take 256-bit vectors): the same values, each
+// lane doing the plain loop's operations in its order (no FMA contraction:
+// -ffp-contract=off); a cache opening its heads per call builds these for
+// every head it codes. Codec.KernelsEqualTheirReference compares.
+KVCODEC_TARGET_AVX2 __attribute__((flatten)) bool build_proj_int_avx2(const HeadParams& p, HeadKernels& out,
+                                                                      bool basis_finite) {
+  return build_proj_int<false>(p, out, basis_finite);
+}
+#endif
+
+// HeadKernels::build (kPlain false) and build_reference (true), into out:
+// a fresh object, or one built before (HeadOpener), every field of which is
+// set again (the encoder's vectors keeping their capacity).
 template <bool kPlain>
-std::shared_ptr<const HeadKernels> build_kernels(const HeadParams& p, KernelSet which) {
-  auto built = std::make_shared<HeadKernels>();
-  HeadKernels& out = *built;
+void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
   out.set = which;
   const bool decoding = uint8_t(which) & uint8_t(KernelSet::kDecode);
   const bool encoding = uint8_t(which) & uint8_t(KernelSet::kEncode);
+  out.recon_skip_zeros = false;
+  out.rans_decode.clear();
+  out.rans_groups = entropy::RansGroupTables{};
+  // The mean's scan only for the decoder's conditions (the projection
+  // centres by the mean but asks nothing of its values).
   const auto scan = [](const std::vector<float>& v) { return kPlain ? scan_values_plain(v) : scan_values(v); };
-  const ValueScan mean = scan(p.mean), basis = scan(p.basis);
+  const ValueScan mean = decoding || kPlain ? scan(p.mean) : ValueScan{}, basis = scan(p.basis);
   out.recon_int = decoding && build_recon_int<kPlain>(p, out, mean.finite && basis.finite);
   if (!out.recon_int) out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
-  out.proj_int = encoding && build_proj_int<kPlain>(p, out, basis.finite);
-  if (!out.proj_int) out.proj_w.clear(), out.proj_qscale.clear();
-  if (encoding) {
-    out.rans_encode.reserve(p.rans_tables.size());  // held at exact size
-    for (const auto& t : p.rans_tables) out.rans_encode.emplace_back(t);
+  const auto proj = [&] {
+#ifdef KVCODEC_KVTC_GEMM
+    if (!kPlain && simd_avx2()) return build_proj_int_avx2(p, out, basis.finite);
+#endif
+    return build_proj_int<kPlain>(p, out, basis.finite);
+  };
+  out.proj_int = encoding && proj();
+  if (!out.proj_int) {
+    // Released, as the tables of a fresh build that fails hold nothing.
+    std::vector<int16_t>().swap(out.proj_w), std::vector<float>().swap(out.proj_qscale);
+    out.proj_unit = out.proj_scale = out.proj_max_abs = out.proj_max_sq = 0.0f;
   }
-  if (!decoding) return built;
+  if (encoding) {
+    // Held at exact size; a table built before is rebuilt in place.
+    out.rans_encode.resize(p.rans_tables.size());
+    for (size_t k = 0; k < p.rans_tables.size(); ++k) out.rans_encode[k].assign(p.rans_tables[k]);
+  } else {
+    out.rans_encode.clear();
+  }
+  if (!decoding) return;
   out.rans_decode.reserve(p.rans_tables.size());
   for (const auto& t : p.rans_tables) out.rans_decode.emplace_back(t);
   // See recon_skip_zeros: no -0, NaN or infinity in the mean; the basis
@@ -672,17 +765,20 @@ std::shared_ptr<const HeadKernels> build_kernels(const HeadParams& p, KernelSet 
       if (scalar[k] && (!out.rans_groups.usable || p.rans_tables[k].alphabet_size <= entropy::kRansSearchMax))
         out.rans_decode[k] = entropy::RansDecodeTable(p.rans_tables[k], entropy::RansLookup::kScalar);
   }
-  return built;
 }
 
 }  // namespace
 
 std::shared_ptr<const HeadKernels> HeadKernels::build(const HeadParams& p, KernelSet which) {
-  return build_kernels<false>(p, which);
+  auto built = std::make_shared<HeadKernels>();
+  build_kernels<false>(p, which, *built);
+  return built;
 }
 
 std::shared_ptr<const HeadKernels> HeadKernels::build_reference(const HeadParams& p, KernelSet which) {
-  return build_kernels<true>(p, which);
+  auto built = std::make_shared<HeadKernels>();
+  build_kernels<true>(p, which, *built);
+  return built;
 }
 
 uint64_t HeadParams::params_held_bytes() const {
@@ -1829,10 +1925,13 @@ void read_f16s(ByteReader& in, float* out, size_t n) {
   raw_to_f32(words.data(), DType::kF16, out, n);
 }
 
-}  // namespace
-
-HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet kernels) {
-  HeadParams p;
+// HeadParams::deserialize's parse and checks into p: a fresh object, or
+// one parsed before (HeadOpener), every field of which is set again with
+// its vectors keeping their capacity (the frequency tables' included).
+// Kernels not built; p.kernels is left as it was.
+void parse_params(ByteReader& in, int expected_dim, HeadParams& p) {
+  p.kept.clear(), p.row_scale.clear(), p.quant.clear(), p.fixed_widths.clear(), p.bits.clear();
+  p.eigenvalues.clear(), p.huffman_tables.clear();
   p.dim = in.u16();
   if (p.dim != expected_dim)
     throw Error(ErrorCode::kFormat, "kvtc head params: dim " + std::to_string(p.dim) + ", expected " +
@@ -1887,10 +1986,12 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet k
   const uint32_t blob_size = in.u32();
   const uint8_t* blob = in.bytes(blob_size).data();
   entropy::BitReader tables(blob, blob_size);
-  if (p.coder == CoderChoice::kRans) p.rans_tables.reserve(size_t(K));
+  // Sized once (the tables kept from a previous parse are parsed into).
+  p.rans_tables.resize(p.coder == CoderChoice::kRans ? size_t(K) : 0);
   if (p.coder == CoderChoice::kHuffman) p.huffman_tables.reserve(size_t(K));
   if (p.coder == CoderChoice::kRans)
-    for (int k = 0; k < K; ++k) p.rans_tables.push_back(entropy::FrequencyTable::deserialize(tables, p.quant[size_t(k)].levels));
+    for (int k = 0; k < K; ++k)
+      entropy::FrequencyTable::deserialize_into(tables, p.quant[size_t(k)].levels, p.rans_tables[size_t(k)]);
   if (p.coder == CoderChoice::kHuffman)
     for (int k = 0; k < K; ++k) p.huffman_tables.push_back(entropy::HuffmanTable::deserialize(tables, p.quant[size_t(k)].levels));
   for (int k = 0; k < K; ++k) {
@@ -1901,8 +2002,25 @@ HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet k
       throw Error(ErrorCode::kFormat, "kvtc head params: table of component " + std::to_string(k) +
                                           " does not match its quantizer");
   }
+}
+
+}  // namespace
+
+HeadParams HeadParams::deserialize(ByteReader& in, int expected_dim, KernelSet kernels) {
+  HeadParams p;
+  parse_params(in, expected_dim, p);
   p.build_kernels(kernels);
   return p;
+}
+
+const HeadParams& HeadOpener::open(ByteReader& in, int expected_dim, KernelSet kernels) {
+  params_.kernels.reset();  // not a valid head until the end
+  // Kernels some copy of an earlier result still shares are left to it.
+  if (!kernels_ || kernels_.use_count() > 1) kernels_ = std::make_shared<HeadKernels>();
+  parse_params(in, expected_dim, params_);
+  build_kernels<false>(params_, kernels, *kernels_);
+  params_.kernels = kernels_;
+  return params_;
 }
 
 }  // namespace kvcodec::kvtc

@@ -208,6 +208,26 @@ struct HeadParams {
   static const HeadKernels& no_kernels();  // the empty set derived() returns
 };
 
+// One head's parameters parsed and its kernels built again and again into
+// the same storage: open() gives what HeadParams::deserialize gives (every
+// field, table and kernel equal), without the ~200 heap allocations a head
+// costs there once the storage has grown to the largest head it opened. For
+// a cache that holds its parameters as bytes and opens each head for one
+// encode call (src/cache/kvtc_cache.cpp keeps one per thread): scratch, not
+// a cache of heads (each open() parses and builds everything again).
+// Test: Codec.HeadOpenerEqualsDeserialize.
+class HeadOpener {
+ public:
+  // Valid until the next open() (or this opener's end). A copy of the
+  // result shares its kernels, which the next open() then leaves to it.
+  // Errors as deserialize's.
+  const HeadParams& open(ByteReader& in, int expected_dim, KernelSet kernels);
+
+ private:
+  HeadParams params_;
+  std::shared_ptr<HeadKernels> kernels_;
+};
+
 // Fits one head from x [n, D] (row-major) given its PCA (eigen-sorted axes).
 // components is [D, D] row-major, row k = k-th axis; mean [D]; eigenvalues [D].
 HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>& mean,

@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <random>
+#include <string>
 
 #include "core/cpu_features.hpp"
 #include "entropy/entropy.hpp"
@@ -41,6 +43,71 @@ TEST(RansFast, QuotientIsExactForEveryFrequency) {
   }
   const RansEncodeTable full(FrequencyTable::from_freqs({65536}, 16));
   for (uint32_t x : {kRansLow, x_hi}) ASSERT_EQ(quotient(full.syms[0], x), x >> 16);
+}
+
+// RansEncodeTable's reciprocals (rans_rcp by a double division, four per
+// AVX2 division in tables of 4+ symbols) are the integer division's
+// ceil(2^(31 + l) / f) for every frequency: f alone ({f, 65536 - f}: the
+// scalar path), and f in the vector lanes ({f, 1, 1, 65534 - f}, f == 1
+// lanes taking the special constants).
+TEST(RansFast, ReciprocalEqualsTheIntegerDivision) {
+  const auto l_of = [](uint32_t f) { return uint32_t(std::bit_width(f - 1)); };
+  for (uint32_t f = 2; f <= 65536; ++f) ASSERT_EQ(rans_rcp(f, l_of(f)), rans_rcp_reference(f, l_of(f))) << f;
+  const auto check = [&](const FrequencyTable& t) {
+    const RansEncodeTable enc(t);
+    for (uint32_t s = 0; s < t.alphabet_size; ++s) {
+      const uint32_t f = t.freq[s];
+      ASSERT_EQ(enc.syms[s].rcp, f == 1 ? 0xffffffffu : rans_rcp_reference(f, l_of(f))) << "f " << f << " s " << s;
+    }
+  };
+  for (uint32_t f = 2; f < 65535; ++f) check(FrequencyTable::from_freqs({f, 65536 - f}, 16));
+  for (uint32_t f = 2; f <= 65532; ++f) check(FrequencyTable::from_freqs({f, 1, 1, 65534 - f}, 16));
+  for (uint32_t f = 1; f <= 1364; ++f) check(FrequencyTable::from_freqs({f, f, f, 4096 - 3 * f}, 12));
+}
+
+// Every constant of RansEncodeTable (four symbols at a time where AVX2
+// runs, the last alphabet % 4 and every one elsewhere by the scalar loop)
+// is its formula's, for random tables of 1..300 symbols at scales 9..16
+// with many frequency-1 symbols (their special constants) and large ones.
+TEST(RansFast, EncodeTableEqualsItsFormulas) {
+  std::mt19937 rng(5);
+  int tables = 0;
+  for (uint32_t alphabet = 1; alphabet <= 300; alphabet += 1 + alphabet / 16)
+    for (uint32_t scale = 9; scale <= 16; ++scale) {
+      const uint32_t M = 1u << scale;
+      if (alphabet > M) continue;
+      std::vector<uint32_t> f(alphabet, 1);
+      uint32_t left = M - alphabet;
+      for (uint32_t s = 0; s + 1 < alphabet && left > 0; ++s)
+        if (rng() % 3) {
+          const uint32_t add = uint32_t(rng() % (left + 1)) / (rng() % 4 + 1);
+          f[s] += add, left -= add;
+        }
+      f[rng() % alphabet] += left;
+      const FrequencyTable t = FrequencyTable::from_freqs(f, scale);
+      RansEncodeTable enc;
+      enc.assign(FrequencyTable::from_freqs(std::vector<uint32_t>(2, M / 2), scale));  // reused below
+      enc.assign(t);
+      ASSERT_EQ(enc.syms.size(), size_t(alphabet));
+      for (uint32_t s = 0; s < alphabet; ++s) {
+        const RansEncodeTable::Sym& e = enc.syms[s];
+        const uint32_t fs = t.freq[s], l = uint32_t(std::bit_width(fs - 1));
+        const std::string what = "alphabet " + std::to_string(alphabet) + " scale " + std::to_string(scale) +
+                                 " symbol " + std::to_string(s) + " f " + std::to_string(fs);
+        ASSERT_EQ(e.x_max, ((kRansLow >> scale) << 8) * fs) << what;
+        ASSERT_EQ(e.cmpl_freq, uint16_t(M - fs)) << what;
+        ASSERT_EQ(e.rcp, fs == 1 ? 0xffffffffu : rans_rcp_reference(fs, l)) << what;
+        ASSERT_EQ(e.shift, fs == 1 ? 0 : uint16_t(l - 1)) << what;
+        ASSERT_EQ(e.bias, fs == 1 ? t.cum[s] + M - 1 : t.cum[s]) << what;
+      }
+      ++tables;
+    }
+  EXPECT_GT(tables, 200);
+  // A table whose cumulative entries do not match its frequencies (from
+  // the vector lanes' symbols too) throws as the scalar loop does.
+  FrequencyTable broken = FrequencyTable::from_freqs({100, 200, 300, 400, 24}, 10);
+  broken.cum[2] += 1;
+  EXPECT_THROW(RansEncodeTable{broken}, Error);
 }
 
 struct Case {

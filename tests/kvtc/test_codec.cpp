@@ -939,6 +939,98 @@ TEST(Codec, KernelsEqualTheirReference) {
   EXPECT_LT(skip_on, compared);
 }
 
+// HeadOpener::open gives what HeadParams::deserialize gives, field by
+// field, table by table and kernel by kernel, when one opener parses a
+// sequence of heads of different dims, kept counts, basis widths, coders
+// and kernel sets into the same storage (larger after smaller and back);
+// the encoder's bytes are deserialize's. A copy of an opened head keeps its
+// kernels after the next open(); a bad head throws as deserialize does and
+// the opener opens the next one.
+TEST(Codec, HeadOpenerEqualsDeserialize) {
+  struct Stored {
+    std::vector<uint8_t> bytes;
+    int dim;
+    std::vector<float> x;
+  };
+  std::vector<Stored> heads;
+  for (int dim : {64, 37, 128}) {
+    const auto x = correlated(320, dim, uint32_t(60 + dim));
+    for (int setting = 0; setting < 6; ++setting) {
+      CodecOptions o = setting_options(std::min(setting, 3), dim, dim);
+      if (setting == 4) o.coder = CoderChoice::kHuffman;
+      if (setting == 5) o.coder = CoderChoice::kFixed;
+      ByteWriter w;
+      fit(x, 320, dim, o).serialize(w);
+      heads.push_back({w.take(), dim, x});
+    }
+  }
+  HeadOpener opener;
+  int compared = 0;
+  for (int pass = 0; pass < 2; ++pass)
+    for (size_t i = 0; i < heads.size(); ++i) {
+      const Stored& h = pass == 0 ? heads[i] : heads[heads.size() - 1 - i];
+      for (KernelSet set : {KernelSet::kEncode, KernelSet::kDecode, KernelSet::kBoth, KernelSet::kEncode}) {
+        ByteReader a(h.bytes.data(), h.bytes.size()), b(h.bytes.data(), h.bytes.size());
+        const HeadParams fresh = HeadParams::deserialize(a, h.dim, set);
+        const HeadParams& opened = opener.open(b, h.dim, set);
+        const std::string what = "head " + std::to_string(i) + " pass " + std::to_string(pass) + " set " +
+                                 std::to_string(int(set));
+        EXPECT_EQ(a.remaining(), b.remaining()) << what;
+        EXPECT_EQ(opened.dim, fresh.dim) << what;
+        EXPECT_EQ(opened.coder, fresh.coder) << what;
+        EXPECT_EQ(opened.basis_bits, fresh.basis_bits) << what;
+        EXPECT_TRUE(same_bits(opened.mean, fresh.mean)) << what;
+        EXPECT_EQ(opened.kept, fresh.kept) << what;
+        EXPECT_TRUE(same_bits(opened.basis, fresh.basis)) << what;
+        EXPECT_TRUE(same_bits(opened.row_scale, fresh.row_scale)) << what;
+        ASSERT_EQ(opened.quant.size(), fresh.quant.size()) << what;
+        for (size_t k = 0; k < fresh.quant.size(); ++k)
+          EXPECT_TRUE(opened.quant[k].step == fresh.quant[k].step && opened.quant[k].levels == fresh.quant[k].levels &&
+                      opened.quant[k].zero == fresh.quant[k].zero &&
+                      opened.quant[k].half_offset == fresh.quant[k].half_offset)
+              << what << " component " << k;
+        ASSERT_EQ(opened.rans_tables.size(), fresh.rans_tables.size()) << what;
+        for (size_t k = 0; k < fresh.rans_tables.size(); ++k) {
+          EXPECT_TRUE(opened.rans_tables[k] == fresh.rans_tables[k]) << what << " table " << k;
+          EXPECT_EQ(opened.rans_tables[k].cum, fresh.rans_tables[k].cum) << what << " table " << k;
+        }
+        ByteWriter ws, wf;
+        opened.serialize(ws), fresh.serialize(wf);
+        EXPECT_EQ(ws.take(), wf.take()) << what;  // the Huffman tables included
+        EXPECT_EQ(opened.fixed_widths, fresh.fixed_widths) << what;
+        EXPECT_EQ(opened.bits, fresh.bits) << what;
+        EXPECT_EQ(opened.eigenvalues, fresh.eigenvalues) << what;
+        expect_same_kernels(opened.derived(), fresh.derived(), what);
+        if (uint8_t(set) & uint8_t(KernelSet::kEncode)) {
+          const int64_t n = 64;
+          EXPECT_EQ(encode_block(opened, h.x.data(), n), encode_block(fresh, h.x.data(), n)) << what;
+          EXPECT_EQ(encode_block_rows(opened, h.x.data(), h.dim, n, DType::kF16),
+                    encode_block_rows(fresh, h.x.data(), h.dim, n, DType::kF16))
+              << what;
+        }
+        ++compared;
+      }
+    }
+  EXPECT_EQ(compared, 2 * 4 * 18);
+  // A copy shares the kernels; the next open() leaves them to it.
+  ByteReader r0(heads[0].bytes.data(), heads[0].bytes.size());
+  const HeadParams copy = opener.open(r0, heads[0].dim, KernelSet::kEncode);
+  ByteReader r1(heads[0].bytes.data(), heads[0].bytes.size());
+  const HeadParams fresh = HeadParams::deserialize(r1, heads[0].dim, KernelSet::kEncode);
+  ByteReader r2(heads[17].bytes.data(), heads[17].bytes.size());
+  opener.open(r2, heads[17].dim, KernelSet::kBoth);
+  expect_same_kernels(copy.derived(), fresh.derived(), "copy after the next open");
+  // Bad bytes: deserialize's error, then the next head opens as before.
+  std::vector<uint8_t> bad = heads[0].bytes;
+  bad.resize(bad.size() / 2);
+  ByteReader rb(bad.data(), bad.size()), rc(bad.data(), bad.size());
+  EXPECT_THROW(HeadParams::deserialize(rb, heads[0].dim, KernelSet::kEncode), Error);
+  EXPECT_THROW(opener.open(rc, heads[0].dim, KernelSet::kEncode), Error);
+  ByteReader r3(heads[1].bytes.data(), heads[1].bytes.size()), r4(heads[1].bytes.data(), heads[1].bytes.size());
+  expect_same_kernels(opener.open(r3, heads[1].dim, KernelSet::kEncode).derived(),
+                      HeadParams::deserialize(r4, heads[1].dim, KernelSet::kEncode).derived(), "after an error");
+}
+
 namespace {
 
 
