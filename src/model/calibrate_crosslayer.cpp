@@ -59,19 +59,20 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
     c.key_scale.assign(1, std::vector<float>(size_t(W)));
     c.value_scale.assign(1, std::vector<float>(size_t(W)));
   }
+  // Each layer's attention weights {keys, values}, computed once for both tensors.
+  std::vector<std::pair<std::vector<float>, std::vector<float>>> layer_weights(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l)
+    layer_weights[size_t(l)] = o.attention_weighting
+                                   ? attention_weights(*model, s, l, o.weight_floor)
+                                   : std::pair{std::vector<float>(size_t(V), 1.0f), std::vector<float>(size_t(V), 1.0f)};
   for (const bool is_key : {true, false}) {
     // scale_l[d] = w_l[d] * c_l: c_l = 1 / RMS_l(x * w_l) (unit RMS per layer
     // after weighting), or sqrt(alpha_l) / norm with the layer sensitivity,
     // norm making the tensor's overall RMS 1.
     std::vector<float> scale(static_cast<size_t>(W)), x(static_cast<size_t>(n * W));
     std::vector<double> rms(static_cast<size_t>(L));
-    std::vector<std::vector<float>> weights(static_cast<size_t>(L));
     for (int l = 0; l < L; ++l) {
-      std::vector<float> w(size_t(V), 1.0f);
-      if (o.attention_weighting) {
-        auto kw = attention_weights(*model, s, l, o.weight_floor);
-        w = is_key ? std::move(kw.first) : std::move(kw.second);
-      }
+      const std::vector<float>& w = is_key ? layer_weights[size_t(l)].first : layer_weights[size_t(l)].second;
       const std::vector<float>& src = (is_key ? s.keys : s.values)[size_t(l)];
       double sq = 0.0;
       for (int64_t t = 0; t < n; ++t)
@@ -81,7 +82,6 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
         throw Error(ErrorCode::kInvalidArgument, "cross-layer calibration: layer " + std::to_string(l) +
                                                      (is_key ? " keys" : " values") + " have RMS " + std::to_string(layer_rms));
       rms[size_t(l)] = layer_rms;
-      weights[size_t(l)] = std::move(w);
     }
     double norm = 1.0;
     if (o.sensitivity_allocation) {
@@ -93,7 +93,7 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
       const double c = o.sensitivity_allocation ? std::sqrt(alpha[size_t(2 * l + (is_key ? 0 : 1))]) / norm : 0.0;
       const std::vector<float>& src = (is_key ? s.keys : s.values)[size_t(l)];
       for (int64_t d = 0; d < V; ++d) {
-        const double w = weights[size_t(l)][size_t(d)];
+        const double w = (is_key ? layer_weights[size_t(l)].first : layer_weights[size_t(l)].second)[size_t(d)];
         scale[size_t(l * V + d)] = float(o.sensitivity_allocation ? w * c : w / rms[size_t(l)]);
       }
       for (int64_t t = 0; t < n; ++t)

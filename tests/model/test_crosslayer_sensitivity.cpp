@@ -62,17 +62,21 @@ TEST_F(CrossLayerSensitivity, ScalesEachLayerBySqrtOfItsMeasuredSensitivity) {
     EXPECT_NE(c.info.at("layer_sensitivity").find("L2V="), std::string::npos);
     for (const bool is_key : {true, false}) {
       const std::vector<float>& scale = (is_key ? c.key_scale : c.value_scale)[0];
+      // Layer l's factor c_l: its scale over its attention weights.
+      const auto factor = [&](int l) {
+        const auto w = attention_weights(*model_, samples_, l, o.weight_floor);
+        return double(scale[size_t(l * V)]) / (is_key ? w.first : w.second)[0];
+      };
+      const double c_0 = factor(0);
       double ms = 0.0;
       for (int l = 0; l < L; ++l) {
         // Within a layer the scale is the attention weights times one factor c_l.
         const auto w = attention_weights(*model_, samples_, l, o.weight_floor);
         const std::vector<float>& wl = is_key ? w.first : w.second;
-        const double c_l = double(scale[size_t(l * V)]) / wl[0];
+        const double c_l = factor(l);
         for (int d = 0; d < V; ++d) EXPECT_NEAR(double(scale[size_t(l * V + d)]), wl[size_t(d)] * c_l, 1e-5 * c_l);
         // Between layers c_l^2 follows the sensitivity (KL per distortion).
         const double a0 = sens[is_key ? 0 : 1].per_distortion(), al = sens[size_t(2 * l + (is_key ? 0 : 1))].per_distortion();
-        const double c_0 = double(scale[0]) / (is_key ? attention_weights(*model_, samples_, 0, o.weight_floor).first
-                                                      : attention_weights(*model_, samples_, 0, o.weight_floor).second)[0];
         EXPECT_NEAR(c_l * c_l / (c_0 * c_0), al / a0, 1e-4 * al / a0) << l << is_key;
         ms += std::pow(scaled_rms(c, is_key, l), 2);
       }
