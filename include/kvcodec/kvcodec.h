@@ -211,6 +211,68 @@ KVCODEC_API kvcodec_status kvcodec_cache_stats(kvcodec_cache* cache, kvcodec_sta
 typedef int (*kvcodec_extra_visitor)(void* user, const char* name, double value);
 KVCODEC_API kvcodec_status kvcodec_cache_extras(kvcodec_cache* cache, kvcodec_extra_visitor visit, void* user);
 
+
+/* --- whole-prefix codec, on the CPU or a CUDA GPU ----------------------------
+ *
+ * One layer's KV of a whole sequence coded at once (a prefix leaving GPU
+ * memory for host memory, disk or another machine, and coming back) in the
+ * calibrated "kvtc-gpu/2" format of docs/gpu.md: the layer's calibrated
+ * basis over its concatenated heads, RoPE removed from keys before the
+ * projection and re-applied on decode, the first `sinks` and last `window`
+ * tokens raw, the rest in independent rANS streams of 64 tokens.
+ *
+ * KV layout: ONE bf16 buffer [2, B, S, H_kv * D], keys then values, token
+ * major within a row (a [B, H_kv, S, D] tensor transposed to [B, S, H_kv,
+ * D]), contiguous, 16-byte aligned. H_kv * D must be 64 or 128 (the GPU
+ * kernels' width) and D a multiple of 32.
+ *
+ * Where: KVCODEC_PREFIX_CPU codes on the host (every build; the reference the
+ * GPU is tested against, bit for bit: same payload bytes, same decoded bf16).
+ * KVCODEC_PREFIX_CUDA codes on the calling thread's current CUDA device:
+ * the KV buffer is device memory, the payload and offsets device or pinned
+ * host memory, and cuda_stream a cudaStream_t (NULL: the default stream). A
+ * library built without CUDA refuses it with KVCODEC_ERROR_UNSUPPORTED; see
+ * kvcodec_cuda_device_count(). cuda_stream must be NULL on the CPU. */
+
+/* CUDA devices this library can use: 0 when it was built without CUDA
+ * (then *compiled = 0; compiled may be NULL) or when none is usable. */
+KVCODEC_API int kvcodec_cuda_device_count(int* compiled);
+
+typedef enum kvcodec_prefix_device { KVCODEC_PREFIX_CPU = 0, KVCODEC_PREFIX_CUDA = 1 } kvcodec_prefix_device;
+
+typedef struct kvcodec_prefix_codec kvcodec_prefix_codec;
+
+/* A codec for `layer` of the calibration, batch rows B, sequences of 1 to
+ * max_tokens tokens, sinks and window raw tokens (>= 0). The calibration is
+ * kept alive by the codec. */
+KVCODEC_API kvcodec_status kvcodec_prefix_codec_create(const kvcodec_calibration* calibration, int32_t layer,
+                                                       int32_t batch, int64_t max_tokens, int32_t sinks,
+                                                       int32_t window, int32_t device, kvcodec_prefix_codec** out);
+/* NULL is a no-op. */
+KVCODEC_API void kvcodec_prefix_codec_free(kvcodec_prefix_codec* codec);
+/* For a sequence of `tokens` tokens: the largest payload encode can write
+ * (the capacity to give it) and the entries of its offsets array (streams +
+ * 1). Either output may be NULL. */
+KVCODEC_API kvcodec_status kvcodec_prefix_codec_bounds(const kvcodec_prefix_codec* codec, int64_t tokens,
+                                                       uint64_t* max_payload_bytes, int64_t* n_offsets);
+/* kv [2, B, tokens, H_kv * D] bf16 -> payload (capacity bytes) and offsets
+ * ([n_offsets] u64, stream i = payload[offsets[i], offsets[i + 1]), the raw
+ * tokens after the last stream, 16-byte aligned); *written = the payload's
+ * size. On the GPU it waits for the stream once (to learn the size). */
+KVCODEC_API kvcodec_status kvcodec_prefix_encode(kvcodec_prefix_codec* codec, const void* kv, int64_t tokens,
+                                                 void* payload, uint64_t capacity, uint64_t* offsets,
+                                                 void* cuda_stream, uint64_t* written);
+/* The inverse into kv [2, B, tokens, H_kv * D] bf16. On the GPU it is queued
+ * on the stream and returns at once; damaged streams are reported by
+ * kvcodec_prefix_check (KVCODEC_ERROR_FORMAT naming the first bad stream).
+ * On the CPU damaged bytes fail here, with the same status. */
+KVCODEC_API kvcodec_status kvcodec_prefix_decode(kvcodec_prefix_codec* codec, const void* payload,
+                                                 uint64_t payload_size, const uint64_t* offsets, int64_t tokens,
+                                                 void* kv, void* cuda_stream);
+/* Waits for the stream (GPU) and reports what the decodes since the last
+ * check found; KVCODEC_OK at once on the CPU. */
+KVCODEC_API kvcodec_status kvcodec_prefix_check(kvcodec_prefix_codec* codec, void* cuda_stream);
+
 #ifdef __cplusplus
 }
 #endif

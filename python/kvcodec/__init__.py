@@ -6,12 +6,16 @@ and Hugging Face transformers, over libkvcodec.so's C API.
     k, v = cache.update_and_fetch(keys, values)   # [B, H_kv, S, D] in, whole history out
     cache.compressed_key_bytes, cache.fp16_key_bytes
 
-kvcodec.hf.KVCodecCache is a transformers Cache made of these.
+kvcodec.hf.KVCodecCache is a transformers Cache made of these;
+kvcodec.PrefixCodec codes a layer's whole prefix at once, on the CPU or a
+CUDA GPU (torch tensors in and out).
 """
 from ._lib import KVCodecError, lib as _clib, path as library_path
 from .cache import Cache, Calibration
+from .prefix import EncodedPrefix, PrefixCodec, cuda_device_count
 
-__all__ = ["Cache", "Calibration", "KVCodecError", "methods", "version", "library_path"]
+__all__ = ["Cache", "Calibration", "EncodedPrefix", "KVCodecError", "PrefixCodec", "cuda_device_count", "methods",
+           "version", "library_path"]
 
 
 def version():

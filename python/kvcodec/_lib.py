@@ -103,6 +103,14 @@ _signatures = {
     "kvcodec_cache_save": (_status, [_P, _P, _c.c_size_t, _c.POINTER(_c.c_size_t)]),
     "kvcodec_cache_stats": (_status, [_P, _c.POINTER(Stats)]),
     "kvcodec_cache_extras": (_status, [_P, EXTRA_VISITOR, _P]),
+    "kvcodec_cuda_device_count": (_c.c_int, [_c.POINTER(_c.c_int)]),
+    "kvcodec_prefix_codec_create": (_status, [_P, _c.c_int32, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32,
+                                              _c.c_int32, _c.POINTER(_P)]),
+    "kvcodec_prefix_codec_free": (None, [_P]),
+    "kvcodec_prefix_codec_bounds": (_status, [_P, _c.c_int64, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_int64)]),
+    "kvcodec_prefix_encode": (_status, [_P, _P, _c.c_int64, _P, _c.c_uint64, _P, _P, _c.POINTER(_c.c_uint64)]),
+    "kvcodec_prefix_decode": (_status, [_P, _P, _c.c_uint64, _P, _c.c_int64, _P, _P]),
+    "kvcodec_prefix_check": (_status, [_P, _P]),
 }
 for _name, (_res, _args) in _signatures.items():
     _f = getattr(lib, _name)

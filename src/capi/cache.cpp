@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cache/kvtc_calibrated.hpp"
+#include "capi/calibration_handle.hpp"
 #include "capi/guard.hpp"
 #include "capi/settings_text.hpp"
 #include "kvcodec/cache.hpp"
@@ -17,11 +18,6 @@ using kvcodec::ErrorCode;
 using kvcodec::TensorView;
 using kvcodec::capi::guarded;
 using kvcodec::capi::require;
-
-struct kvcodec_calibration {
-  std::string path;  // absolute: saved caches name it, and may be loaded from another directory
-  std::shared_ptr<const kvcodec::KvtcCalibration> params;  // the process-wide copy of that file
-};
 
 struct kvcodec_cache {
   std::unique_ptr<kvcodec::KVCache> cache;

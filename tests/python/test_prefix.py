@@ -1,0 +1,123 @@
+"""kvcodec.PrefixCodec: a layer's whole prefix in the calibrated kvtc-gpu/2
+format, on the CPU (CI) and, where this libkvcodec has CUDA and torch a GPU
+(the GPU machine), on the GPU against the CPU bit for bit."""
+import os
+
+import numpy as np
+import pytest
+
+import kvcodec
+from conftest import MODEL, read_safetensors
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+SHIPPED = os.path.join(ROOT, "models", "tinycode", "kvtc.kvcal")
+DUMP = os.path.join(MODEL, "kv_dump.safetensors")
+N_GPU, CUDA_BUILT = kvcodec.cuda_device_count()
+ON_GPU = N_GPU > 0 and CUDA_BUILT and torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def dump():
+    if not os.path.isfile(DUMP):
+        pytest.skip(f"no {DUMP}")
+    return read_safetensors(DUMP)
+
+
+def layer_kv(dump, layer, tokens, device="cpu"):
+    k = torch.from_numpy(np.ascontiguousarray(dump[f"layers.{layer}.key"][:, :, :tokens]))
+    v = torch.from_numpy(np.ascontiguousarray(dump[f"layers.{layer}.value"][:, :, :tokens]))
+    return k.to(device), v.to(device)
+
+
+def test_cpu_round_trip_keeps_raw_tokens_and_counts_every_byte(dump):
+    codec = kvcodec.PrefixCodec(SHIPPED, layer=2, max_tokens=1024, sinks=4, window=32)
+    k, v = layer_kv(dump, 2, 700)
+    enc = codec.encode(k, v)
+    assert enc.payload.dtype == torch.uint8 and enc.offsets.dtype == torch.int64
+    # 664 coded tokens: 11 streams per row (10 of 64, one of 24), keys and values.
+    assert enc.offsets.numel() == 2 * 11 + 1
+    assert enc.nbytes == enc.payload.numel() + 8 * enc.offsets.numel()
+    assert enc.fp16_bytes == 2 * 2 * 700 * 64 * 2
+    assert enc.compression_ratio > 3.0, enc.compression_ratio
+    k2, v2 = codec.decode(enc)
+    assert k2.shape == k.shape and k2.dtype == torch.bfloat16
+    kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    for a, b in ((kb, k2), (vb, v2)):
+        assert torch.equal(a[:, :, :4], b[:, :, :4]) and torch.equal(a[:, :, -32:], b[:, :, -32:])
+        mid_a, mid_b = a[:, :, 4:-32].float(), b[:, :, 4:-32].float()
+        rel = ((mid_a - mid_b) ** 2).sum() / (mid_a ** 2).sum()
+        assert 0 < rel < 0.05, rel
+    # Deterministic: the same input, the same bytes.
+    again = codec.encode(k, v)
+    assert torch.equal(again.payload, enc.payload) and torch.equal(again.offsets, enc.offsets)
+
+
+def test_bad_input_raises_errors_that_name_it(dump):
+    codec = kvcodec.PrefixCodec(SHIPPED, layer=0, max_tokens=256)
+    k, v = layer_kv(dump, 0, 200)
+    with pytest.raises(kvcodec.KVCodecError, match="layer 6"):
+        kvcodec.PrefixCodec(SHIPPED, layer=6, max_tokens=256)
+    with pytest.raises(kvcodec.KVCodecError, match="is not a torch device"):
+        kvcodec.PrefixCodec(SHIPPED, layer=0, max_tokens=256, device="tpu?")
+    with pytest.raises(kvcodec.KVCodecError, match="must be a torch tensor"):
+        codec.encode(k.numpy(), v)
+    with pytest.raises(kvcodec.KVCodecError, match=r"expected \[B=1, H_kv=2, S, D=64\]"):
+        codec.encode(k[:, :1], v[:, :1])
+    with pytest.raises(kvcodec.KVCodecError, match="differ in shape"):
+        codec.encode(k, v[:, :, :100])
+    with pytest.raises(kvcodec.KVCodecError, match="outside \\[1, max_tokens = 256\\]"):
+        codec.encode(torch.cat([k, k], 2), torch.cat([v, v], 2))
+    with pytest.raises(kvcodec.KVCodecError, match="not a floating point"):
+        codec.encode(k.to(torch.int32), v.to(torch.int32))
+    enc = codec.encode(k, v)
+    enc.offsets = enc.offsets[:-1].clone()
+    with pytest.raises(kvcodec.KVCodecError, match="entries"):
+        codec.decode(enc)
+    enc = codec.encode(k, v)
+    enc.payload = enc.payload[:-1].clone()
+    with pytest.raises(kvcodec.KVCodecError, match="raw tokens need") as e:
+        codec.decode(enc)
+    assert e.value.status_name == "format error"
+    with pytest.raises(kvcodec.KVCodecError, match="EncodedPrefix"):
+        codec.decode(b"bytes")
+    if not CUDA_BUILT:
+        with pytest.raises(kvcodec.KVCodecError, match="built without CUDA") as e:
+            kvcodec.PrefixCodec(SHIPPED, layer=0, max_tokens=256, device="cuda")
+        assert e.value.status == 6  # KVCODEC_ERROR_UNSUPPORTED
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA build of libkvcodec and a GPU")
+@pytest.mark.parametrize("tokens", [70, 1000, 2048])
+def test_gpu_codes_and_decodes_the_cpu_bytes_bit_for_bit(dump, tokens):
+    for layer in range(6):
+        cpu = kvcodec.PrefixCodec(SHIPPED, layer=layer, max_tokens=2048, window=32)
+        gpu = kvcodec.PrefixCodec(SHIPPED, layer=layer, max_tokens=2048, window=32, device="cuda")
+        k, v = layer_kv(dump, layer, tokens)
+        e_cpu = cpu.encode(k, v)
+        e_gpu = gpu.encode(k.cuda(), v.cuda())
+        assert e_gpu.payload.is_cuda
+        assert torch.equal(e_gpu.payload.cpu(), e_cpu.payload), f"layer {layer}: payload bytes differ"
+        assert torch.equal(e_gpu.offsets.cpu(), e_cpu.offsets)
+        k_cpu, v_cpu = cpu.decode(e_cpu)
+        k_gpu, v_gpu = gpu.decode(e_gpu)
+        assert k_gpu.is_cuda
+        assert torch.equal(k_gpu.cpu(), k_cpu) and torch.equal(v_gpu.cpu(), v_cpu), f"layer {layer}: decode differs"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA build of libkvcodec and a GPU")
+def test_gpu_reports_damaged_streams_and_wrong_devices(dump):
+    gpu = kvcodec.PrefixCodec(SHIPPED, layer=1, max_tokens=512, device="cuda")
+    k, v = layer_kv(dump, 1, 512)
+    with pytest.raises(kvcodec.KVCodecError, match="are on cpu, the codec on cuda"):
+        gpu.encode(k, v)
+    enc = gpu.encode(k.cuda(), v.cuda())
+    bad = kvcodec.EncodedPrefix(enc.payload.clone(), enc.offsets, enc.tokens, enc.batch, enc.n_kv_heads,
+                                enc.head_dim)
+    bad.payload[: int(enc.offsets[1].item())] ^= 0x5A  # every byte of stream 0
+    with pytest.raises(kvcodec.KVCodecError) as e:
+        gpu.decode(bad)
+    assert e.value.status_name == "format error"
+    k2, v2 = gpu.decode(enc)  # the flags were reported once; a good payload decodes
+    assert k2.shape == k.shape
