@@ -4,12 +4,15 @@
 #include <omp.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -41,6 +44,9 @@ void log_line(ServerState& s, const std::string& line) {
 }
 
 namespace {
+
+// Connections the kernel queues for the accept thread (see run_server).
+constexpr int kListenBacklog = 512;
 
 const char kDashboardHtml[] =
 #include "dashboard_html.inc"
@@ -560,6 +566,16 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
     handle_generate(s, req, res, true);
   });
 
+  // Debian's cpp-httplib (a compiled 0.11) listens with a backlog of 5
+  // (CPPHTTPLIB_LISTEN_BACKLOG, fixed inside its library): a burst of more
+  // clients than that, arriving while the accept thread is slow (a loaded
+  // machine), overflowed the kernel's accept queue and lost requests. Calling
+  // listen() again on the bound socket raises its backlog (Linux updates it).
+  int listen_fd = -1;
+  http.set_socket_options([&listen_fd](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listen_fd = sock;
+  });
   int port = opt.port;
   if (port == 0) {
     port = http.bind_to_any_port(opt.host);
@@ -567,6 +583,8 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   } else if (!http.bind_to_port(opt.host, port)) {
     throw Error(ErrorCode::kIo, "cannot bind " + opt.host + ":" + std::to_string(port) + " (in use, or not an address of this machine)");
   }
+  if (listen_fd >= 0 && ::listen(listen_fd, kListenBacklog) != 0)
+    throw Error(ErrorCode::kIo, std::string("cannot raise the listen backlog: ") + std::strerror(errno));
 
   std::thread worker([&s] { worker_loop(s); });
   std::atomic<bool> http_done{false};
