@@ -5,7 +5,7 @@ run, and the stored ratio (docs/python.md, "Whole prefixes on the GPU").
 
 The KV is tinycode's real dump (shared/models/tinycode/kv_dump.safetensors,
 2048 tokens per layer) tiled along the tokens to --tokens and over --batch
-rows; the codec is the shipped calibration's (models/tinycode/kvtc.kvcal),
+rows as offload_ttft.py tiles it (keys re-rotated to their positions); the codec is the shipped calibration's (models/tinycode/kvtc.kvcal),
 sinks 4, window --window. Speeds count the bf16 bytes of the KV [2, B, S,
 H_kv, D] per second, each the median of --repeats timed calls after one
 warm-up, CUDA events around the calls (encode includes its stack into the
@@ -18,25 +18,19 @@ import argparse
 import json
 import statistics
 
-import numpy as np
 import torch
 
 import kvcodec
+import offload_ttft
 
 
-def read_dump_layer(path, layer):
-    import struct
-    with open(path, "rb") as f:
-        data = f.read()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    out = []
-    for part in ("key", "value"):
-        info = header[f"layers.{layer}.{part}"]
-        a, b = info["data_offsets"]
-        arr = np.frombuffer(data[8 + n + a:8 + n + b], np.float16).reshape(info["shape"])
-        out.append(torch.from_numpy(arr.copy()))
-    return out
+def tiled_kv(dump, layer, tokens, batch):
+    """[batch, 2, tokens, 64] keys and values: the dump's layer tiled along
+    the tokens (row b shifted by 131 b tokens), keys re-rotated to their new
+    positions (offload_ttft.py's tiling, rows as batch)."""
+    k, v = offload_ttft.tiled_layer(dump, layer, tokens)  # [1, 8, S, 128]
+    rows = [(offload_ttft.as_codec_input(k)[b % 8], offload_ttft.as_codec_input(v)[b % 8]) for b in range(batch)]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
 def timed(fn, repeats):
@@ -61,33 +55,34 @@ def main():
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--layers", default="0,3")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--reconstruction", default="exact,tf32")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    dump = offload_ttft.read_dump(a.dump)
     for layer in [int(x) for x in a.layers.split(",")]:
-        k0, v0 = read_dump_layer(a.dump, layer)
         for tokens in [int(x) for x in a.tokens.split(",")]:
-            reps = (tokens + k0.shape[2] - 1) // k0.shape[2]
-            k = k0.repeat(a.batch, 1, reps, 1)[:, :, :tokens].cuda()
-            v = v0.repeat(a.batch, 1, reps, 1)[:, :, :tokens].cuda()
-            codec = kvcodec.PrefixCodec(a.calibration, layer=layer, batch=a.batch, max_tokens=tokens,
-                                        window=a.window, device="cuda")
-            kv_bytes = 2 * k.numel() * 2  # bf16 keys and values
-            src = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
-            dst = torch.empty_like(src)
-            copy_s = timed(lambda: dst.copy_(src), a.repeats)
-            enc = codec.encode(k, v)
-            enc_s = timed(lambda: codec.encode(k, v), a.repeats)
-            dec_s = timed(lambda: codec.decode(enc), a.repeats)
-            k2, v2 = codec.decode(enc)
-            kb = k.to(torch.bfloat16).float()
-            rel = float(((kb - k2.float()) ** 2).sum() / (kb ** 2).sum())
-            row = {"layer": layer, "tokens": tokens, "batch": a.batch, "kv_bytes": kv_bytes,
-                   "stored_bytes": enc.nbytes, "ratio_vs_f16": round(enc.compression_ratio, 3),
-                   "copy_gb_s": round(kv_bytes / copy_s / 1e9, 1), "encode_gb_s": round(kv_bytes / enc_s / 1e9, 1),
-                   "decode_gb_s": round(kv_bytes / dec_s / 1e9, 1),
-                   "encode_vs_copy": round(copy_s / enc_s, 4), "decode_vs_copy": round(copy_s / dec_s, 4),
-                   "key_rel_sq_error": round(rel, 5)}
-            print(json.dumps(row), flush=True)
+            k, v = tiled_kv(dump, layer, tokens, a.batch)
+            k, v = k.cuda(), v.cuda()
+            for recon in a.reconstruction.split(","):
+                codec = kvcodec.PrefixCodec(a.calibration, layer=layer, batch=a.batch, max_tokens=tokens,
+                                            window=a.window, device="cuda", reconstruction=recon)
+                kv_bytes = 2 * k.numel() * 2  # bf16 keys and values
+                src = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
+                dst = torch.empty_like(src)
+                copy_s = timed(lambda: dst.copy_(src), a.repeats)
+                enc = codec.encode(k, v)
+                enc_s = timed(lambda: codec.encode(k, v), a.repeats)
+                dec_s = timed(lambda: codec.decode(enc), a.repeats)
+                k2, v2 = codec.decode(enc)
+                kb = k.to(torch.bfloat16).float()
+                rel = float(((kb - k2.float()) ** 2).sum() / (kb ** 2).sum())
+                row = {"layer": layer, "tokens": tokens, "batch": a.batch, "reconstruction": recon,
+                       "kv_bytes": kv_bytes, "stored_bytes": enc.nbytes, "ratio_vs_f16": round(enc.compression_ratio, 3),
+                       "copy_gb_s": round(kv_bytes / copy_s / 1e9, 1), "encode_gb_s": round(kv_bytes / enc_s / 1e9, 1),
+                       "decode_gb_s": round(kv_bytes / dec_s / 1e9, 1),
+                       "encode_vs_copy": round(copy_s / enc_s, 4), "decode_vs_copy": round(copy_s / dec_s, 4),
+                       "key_rel_sq_error": round(rel, 5)}
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

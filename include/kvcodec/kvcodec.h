@@ -250,6 +250,14 @@ KVCODEC_API kvcodec_status kvcodec_prefix_codec_create(const kvcodec_calibration
                                                        int32_t window, int32_t device, kvcodec_prefix_codec** out);
 /* NULL is a no-op. */
 KVCODEC_API void kvcodec_prefix_codec_free(kvcodec_prefix_codec* codec);
+/* How decode turns codes back into bf16. KVCODEC_RECON_EXACT (the default):
+ * the format's fp32 arithmetic, bit-identical on CPU and GPU.
+ * KVCODEC_RECON_TF32 (GPU only; the CPU refuses it with
+ * KVCODEC_ERROR_UNSUPPORTED): the same product on tensor cores with TF32
+ * operands, each output within 2^-9 * sum_k |v_k * basis[k][d]| of the exact
+ * value before the bf16 rounding (docs/gpu.md); payloads are unchanged. */
+typedef enum kvcodec_reconstruction { KVCODEC_RECON_EXACT = 0, KVCODEC_RECON_TF32 = 1 } kvcodec_reconstruction;
+KVCODEC_API kvcodec_status kvcodec_prefix_codec_set_reconstruction(kvcodec_prefix_codec* codec, int32_t mode);
 /* For a sequence of `tokens` tokens: the largest payload encode can write
  * (the capacity to give it) and the entries of its offsets array (streams +
  * 1). Either output may be NULL. */

@@ -66,9 +66,12 @@ class PrefixCodec:
     calibration: a kvcodec.Calibration or the path of a per-layer
     calibration (`kvcodec calibrate`); layer: its layer index; batch: rows B;
     max_tokens: the longest sequence S (sizes the RoPE tables and, on the
-    GPU, the scratch); device: "cpu", "cuda" or "cuda:N" (a torch device)."""
+    GPU, the scratch); device: "cpu", "cuda" or "cuda:N" (a torch device);
+    reconstruction: "exact" (bit-identical on CPU and GPU) or "tf32" (GPU
+    tensor cores, within the bound of docs/gpu.md; the payload is the same)."""
 
-    def __init__(self, calibration, layer, *, max_tokens, batch=1, sinks=4, window=128, device="cpu"):
+    def __init__(self, calibration, layer, *, max_tokens, batch=1, sinks=4, window=128, device="cpu",
+                 reconstruction="exact"):
         if torch is None:  # pragma: no cover
             raise KVCodecError(_lib.UNSUPPORTED, "PrefixCodec needs torch (its tensors are bfloat16)")
         if not isinstance(calibration, Calibration):
@@ -93,6 +96,11 @@ class PrefixCodec:
                                                             self.sinks, self.window, 1 if on_gpu else 0,
                                                             ctypes.byref(h)))
         self._h = h
+        modes = {"exact": 0, "tf32": 1}
+        if reconstruction not in modes:
+            raise _invalid(f"reconstruction {reconstruction!r} is not 'exact' or 'tf32'")
+        _lib.check(_lib.lib.kvcodec_prefix_codec_set_reconstruction(h, modes[reconstruction]))
+        self.reconstruction = reconstruction
 
     def __del__(self):
         if getattr(self, "_h", None):

@@ -107,6 +107,22 @@ KVCODEC_API kvcodec_status kvcodec_prefix_codec_create(const kvcodec_calibration
 
 KVCODEC_API void kvcodec_prefix_codec_free(kvcodec_prefix_codec* codec) { delete codec; }
 
+KVCODEC_API kvcodec_status kvcodec_prefix_codec_set_reconstruction(kvcodec_prefix_codec* codec, int32_t mode) {
+  return guarded("kvcodec_prefix_codec_set_reconstruction", [&] {
+    require(codec, "codec");
+    if (mode != KVCODEC_RECON_EXACT && mode != KVCODEC_RECON_TF32)
+      throw Error(ErrorCode::kInvalidArgument, "mode " + std::to_string(mode) +
+                                                   " is not KVCODEC_RECON_EXACT (0) or KVCODEC_RECON_TF32 (1)");
+    if (!codec->cuda) {
+      if (mode == KVCODEC_RECON_TF32)
+        throw Error(ErrorCode::kUnsupported, "KVCODEC_RECON_TF32 on the CPU: the CPU reference reconstructs exactly");
+      return;
+    }
+    codec->cuda->set_reconstruction(mode == KVCODEC_RECON_TF32 ? kvcodec::gpu::KvtcGpuCodec::Reconstruction::kTf32TensorCores
+                                                               : kvcodec::gpu::KvtcGpuCodec::Reconstruction::kExactFp32);
+  });
+}
+
 KVCODEC_API kvcodec_status kvcodec_prefix_codec_bounds(const kvcodec_prefix_codec* codec, int64_t tokens,
                                                        uint64_t* max_payload_bytes, int64_t* n_offsets) {
   return guarded("kvcodec_prefix_codec_bounds", [&] {

@@ -145,6 +145,10 @@ TEST(CapiPrefix, RefusesBadArgumentsAndDamagedBytesWithTheirNames) {
 
   KVC_OK(kvcodec_prefix_codec_create(cal.get(), 0, 1, 256, 4, 8, KVCODEC_PREFIX_CPU, &out));
   PrefixPtr codec(out);
+  KVC_OK(kvcodec_prefix_codec_set_reconstruction(codec.get(), KVCODEC_RECON_EXACT));
+  fails(kvcodec_prefix_codec_set_reconstruction(codec.get(), KVCODEC_RECON_TF32), KVCODEC_ERROR_UNSUPPORTED,
+        "the CPU reference reconstructs exactly");
+  fails(kvcodec_prefix_codec_set_reconstruction(codec.get(), 2), KVCODEC_ERROR_INVALID_ARGUMENT, "mode 2");
   const int64_t tokens = 200;
   const std::vector<uint16_t> kv = dump_layer_bf16(0, tokens);
   uint64_t bound = 0;

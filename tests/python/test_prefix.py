@@ -82,6 +82,10 @@ def test_bad_input_raises_errors_that_name_it(dump):
     assert e.value.status_name == "format error"
     with pytest.raises(kvcodec.KVCodecError, match="EncodedPrefix"):
         codec.decode(b"bytes")
+    with pytest.raises(kvcodec.KVCodecError, match="reconstructs exactly"):
+        kvcodec.PrefixCodec(SHIPPED, layer=0, max_tokens=256, reconstruction="tf32")
+    with pytest.raises(kvcodec.KVCodecError, match="'exact' or 'tf32'"):
+        kvcodec.PrefixCodec(SHIPPED, layer=0, max_tokens=256, reconstruction="fast")
     if not CUDA_BUILT:
         with pytest.raises(kvcodec.KVCodecError, match="built without CUDA") as e:
             kvcodec.PrefixCodec(SHIPPED, layer=0, max_tokens=256, device="cuda")
@@ -121,3 +125,10 @@ def test_gpu_reports_damaged_streams_and_wrong_devices(dump):
     assert e.value.status_name == "format error"
     k2, v2 = gpu.decode(enc)  # the flags were reported once; a good payload decodes
     assert k2.shape == k.shape
+    # TF32 reconstruction: the same payload, outputs near the exact ones.
+    tf32 = kvcodec.PrefixCodec(SHIPPED, layer=1, max_tokens=512, device="cuda", reconstruction="tf32")
+    e32 = tf32.encode(k.cuda(), v.cuda())
+    assert torch.equal(e32.payload, enc.payload)
+    k3, v3 = tf32.decode(e32)
+    assert (k3.float() - k2.float()).abs().max() <= 0.02 * k2.float().abs().max()
+    assert (v3.float() - v2.float()).abs().max() <= 0.02 * v2.float().abs().max()
