@@ -7,7 +7,9 @@ host and its reconstruction back at every step, counted (host_copy_bytes).
 
 Parts (--parts, comma-separated):
   ppl    LlamaForCausalLM.from_pretrained(--model) in float32 through
-         KVCodecCache, for each method, with `kvcodec eval`'s protocol
+         KVCodecCache, for each method (kvtc-gpu: KVCodecGpuCache, the
+         history kept compressed on the GPU, sinks 4, window 32, blocks of
+         64, needs a CUDA build of libkvcodec), with `kvcodec eval`'s protocol
          (docs/eval.md): per window of --tokens, a prefill of --context
          tokens, then --score - 1 decode steps fed the true tokens; NLL of
          the --score tokens after the context; ppl = exp(mean NLL over all
@@ -64,7 +66,14 @@ def _ppl_window(task):
     model = _worker["model"]
     toks = np.fromfile(tokens_path, dtype=np.uint16).reshape(-1, 2048)[window].astype(np.int64)
     ids = torch.from_numpy(toks).cuda()
-    cache = KVCodecCache(method, settings, calibration=calibration, config=model.config, host_round_trip=True)
+    if method == "kvtc-gpu":  # kept compressed on the GPU (kvcodec.BlockCache; a CUDA build of libkvcodec)
+        from kvcodec.hf import KVCodecGpuCache
+        kw = dict(x.split("=", 1) for x in settings.split(";") if x)
+        cache = KVCodecGpuCache(calibration, max_tokens=context + score, config=model.config,
+                                sinks=int(kw.get("sinks", 4)), window=int(kw.get("window", 32)),
+                                block=int(kw.get("block", 64)), reconstruction=kw.get("reconstruction", "exact"))
+    else:
+        cache = KVCodecCache(method, settings, calibration=calibration, config=model.config, host_round_trip=True)
     t0 = time.time()
     nll = 0.0
     with torch.no_grad():
@@ -74,6 +83,7 @@ def _ppl_window(task):
             if i + 1 < score:
                 step = ids[context + i].view(1, 1)
                 logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1]
+    torch.cuda.synchronize()
     return {"method": method, "window": window, "nll_sum": nll, "count": score, "seconds": time.time() - t0,
             "compressed_bytes": cache.compressed_key_bytes + cache.compressed_value_bytes,
             "fp16_bytes": cache.fp16_key_bytes + cache.fp16_value_bytes, "host_copy_bytes": cache.host_copy_bytes}
@@ -85,7 +95,8 @@ def ppl_part(a, emit):
 
     cal = os.path.join(a.model, "kvtc.kvcal")
     methods = [("palu", "", None), ("kvtc", "sinks=4;window=8;refine=128", cal), ("kivi2", "", None),
-               ("int4", "", None), ("int8", "", None), ("fp16", "", None)]
+               ("int4", "", None), ("int8", "", None), ("fp16", "", None),
+               ("kvtc-gpu", "sinks=4;window=32;block=64", cal)]
     methods = [m for m in methods if m[0] in a.methods.split(",")]
     tasks = [(m, s, c, a.tokens, w, a.context, a.score) for m, s, c in methods for w in range(a.windows)]
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -75,8 +75,10 @@ class KvtcGpuCodec {
   // total before packing the streams); throws Error(kInvalidArgument) when
   // capacity is too small. The payload is the streams, then (calibrated
   // format, 16-byte aligned) the raw sinks and window [NH][raw][D] bf16.
+  // first_position: the position of x's first token (RoPE of the calibrated
+  // format; first_position + tokens <= max_tokens), 0 for a whole sequence.
   uint64_t encode(const uint16_t* x, int64_t tokens, uint8_t* out, uint64_t capacity, uint64_t* offsets,
-                  void* stream = nullptr);
+                  void* stream = nullptr, int64_t first_position = 0);
 
   // Inverse of encode, asynchronous on the stream: in (in_size bytes) and
   // offsets as encode wrote them, y: device [NH, tokens, D] bf16 (16-byte
@@ -84,7 +86,7 @@ class KvtcGpuCodec {
   // waits for the stream and throws Error(kFormat) naming the first bad one
   // of the decodes since the last check_errors() (the flags are sticky).
   void decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
-              void* stream = nullptr);
+              void* stream = nullptr, int64_t first_position = 0);
   void check_errors(void* stream = nullptr);
 
   // Per-phase timing for benchmarks (CUDA events between the launches; off

@@ -266,17 +266,23 @@ KVCODEC_API kvcodec_status kvcodec_prefix_codec_bounds(const kvcodec_prefix_code
 /* kv [2, B, tokens, H_kv * D] bf16 -> payload (capacity bytes) and offsets
  * ([n_offsets] u64, stream i = payload[offsets[i], offsets[i + 1]), the raw
  * tokens after the last stream, 16-byte aligned); *written = the payload's
- * size. On the GPU it waits for the stream once (to learn the size). */
+ * size. On the GPU it waits for the stream once (to learn the size).
+ * first_position: the position of kv's first token (0 for a whole prefix;
+ * a later block of a sequence coded on its own starts at its first token's
+ * position: keys carry RoPE at their positions); first_position + tokens
+ * <= max_tokens. The first `sinks` and last `window` tokens of the call
+ * stay raw (0 and 0 for blocks that are all coded). */
 KVCODEC_API kvcodec_status kvcodec_prefix_encode(kvcodec_prefix_codec* codec, const void* kv, int64_t tokens,
-                                                 void* payload, uint64_t capacity, uint64_t* offsets,
-                                                 void* cuda_stream, uint64_t* written);
-/* The inverse into kv [2, B, tokens, H_kv * D] bf16. On the GPU it is queued
+                                                 int64_t first_position, void* payload, uint64_t capacity,
+                                                 uint64_t* offsets, void* cuda_stream, uint64_t* written);
+/* The inverse into kv [2, B, tokens, H_kv * D] bf16 (the first_position the
+ * payload was coded at). On the GPU it is queued
  * on the stream and returns at once; damaged streams are reported by
  * kvcodec_prefix_check (KVCODEC_ERROR_FORMAT naming the first bad stream).
  * On the CPU damaged bytes fail here, with the same status. */
 KVCODEC_API kvcodec_status kvcodec_prefix_decode(kvcodec_prefix_codec* codec, const void* payload,
                                                  uint64_t payload_size, const uint64_t* offsets, int64_t tokens,
-                                                 void* kv, void* cuda_stream);
+                                                 int64_t first_position, void* kv, void* cuda_stream);
 /* Waits for the stream (GPU) and reports what the decodes since the last
  * check found; KVCODEC_OK at once on the CPU. */
 KVCODEC_API kvcodec_status kvcodec_prefix_check(kvcodec_prefix_codec* codec, void* cuda_stream);

@@ -13,9 +13,10 @@ CUDA GPU (torch tensors in and out).
 from ._lib import KVCodecError, lib as _clib, path as library_path
 from .cache import Cache, Calibration
 from .prefix import EncodedPrefix, PrefixCodec, cuda_device_count
+from .block_cache import BlockCache
 
-__all__ = ["Cache", "Calibration", "EncodedPrefix", "KVCodecError", "PrefixCodec", "cuda_device_count", "methods",
-           "version", "library_path"]
+__all__ = ["BlockCache", "Cache", "Calibration", "EncodedPrefix", "KVCodecError", "PrefixCodec", "cuda_device_count",
+           "methods", "version", "library_path"]
 
 
 def version():

@@ -109,8 +109,9 @@ _signatures = {
     "kvcodec_prefix_codec_free": (None, [_P]),
     "kvcodec_prefix_codec_set_reconstruction": (_status, [_P, _c.c_int32]),
     "kvcodec_prefix_codec_bounds": (_status, [_P, _c.c_int64, _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_int64)]),
-    "kvcodec_prefix_encode": (_status, [_P, _P, _c.c_int64, _P, _c.c_uint64, _P, _P, _c.POINTER(_c.c_uint64)]),
-    "kvcodec_prefix_decode": (_status, [_P, _P, _c.c_uint64, _P, _c.c_int64, _P, _P]),
+    "kvcodec_prefix_encode": (_status, [_P, _P, _c.c_int64, _c.c_int64, _P, _c.c_uint64, _P, _P,
+                                        _c.POINTER(_c.c_uint64)]),
+    "kvcodec_prefix_decode": (_status, [_P, _P, _c.c_uint64, _P, _c.c_int64, _c.c_int64, _P, _P]),
     "kvcodec_prefix_check": (_status, [_P, _P]),
 }
 for _name, (_res, _args) in _signatures.items():

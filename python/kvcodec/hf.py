@@ -17,6 +17,7 @@ calls alone.
 """
 from . import _lib
 from ._lib import KVCodecError
+from .block_cache import BlockCache
 from .cache import Cache, Calibration
 
 try:
@@ -152,3 +153,39 @@ class KVCodecCache(_HFCache):
     def compression_ratio(self):
         compressed = self.compressed_key_bytes + self.compressed_value_bytes
         return (self.fp16_key_bytes + self.fp16_value_bytes) / compressed if compressed else 0.0
+
+
+class KVCodecGpuCache(KVCodecCache):
+    """KVCodecGpuCache(calibration, max_tokens, config=None, sinks=4,
+    window=32, block=256, reconstruction="exact").
+
+    The same transformers Cache, whose layers are kvcodec.BlockCache on the
+    device the model's keys and values are on: with a CUDA build of
+    libkvcodec and a model on the GPU, the history is kept compressed in GPU
+    memory (calibrated kvtc, blocks coded once at their positions) and never
+    leaves it; each update() decodes the layer's blocks on the GPU into the
+    history it returns (attention's transient input). calibration: a
+    per-layer calibration of this model; max_tokens: the longest sequence.
+    """
+
+    def __init__(self, calibration, max_tokens, config=None, sinks=4, window=32, block=256,
+                 reconstruction="exact"):
+        super().__init__("kvtc", calibration=calibration, config=config)
+        if self.calibration is None:
+            raise KVCodecError(_lib.INVALID_ARGUMENT, "KVCodecGpuCache needs a calibration")
+        self.max_tokens, self.sinks, self.window, self.block = int(max_tokens), sinks, window, block
+        self.reconstruction = reconstruction
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        while len(self.caches) <= layer_idx:
+            self.caches.append(None)
+        cache = self.caches[layer_idx]
+        if cache is None:
+            if key_states.dim() != 4:
+                raise KVCodecError(_lib.INVALID_ARGUMENT,
+                                   f"key_states has shape {tuple(key_states.shape)}: expected [B, H_kv, q_len, D]")
+            cache = BlockCache(self.calibration, layer_idx, max_tokens=self.max_tokens, batch=key_states.shape[0],
+                               sinks=self.sinks, window=self.window, block=self.block, device=key_states.device,
+                               reconstruction=self.reconstruction)
+            self.caches[layer_idx] = cache
+        return cache.update_and_fetch(key_states, value_states)

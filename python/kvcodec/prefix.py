@@ -41,9 +41,10 @@ class EncodedPrefix:
     """A coded layer: payload (uint8) and offsets (int64 holding the u64
     stream offsets) as tensors on the codec's device, and their sizes."""
 
-    def __init__(self, payload, offsets, tokens, batch, n_kv_heads, head_dim):
+    def __init__(self, payload, offsets, tokens, batch, n_kv_heads, head_dim, first_position=0):
         self.payload, self.offsets = payload, offsets
         self.tokens, self.batch, self.n_kv_heads, self.head_dim = tokens, batch, n_kv_heads, head_dim
+        self.first_position = first_position  # the position of the first token (RoPE)
 
     @property
     def nbytes(self):
@@ -140,9 +141,11 @@ class PrefixCodec:
         _lib.check(_lib.lib.kvcodec_prefix_codec_bounds(self._h, int(tokens), ctypes.byref(cap), ctypes.byref(n)))
         return cap.value, n.value
 
-    def encode(self, keys, values):
+    def encode(self, keys, values, first_position=0):
         """keys, values [B, H_kv, S, D] (any float dtype, on the codec's
-        device; keys post-RoPE at positions 0..S-1) -> EncodedPrefix. They are
+        device; keys post-RoPE at positions first_position .. first_position
+        + S - 1: a later block of a sequence is coded at its own position)
+        -> EncodedPrefix. They are
         copied once on the device into the codec's layout [2, B, S, H_kv * D]
         bfloat16; the payload is trimmed to its size (a copy of it)."""
         S = self._check_kv(keys, values)
@@ -153,9 +156,11 @@ class PrefixCodec:
         offsets = torch.empty(n_offsets, dtype=torch.int64, device=self.device)
         written = ctypes.c_uint64()
         with self._on_device():
-            _lib.check(_lib.lib.kvcodec_prefix_encode(self._h, kv.data_ptr(), S, payload.data_ptr(), cap,
-                                                      offsets.data_ptr(), self._stream(), ctypes.byref(written)))
-        return EncodedPrefix(payload[:written.value].clone(), offsets, S, self.batch, cal.n_kv_heads, cal.head_dim)
+            _lib.check(_lib.lib.kvcodec_prefix_encode(self._h, kv.data_ptr(), S, int(first_position),
+                                                      payload.data_ptr(), cap, offsets.data_ptr(), self._stream(),
+                                                      ctypes.byref(written)))
+        return EncodedPrefix(payload[:written.value].clone(), offsets, S, self.batch, cal.n_kv_heads, cal.head_dim,
+                             int(first_position))
 
     def decode(self, encoded, check=True):
         """EncodedPrefix -> (keys, values) [B, H_kv, S, D] bfloat16 on the
@@ -186,7 +191,8 @@ class PrefixCodec:
         kv = torch.empty((2, self.batch, S, cal.n_kv_heads * cal.head_dim), dtype=torch.bfloat16, device=self.device)
         with self._on_device():
             _lib.check(_lib.lib.kvcodec_prefix_decode(self._h, encoded.payload.data_ptr(), encoded.payload.numel(),
-                                                      encoded.offsets.data_ptr(), S, kv.data_ptr(), self._stream()))
+                                                      encoded.offsets.data_ptr(), S, int(encoded.first_position),
+                                                      kv.data_ptr(), self._stream()))
         if check:
             self.check()
         kv = kv.view(2, self.batch, S, cal.n_kv_heads, cal.head_dim).transpose(2, 3)

@@ -52,6 +52,14 @@ void check_tokens(const kvcodec_prefix_codec* c, int64_t tokens) {
                                                  std::to_string(c->max_tokens) + "]");
 }
 
+void check_positions(const kvcodec_prefix_codec* c, int64_t first, int64_t tokens) {
+  check_tokens(c, tokens);
+  if (first < 0 || first > c->max_tokens - tokens)
+    throw Error(ErrorCode::kInvalidArgument, "positions [" + std::to_string(first) + ", " +
+                                                 std::to_string(first + tokens) + ") outside [0, max_tokens = " +
+                                                 std::to_string(c->max_tokens) + ")");
+}
+
 void check_stream(const kvcodec_prefix_codec* c, const void* cuda_stream) {
   if (!c->cuda && cuda_stream)
     throw Error(ErrorCode::kInvalidArgument, "cuda_stream given to a codec on the CPU (KVCODEC_PREFIX_CPU)");
@@ -134,26 +142,27 @@ KVCODEC_API kvcodec_status kvcodec_prefix_codec_bounds(const kvcodec_prefix_code
 }
 
 KVCODEC_API kvcodec_status kvcodec_prefix_encode(kvcodec_prefix_codec* codec, const void* kv, int64_t tokens,
-                                                 void* payload, uint64_t capacity, uint64_t* offsets,
-                                                 void* cuda_stream, uint64_t* written) {
+                                                 int64_t first_position, void* payload, uint64_t capacity,
+                                                 uint64_t* offsets, void* cuda_stream, uint64_t* written) {
   return guarded("kvcodec_prefix_encode", [&] {
     require(codec, "codec");
     require(kv, "kv");
     require(payload, "payload");
     require(offsets, "offsets");
-    check_tokens(codec, tokens);
+    check_positions(codec, first_position, tokens);
     check_stream(codec, cuda_stream);
     if (written) *written = 0;
     const auto* x = static_cast<const uint16_t*>(kv);
     if (codec->cuda) {
       if (reinterpret_cast<uintptr_t>(kv) % 16 != 0)
         throw Error(ErrorCode::kInvalidArgument, "kv is not 16-byte aligned");
-      const uint64_t n = codec->cuda->encode(x, tokens, static_cast<uint8_t*>(payload), capacity, offsets, cuda_stream);
+      const uint64_t n = codec->cuda->encode(x, tokens, static_cast<uint8_t*>(payload), capacity, offsets, cuda_stream,
+                                             first_position);
       if (written) *written = n;
       return;
     }
-    const kvcodec::gpu::EncodedBatch e =
-        kvcodec::gpu::encode_batch_reference(*codec->host, x, tokens, kvcodec::gpu::KvtcGpuCodec::kBlockTokens);
+    const kvcodec::gpu::EncodedBatch e = kvcodec::gpu::encode_batch_reference(
+        *codec->host, x, tokens, kvcodec::gpu::KvtcGpuCodec::kBlockTokens, first_position);
     if (e.payload.size() > capacity)
       throw kvcodec::capi::CapiError(KVCODEC_ERROR_BUFFER_TOO_SMALL,
                                      "the payload needs " + std::to_string(e.payload.size()) + " bytes, capacity is " +
@@ -166,23 +175,24 @@ KVCODEC_API kvcodec_status kvcodec_prefix_encode(kvcodec_prefix_codec* codec, co
 
 KVCODEC_API kvcodec_status kvcodec_prefix_decode(kvcodec_prefix_codec* codec, const void* payload,
                                                  uint64_t payload_size, const uint64_t* offsets, int64_t tokens,
-                                                 void* kv, void* cuda_stream) {
+                                                 int64_t first_position, void* kv, void* cuda_stream) {
   return guarded("kvcodec_prefix_decode", [&] {
     require(codec, "codec");
     require(payload, "payload");
     require(offsets, "offsets");
     require(kv, "kv");
-    check_tokens(codec, tokens);
+    check_positions(codec, first_position, tokens);
     check_stream(codec, cuda_stream);
     auto* y = static_cast<uint16_t*>(kv);
     if (codec->cuda) {
       if (reinterpret_cast<uintptr_t>(kv) % 16 != 0)
         throw Error(ErrorCode::kInvalidArgument, "kv is not 16-byte aligned");
-      codec->cuda->decode(static_cast<const uint8_t*>(payload), payload_size, offsets, tokens, y, cuda_stream);
+      codec->cuda->decode(static_cast<const uint8_t*>(payload), payload_size, offsets, tokens, y, cuda_stream,
+                          first_position);
       return;
     }
     kvcodec::gpu::decode_batch_reference(*codec->host, static_cast<const uint8_t*>(payload), payload_size, offsets,
-                                         tokens, kvcodec::gpu::KvtcGpuCodec::kBlockTokens, y);
+                                         tokens, kvcodec::gpu::KvtcGpuCodec::kBlockTokens, y, first_position);
   });
 }
 

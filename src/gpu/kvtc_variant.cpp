@@ -358,7 +358,8 @@ RawRanges raw_ranges(const FlatKvtcTables& t, int64_t S) {
 
 }  // namespace
 
-EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, int64_t tokens, int block_tokens) {
+EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, int64_t tokens, int block_tokens,
+                                    int64_t first_position) {
   const int64_t coded = coded_tokens(t, tokens), nb = n_blocks(coded, block_tokens);
   const RawRanges rr = raw_ranges(t, tokens);
   EncodedBatch out;
@@ -368,7 +369,7 @@ EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, 
   for (int h = 0; h < t.n_heads; ++h)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t t0 = rr.sink_end + b * block_tokens, n = std::min<int64_t>(block_tokens, rr.tail_begin - t0);
-      quantize_reference(t, h, x + (size_t(h) * size_t(tokens) + size_t(t0)) * D, n, codes.data(), t0);
+      quantize_reference(t, h, x + (size_t(h) * size_t(tokens) + size_t(t0)) * D, n, codes.data(), first_position + t0);
       const std::vector<uint8_t> s = rans_warp_encode(t, h, codes.data(), n);
       out.payload.insert(out.payload.end(), s.begin(), s.end());
       out.offsets.push_back(out.payload.size());
@@ -387,7 +388,8 @@ EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, 
 }
 
 void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, size_t payload_size,
-                            const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y) {
+                            const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y,
+                            int64_t first_position) {
   const int64_t coded = coded_tokens(t, tokens), nb = n_blocks(coded, block_tokens);
   const RawRanges rr = raw_ranges(t, tokens);
   const size_t D = size_t(t.dim);
@@ -400,7 +402,8 @@ void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, siz
         throw Error(ErrorCode::kFormat, "kvtc-gpu batch: stream " + std::to_string(i) + " has bad offsets");
       const int64_t t0 = rr.sink_end + b * block_tokens, n = std::min<int64_t>(block_tokens, rr.tail_begin - t0);
       rans_warp_decode(t, h, payload + offsets[i], size_t(offsets[i + 1] - offsets[i]), n, codes.data());
-      dequantize_reference(t, h, codes.data(), n, y + (size_t(h) * size_t(tokens) + size_t(t0)) * D, t0);
+      dequantize_reference(t, h, codes.data(), n, y + (size_t(h) * size_t(tokens) + size_t(t0)) * D,
+                           first_position + t0);
     }
   if (rr.n == 0) return;
   const uint64_t raw0 = raw_offset(offsets[size_t(t.n_heads) * size_t(nb)]);

@@ -140,9 +140,13 @@ struct EncodedBatch {
 int64_t n_blocks(int64_t tokens, int block_tokens);
 // tokens = the sequence length S of every head; with t.sinks / t.window the
 // coded streams cover tokens [sinks, S - window) and the raw ones follow.
-EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, int64_t tokens, int block_tokens);
+// first_position: the position of the first token (RoPE heads), as
+// KvtcGpuCodec::encode / decode take it.
+EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, int64_t tokens, int block_tokens,
+                                    int64_t first_position = 0);
 void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, size_t payload_size,
-                            const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y);
+                            const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y,
+                            int64_t first_position = 0);
 // Where the raw tokens start in a batch payload whose streams end at
 // streams_end, and how many bytes they take.
 inline uint64_t raw_offset(uint64_t streams_end) { return (streams_end + 15) / 16 * 16; }

@@ -54,7 +54,7 @@ Encoded encode(kvcodec_prefix_codec* c, const std::vector<uint16_t>& kv, int64_t
   e.payload.resize(bound);
   e.offsets.resize(size_t(n_offsets));
   uint64_t written = 0;
-  EXPECT_EQ(kvcodec_prefix_encode(c, kv.data(), tokens, e.payload.data(), bound, e.offsets.data(), nullptr, &written),
+  EXPECT_EQ(kvcodec_prefix_encode(c, kv.data(), tokens, 0, e.payload.data(), bound, e.offsets.data(), nullptr, &written),
             KVCODEC_OK)
       << kvcodec_last_error();
   e.payload.resize(written);
@@ -87,7 +87,7 @@ TEST(CapiPrefix, CpuCodesTheReferenceBytesAndDecodesItsOutput) {
   EXPECT_EQ(e.offsets, ref.offsets);
 
   std::vector<uint16_t> y(kv.size()), y_ref(kv.size());
-  KVC_OK(kvcodec_prefix_decode(codec.get(), e.payload.data(), e.payload.size(), e.offsets.data(), tokens, y.data(),
+  KVC_OK(kvcodec_prefix_decode(codec.get(), e.payload.data(), e.payload.size(), e.offsets.data(), tokens, 0, y.data(),
                                nullptr));
   KVC_OK(kvcodec_prefix_check(codec.get(), nullptr));
   kvcodec::gpu::decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), tokens, 64,
@@ -159,32 +159,94 @@ TEST(CapiPrefix, RefusesBadArgumentsAndDamagedBytesWithTheirNames) {
   std::vector<uint8_t> payload(bound);
   std::vector<uint64_t> offsets(static_cast<size_t>(n_offsets));
   uint64_t written = 0;
-  fails(kvcodec_prefix_encode(codec.get(), kv.data(), tokens, payload.data(), 100, offsets.data(), nullptr, &written),
+  fails(kvcodec_prefix_encode(codec.get(), kv.data(), tokens, 0, payload.data(), 100, offsets.data(), nullptr, &written),
         KVCODEC_ERROR_BUFFER_TOO_SMALL, "capacity is 100");
   int stream_stand_in = 0;
-  fails(kvcodec_prefix_encode(codec.get(), kv.data(), tokens, payload.data(), bound, offsets.data(), &stream_stand_in,
+  fails(kvcodec_prefix_encode(codec.get(), kv.data(), tokens, 0, payload.data(), bound, offsets.data(), &stream_stand_in,
                               &written),
         KVCODEC_ERROR_INVALID_ARGUMENT, "cuda_stream given to a codec on the CPU");
-  fails(kvcodec_prefix_encode(codec.get(), nullptr, tokens, payload.data(), bound, offsets.data(), nullptr, &written),
+  fails(kvcodec_prefix_encode(codec.get(), nullptr, tokens, 0, payload.data(), bound, offsets.data(), nullptr, &written),
         KVCODEC_ERROR_INVALID_ARGUMENT, "kv is NULL");
-  KVC_OK(kvcodec_prefix_encode(codec.get(), kv.data(), tokens, payload.data(), bound, offsets.data(), nullptr,
+  KVC_OK(kvcodec_prefix_encode(codec.get(), kv.data(), tokens, 0, payload.data(), bound, offsets.data(), nullptr,
                                &written));
   ASSERT_LE(written, bound);
 
   std::vector<uint16_t> y(kv.size());
   // Too few bytes for the raw tokens after the streams.
-  fails(kvcodec_prefix_decode(codec.get(), payload.data(), written - 1, offsets.data(), tokens, y.data(), nullptr),
+  fails(kvcodec_prefix_decode(codec.get(), payload.data(), written - 1, offsets.data(), tokens, 0, y.data(), nullptr),
         KVCODEC_ERROR_FORMAT, "raw tokens need");
   // A stream whose end lies past the payload.
   std::vector<uint64_t> bad = offsets;
   bad[1] = written + 1;
-  fails(kvcodec_prefix_decode(codec.get(), payload.data(), written, bad.data(), tokens, y.data(), nullptr),
+  fails(kvcodec_prefix_decode(codec.get(), payload.data(), written, bad.data(), tokens, 0, y.data(), nullptr),
         KVCODEC_ERROR_FORMAT, "stream 0 has bad offsets");
   // A stream cut short by one byte (the next one starts earlier).
   bad = offsets;
   bad[1] -= 1;
-  fails(kvcodec_prefix_decode(codec.get(), payload.data(), written, bad.data(), tokens, y.data(), nullptr),
+  fails(kvcodec_prefix_decode(codec.get(), payload.data(), written, bad.data(), tokens, 0, y.data(), nullptr),
         KVCODEC_ERROR_FORMAT, "");
-  KVC_OK(kvcodec_prefix_decode(codec.get(), payload.data(), written, offsets.data(), tokens, y.data(), nullptr));
+  KVC_OK(kvcodec_prefix_decode(codec.get(), payload.data(), written, offsets.data(), tokens, 0, y.data(), nullptr));
   kvcodec_prefix_codec_free(nullptr);
+}
+
+// A block coded on its own at its position (sinks and window 0) is the very
+// stream the whole sequence codes for it: positions reach RoPE as they must.
+TEST(CapiPrefix, ABlockCodedAtItsPositionIsTheWholeSequencesStream) {
+  kvcodec_calibration* c = nullptr;
+  KVC_OK(kvcodec_calibration_load(kShippedCalibration.c_str(), &c));
+  CalibrationPtr cal(c);
+  kvcodec_prefix_codec* raw = nullptr;
+  KVC_OK(kvcodec_prefix_codec_create(cal.get(), 2, 1, 1024, 0, 0, KVCODEC_PREFIX_CPU, &raw));
+  PrefixPtr codec(raw);
+  const int64_t S = 256, first = 128, n = 64;
+  const std::vector<uint16_t> kv = dump_layer_bf16(2, S);
+  const Encoded whole = encode(codec.get(), kv, S);
+  ASSERT_EQ(whole.offsets.size(), size_t(2 * 4 + 1));
+  // Tokens [128, 192) of both rows (keys, values) as their own [2, 1, 64, W] buffer.
+  const size_t W = 128;
+  std::vector<uint16_t> block;
+  for (size_t row = 0; row < 2; ++row)
+    block.insert(block.end(), kv.begin() + long((row * size_t(S) + size_t(first)) * W),
+                 kv.begin() + long((row * size_t(S) + size_t(first + n)) * W));
+  uint64_t bound = 0;
+  int64_t n_offsets = 0;
+  KVC_OK(kvcodec_prefix_codec_bounds(codec.get(), n, &bound, &n_offsets));
+  std::vector<uint8_t> payload(bound);
+  std::vector<uint64_t> offsets(static_cast<size_t>(n_offsets));
+  uint64_t written = 0;
+  KVC_OK(kvcodec_prefix_encode(codec.get(), block.data(), n, first, payload.data(), bound, offsets.data(), nullptr,
+                               &written));
+  for (size_t row = 0; row < 2; ++row) {
+    const size_t w = row * 4 + 2;  // the whole sequence's stream of this row's block 2
+    const std::vector<uint8_t> a(payload.begin() + long(offsets[row]), payload.begin() + long(offsets[row + 1]));
+    const std::vector<uint8_t> b(whole.payload.begin() + long(whole.offsets[w]),
+                                 whole.payload.begin() + long(whole.offsets[w + 1]));
+    EXPECT_EQ(a, b) << "row " << row;
+  }
+  // The same block at position 0 codes the keys' other rotation: other bytes.
+  std::vector<uint8_t> at0(bound);
+  std::vector<uint64_t> offsets0(static_cast<size_t>(n_offsets));
+  KVC_OK(kvcodec_prefix_encode(codec.get(), block.data(), n, 0, at0.data(), bound, offsets0.data(), nullptr, &written));
+  EXPECT_NE(std::vector<uint8_t>(at0.begin(), at0.begin() + long(offsets0[1])),
+            std::vector<uint8_t>(payload.begin(), payload.begin() + long(offsets[1])));
+  // Decoded at its position: the whole sequence's decode of those tokens.
+  std::vector<uint16_t> y_block(block.size()), y_whole(kv.size());
+  KVC_OK(kvcodec_prefix_decode(codec.get(), payload.data(), offsets.back(), offsets.data(), n, first, y_block.data(),
+                               nullptr));
+  KVC_OK(kvcodec_prefix_decode(codec.get(), whole.payload.data(), whole.payload.size(), whole.offsets.data(), S, 0,
+                               y_whole.data(), nullptr));
+  for (size_t row = 0; row < 2; ++row)
+    EXPECT_TRUE(std::equal(y_block.begin() + long(row * n * W), y_block.begin() + long((row + 1) * n * W),
+                           y_whole.begin() + long((row * size_t(S) + size_t(first)) * W)))
+        << "row " << row;
+  const auto fails = [](kvcodec_status status, kvcodec_status want, const char* words) {
+    EXPECT_EQ(status, want) << kvcodec_last_error();
+    EXPECT_NE(std::string(kvcodec_last_error()).find(words), std::string::npos) << kvcodec_last_error();
+  };
+  fails(kvcodec_prefix_encode(codec.get(), block.data(), n, 1024 - 63, payload.data(), bound, offsets.data(), nullptr,
+                              &written),
+        KVCODEC_ERROR_INVALID_ARGUMENT, "positions [961, 1025) outside [0, max_tokens = 1024)");
+  fails(kvcodec_prefix_decode(codec.get(), payload.data(), offsets.back(), offsets.data(), n, -1, y_block.data(),
+                              nullptr),
+        KVCODEC_ERROR_INVALID_ARGUMENT, "positions [-1, 63)");
 }

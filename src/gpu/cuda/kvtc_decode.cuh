@@ -488,7 +488,7 @@ __device__ __forceinline__ void warp_tc_reconstruct(const DeviceTables& tb, int 
             vb[e] = __fmul_rn(__fadd_rn(acc[j + 2][2 * hr + e], __ldg(mean + dh + e)), __ldg(isc + dh + e));
           }
           if (rope) {
-            const int64_t pos = tb.tok0 + t0 + row;
+            const int64_t pos = tb.pos0 + tb.tok0 + t0 + row;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const size_t r = size_t(pos) * half + size_t((dl + e) % RD);

@@ -55,8 +55,10 @@ struct DeviceTables {
   const float* rope_sin;
   int rope_dim;
   // Per call: each head's rows are seq tokens apart; the coded ones start at
-  // row tok0 (= their position), the sinks before them stay raw.
-  int64_t seq, tok0;
+  // row tok0, the sinks before them stay raw. Row r is at position pos0 + r
+  // (pos0 = the sequence's first position: 0 for a whole prefix, a block's
+  // first token for a block coded on its own).
+  int64_t seq, tok0, pos0 = 0;
 };
 
 __device__ __forceinline__ float bf16_to_f32_dev(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
@@ -163,8 +165,8 @@ __device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a,
 
 // Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
 // before the mean; pad = D + 4 or D + 8) as bf16: + mean, * inv_scale, RoPE
-// re-applied on keys of the calibrated format at position tok0 + t_first +
-// t, 16-byte stores. Tokens with skip(t) are left untouched. Item v is one
+// re-applied on keys of the calibrated format at position pos0 + tok0 +
+// t_first + t, 16-byte stores. Tokens with skip(t) are left untouched. Item v is one
 // pair group q of token t, ordered so that the 8 lanes of each quarter warp
 // (whose 16-byte shared loads are served together) take pair groups q..q+3
 // of two consecutive tokens: 8 distinct 4-bank groups, no conflict (one
@@ -197,7 +199,7 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
       a[e] = __fmul_rn(__fadd_rn(a[e], ml[e]), sl[e]);
       b[e] = __fmul_rn(__fadd_rn(b[e], mh[e]), sh[e]);
     }
-    if (rope) rope_pairs(tb, tb.tok0 + t_first + t, lo % tb.rope_dim, /*remove=*/false, a, b);
+    if (rope) rope_pairs(tb, tb.pos0 + tb.tok0 + t_first + t, lo % tb.rope_dim, /*remove=*/false, a, b);
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + lo), pack_bf16x8(a));
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + hi), pack_bf16x8(b));
   }

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
     if (t < n) {
       load_bf16x8(xh + size_t(t) * D + lo, a);
       load_bf16x8(xh + size_t(t) * D + hi, b);
-      if (rope) rope_pairs(tb, tb.tok0 + t0 + t, lo % tb.rope_dim, /*remove=*/true, a, b);
+      if (rope) rope_pairs(tb, tb.pos0 + tb.tok0 + t0 + t, lo % tb.rope_dim, /*remove=*/true, a, b);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         a[e] = __fsub_rn(__fmul_rn(a[e], scl[lo + e]), mean[lo + e]);

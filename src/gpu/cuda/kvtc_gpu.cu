@@ -39,6 +39,7 @@
 //                   m16n8k8 TF32 with both operands in fragment order (the
 //                   basis pre-swizzled on the host); within a stated bound of
 //                   the exact path, not bit-exact (comment at the kernel).
+#include <algorithm>
 #include <cuda_runtime.h>
 #include <mma.h>
 
@@ -514,6 +515,17 @@ std::vector<double> KvtcGpuCodec::last_phase_ms() const {
 }
 
 namespace {
+// Tokens at positions [first, first + tokens): RoPE heads read the tables'
+// rows there (a plain head's tables have no rows and no RoPE: first must be 0).
+void check_positions(const FlatKvtcTables& f, int64_t first, int64_t tokens) {
+  const bool any_rope = std::any_of(f.rope.begin(), f.rope.end(), [](uint8_t r) { return r != 0; });
+  const int64_t limit = any_rope ? f.rope_positions : tokens;
+  if (first < 0 || first > limit - tokens)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: positions [" + std::to_string(first) + ", " +
+                                                 std::to_string(first + tokens) + ") outside the codec's [0, " +
+                                                 std::to_string(limit) + ")");
+}
+
 void check_tokens(int64_t tokens, int64_t max_tokens) {
   if (tokens <= 0 || tokens > max_tokens)
     throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: tokens = " + std::to_string(tokens) + " outside [1, " +
@@ -553,9 +565,11 @@ void copy_raw(const FlatKvtcTables& f, int64_t seq, uint16_t* kv, uint8_t* packe
 }  // namespace
 
 uint64_t KvtcGpuCodec::encode(const uint16_t* x, int64_t tokens, uint8_t* out, uint64_t capacity, uint64_t* offsets,
-                              void* stream_ptr) {
+                              void* stream_ptr, int64_t first_position) {
   Impl& m = *impl_;
   check_tokens(tokens, m.max_tokens);
+  check_positions(m.flat, first_position, tokens);
+  m.dev.pos0 = first_position;
   check_aligned(x, "input x");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const int64_t coded = coded_tokens(m.flat, tokens);
@@ -596,9 +610,11 @@ uint64_t KvtcGpuCodec::encode(const uint16_t* x, int64_t tokens, uint8_t* out, u
 }
 
 void KvtcGpuCodec::decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
-                          void* stream_ptr) {
+                          void* stream_ptr, int64_t first_position) {
   Impl& m = *impl_;
   check_tokens(tokens, m.max_tokens);
+  check_positions(m.flat, first_position, tokens);
+  m.dev.pos0 = first_position;
   check_aligned(y, "output y");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const uint64_t raw = raw_bytes(m.flat, tokens);

@@ -25,8 +25,8 @@ void KvtcGpuCodec::set_fused_decode(bool) { absent(); }
 int KvtcGpuCodec::head_dim() const { absent(); }
 int64_t KvtcGpuCodec::n_streams(int64_t) const { absent(); }
 uint64_t KvtcGpuCodec::max_encoded_bytes(int64_t) const { absent(); }
-uint64_t KvtcGpuCodec::encode(const uint16_t*, int64_t, uint8_t*, uint64_t, uint64_t*, void*) { absent(); }
-void KvtcGpuCodec::decode(const uint8_t*, uint64_t, const uint64_t*, int64_t, uint16_t*, void*) { absent(); }
+uint64_t KvtcGpuCodec::encode(const uint16_t*, int64_t, uint8_t*, uint64_t, uint64_t*, void*, int64_t) { absent(); }
+void KvtcGpuCodec::decode(const uint8_t*, uint64_t, const uint64_t*, int64_t, uint16_t*, void*, int64_t) { absent(); }
 void KvtcGpuCodec::check_errors(void*) { absent(); }
 void KvtcGpuCodec::set_phase_timing(bool) { absent(); }
 void KvtcGpuCodec::set_pipeline_chunks(int) { absent(); }
