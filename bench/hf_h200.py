@@ -23,7 +23,9 @@ Parts (--parts, comma-separated):
          of 128, MLP 14336, vocabulary 128256) with random bfloat16 weights
          and --speed-layers of its 32 layers: decode tokens/s and GPU memory
          after prefills of --contexts tokens, DynamicCache against
-         KVCodecCache (--speed-methods).
+         KVCodecCache (--speed-methods; kvtc-gpu: KVCodecGpuCache, the
+         history compressed in GPU memory, each 8B head coded as a row of
+         tinycode's calibration: speed and bytes, not quality).
 
 Writes one JSON object per result line to --out (and prints a summary).
 """
@@ -148,6 +150,34 @@ def gen_part(a, emit):
 # --- speed -------------------------------------------------------------------------
 
 
+def rows_gpu_cache(calibration, max_tokens, block):
+    """KVCodecGpuCache for the 8B shape's speed, with tinycode's calibration:
+    each [S, 128] KV head of the model is coded as one row of the
+    calibration's 2 x 64 (as bench/offload_ttft.py codes it), model layer l
+    with calibration layer l mod 6, each model layer its own BlockCache.
+    Speed and bytes only: a calibration of another model's KV says nothing
+    about this one's quality (random weights here anyway)."""
+    from kvcodec import BlockCache
+    from kvcodec.hf import KVCodecGpuCache
+
+    class RowsGpuCache(KVCodecGpuCache):
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            B, H, S, D = key_states.shape
+            cal = self.calibration
+            while len(self.caches) <= layer_idx:
+                self.caches.append(None)
+            if self.caches[layer_idx] is None:
+                self.caches[layer_idx] = BlockCache(cal, layer_idx % cal.n_layers, max_tokens=self.max_tokens,
+                                                    batch=B * H, sinks=self.sinks, window=self.window,
+                                                    block=self.block, device=key_states.device)
+            rows = lambda x: x.reshape(B * H, S, cal.n_kv_heads, cal.head_dim).transpose(1, 2)
+            k, v = self.caches[layer_idx].update_and_fetch(rows(key_states), rows(value_states))
+            back = lambda x: x.transpose(1, 2).reshape(B, H, x.shape[2], D)
+            return back(k), back(v)
+
+    return RowsGpuCache(calibration, max_tokens=max_tokens, block=block, window=32)
+
+
 def speed_part(a, emit, deadline):
     import torch
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -171,8 +201,12 @@ def speed_part(a, emit, deadline):
             if time.time() > deadline:
                 emit({"part": "speed", "context": ctx, "cache": kind, "skipped": "time budget"})
                 continue
-            cache = DynamicCache() if kind == "DynamicCache" else KVCodecCache(kind, config=cfg,
-                                                                               host_round_trip=True)
+            if kind == "DynamicCache":
+                cache = DynamicCache()
+            elif kind == "kvtc-gpu":  # compressed in GPU memory (a CUDA build of libkvcodec)
+                cache = rows_gpu_cache(os.path.join(a.model, "kvtc.kvcal"), ctx + a.decode_steps + 8, a.gpu_block)
+            else:
+                cache = KVCodecCache(kind, config=cfg, host_round_trip=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
@@ -197,7 +231,9 @@ def speed_part(a, emit, deadline):
                  "peak_over_weights_gib": (torch.cuda.max_memory_allocated() - weights) / 2**30,
                  "held_after_gib": held / 2**30}
             if kind != "DynamicCache":
-                r.update(ratio=cache.compression_ratio, host_resident_mib=cache.resident_bytes / 2**20,
+                where = "gpu" if kind == "kvtc-gpu" else "host"
+                r.update({"ratio": cache.compression_ratio, f"{where}_resident_mib": cache.resident_bytes / 2**20})
+                r.update(
                          host_copy_gib_per_step=(cache.host_copy_bytes - copied) / 2**30 / len(times))
             emit(r)
             del cache
@@ -218,6 +254,7 @@ def main():
     p.add_argument("--gen-tokens", type=int, default=256)
     p.add_argument("--speed-layers", type=int, default=4)
     p.add_argument("--speed-methods", default="fp16,int8,kvtc")
+    p.add_argument("--gpu-block", type=int, default=1024, help="kvtc-gpu's block (tokens coded at once)")
     p.add_argument("--contexts", default="2048,8192,32768")
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the speed runs left after this many seconds")
