@@ -115,7 +115,14 @@ export OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
 # The suites where threads or processes meet (HTTP and model threads, the
 # store's writers, Redis, kills); the format suites (logprobs, dashboard,
 # limits' time bounds) run in the two builds above.
-"$tsan"/src/server/test_server \
+# Debian's cpp-httplib is a compiled, uninstrumented library: TSan sees its
+# allocations and the memcmp it calls but not its own synchronisation, and
+# reported a race inside it between two of its pool threads when 64
+# connections arrived at once (ServerConcurrency.ABurstOfConnections...,
+# session 14); ignore_noninstrumented_modules drops reports from
+# interceptors called inside such libraries, as for libomp below. Races in
+# kvcodec's own (instrumented) code are still reported.
+TSAN_OPTIONS="$TSAN_OPTIONS ignore_noninstrumented_modules=1" "$tsan"/src/server/test_server \
   --gtest_filter='ServerConcurrency.*:ServerFaults.*:ServerTest.*:ServerModelIdentity.*:PrefixStore.*:DiskStoreTest.*:DiskStoreKill.*:RedisServers.*:RedisStoreTest.*-*Dashboard*'
 # Of test_cache, the tests where threads meet (TSan has nothing to check in
 # a one-thread test): four std::threads fetching one calibrated cache; local
