@@ -157,23 +157,19 @@ def rows_gpu_cache(calibration, max_tokens, block):
     with calibration layer l mod 6, each model layer its own BlockCache.
     Speed and bytes only: a calibration of another model's KV says nothing
     about this one's quality (random weights here anyway)."""
-    from kvcodec import BlockCache
     from kvcodec.hf import KVCodecGpuCache
 
     class RowsGpuCache(KVCodecGpuCache):
         def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
             B, H, S, D = key_states.shape
             cal = self.calibration
-            while len(self.caches) <= layer_idx:
-                self.caches.append(None)
-            if self.caches[layer_idx] is None:
-                self.caches[layer_idx] = BlockCache(cal, layer_idx % cal.n_layers, max_tokens=self.max_tokens,
-                                                    batch=B * H, sinks=self.sinks, window=self.window,
-                                                    block=self.block, device=key_states.device)
             rows = lambda x: x.reshape(B * H, S, cal.n_kv_heads, cal.head_dim).transpose(1, 2)
-            k, v = self.caches[layer_idx].update_and_fetch(rows(key_states), rows(value_states))
+            k, v = super().update(rows(key_states), rows(value_states), layer_idx, cache_kwargs)
             back = lambda x: x.transpose(1, 2).reshape(B, H, x.shape[2], D)
             return back(k), back(v)
+
+        def _make_layer(self, key_states, layer_idx):
+            return super()._make_layer(key_states, layer_idx, layer_idx % self.calibration.n_layers)
 
     return RowsGpuCache(calibration, max_tokens=max_tokens, block=block, window=32)
 

@@ -67,12 +67,15 @@ class KVCodecCache(_HFCache):
             if key_states.dim() != 4:
                 raise KVCodecError(_lib.INVALID_ARGUMENT,
                                    f"key_states has shape {tuple(key_states.shape)}: expected [B, H_kv, q_len, D]")
-            n_layers = self.n_layers or max(layer_idx + 1, 1)
-            cache = Cache(self.method, self.settings, n_kv_heads=key_states.shape[1], head_dim=key_states.shape[3],
-                          layer=layer_idx, n_layers=n_layers, rope_theta=self.rope_theta,
-                          calibration=self.calibration, host_round_trip=self.host_round_trip)
-            self.caches[layer_idx] = cache
+            cache = self.caches[layer_idx] = self._make_layer(key_states, layer_idx)
         return cache.update_and_fetch(key_states, value_states)
+
+    def _make_layer(self, key_states, layer_idx):
+        """Layer layer_idx's cache, made at its first update() (key_states [B, H_kv, q_len, D])."""
+        n_layers = self.n_layers or max(layer_idx + 1, 1)
+        return Cache(self.method, self.settings, n_kv_heads=key_states.shape[1], head_dim=key_states.shape[3],
+                     layer=layer_idx, n_layers=n_layers, rope_theta=self.rope_theta, calibration=self.calibration,
+                     host_round_trip=self.host_round_trip)
 
     def get_seq_length(self, layer_idx=0):
         if layer_idx is None:
@@ -176,16 +179,8 @@ class KVCodecGpuCache(KVCodecCache):
         self.max_tokens, self.sinks, self.window, self.block = int(max_tokens), sinks, window, block
         self.reconstruction = reconstruction
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        while len(self.caches) <= layer_idx:
-            self.caches.append(None)
-        cache = self.caches[layer_idx]
-        if cache is None:
-            if key_states.dim() != 4:
-                raise KVCodecError(_lib.INVALID_ARGUMENT,
-                                   f"key_states has shape {tuple(key_states.shape)}: expected [B, H_kv, q_len, D]")
-            cache = BlockCache(self.calibration, layer_idx, max_tokens=self.max_tokens, batch=key_states.shape[0],
-                               sinks=self.sinks, window=self.window, block=self.block, device=key_states.device,
-                               reconstruction=self.reconstruction)
-            self.caches[layer_idx] = cache
-        return cache.update_and_fetch(key_states, value_states)
+    def _make_layer(self, key_states, layer_idx, calibration_layer=None):
+        return BlockCache(self.calibration, layer_idx if calibration_layer is None else calibration_layer,
+                          max_tokens=self.max_tokens, batch=key_states.shape[0], sinks=self.sinks,
+                          window=self.window, block=self.block, device=key_states.device,
+                          reconstruction=self.reconstruction)

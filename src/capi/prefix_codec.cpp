@@ -65,6 +65,12 @@ void check_stream(const kvcodec_prefix_codec* c, const void* cuda_stream) {
     throw Error(ErrorCode::kInvalidArgument, "cuda_stream given to a codec on the CPU (KVCODEC_PREFIX_CPU)");
 }
 
+// The GPU kernels move KV in 16-byte vectors.
+void check_device_kv(const void* kv) {
+  if (reinterpret_cast<uintptr_t>(kv) % 16 != 0)
+    throw Error(ErrorCode::kInvalidArgument, "kv is not 16-byte aligned");
+}
+
 }  // namespace
 
 extern "C" {
@@ -154,8 +160,7 @@ KVCODEC_API kvcodec_status kvcodec_prefix_encode(kvcodec_prefix_codec* codec, co
     if (written) *written = 0;
     const auto* x = static_cast<const uint16_t*>(kv);
     if (codec->cuda) {
-      if (reinterpret_cast<uintptr_t>(kv) % 16 != 0)
-        throw Error(ErrorCode::kInvalidArgument, "kv is not 16-byte aligned");
+      check_device_kv(kv);
       const uint64_t n = codec->cuda->encode(x, tokens, static_cast<uint8_t*>(payload), capacity, offsets, cuda_stream,
                                              first_position);
       if (written) *written = n;
@@ -185,8 +190,7 @@ KVCODEC_API kvcodec_status kvcodec_prefix_decode(kvcodec_prefix_codec* codec, co
     check_stream(codec, cuda_stream);
     auto* y = static_cast<uint16_t*>(kv);
     if (codec->cuda) {
-      if (reinterpret_cast<uintptr_t>(kv) % 16 != 0)
-        throw Error(ErrorCode::kInvalidArgument, "kv is not 16-byte aligned");
+      check_device_kv(kv);
       codec->cuda->decode(static_cast<const uint8_t*>(payload), payload_size, offsets, tokens, y, cuda_stream,
                           first_position);
       return;

@@ -16,6 +16,10 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.environ.get("KVCODEC_SHARED_DIR", os.path.join(HERE, "..", "..", "..", "shared"))
 MODEL = os.path.join(SHARED, "models", "tinycode")
+# The shipped calibration (the repository's), the shared KV dump, and whether
+# this libkvcodec and torch can run the GPU codec (test_prefix.py, test_block_cache.py).
+SHIPPED = os.path.join(HERE, "..", "..", "models", "tinycode", "kvtc.kvcal")
+DUMP = os.path.join(MODEL, "kv_dump.safetensors")
 
 
 def read_safetensors(path):
@@ -85,3 +89,32 @@ def calibration_file(cli, tmp_path_factory):
                     "--threads", "1", "--set", "kvtc.target_ratio=8", "--set", "kvtc.sensitivity=none", "-o", out],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
+
+
+def _cuda_usable():
+    try:
+        import torch
+        import kvcodec
+    except ImportError:
+        return False, False
+    n, built = kvcodec.cuda_device_count()
+    return built, n > 0 and built and torch.cuda.is_available()
+
+
+CUDA_BUILT, ON_GPU = _cuda_usable()
+
+
+@pytest.fixture(scope="module")
+def dump():
+    """{name: numpy array} of the shared KV dump (skips without it)."""
+    if not os.path.isfile(DUMP):
+        pytest.skip(f"no {DUMP}")
+    return read_safetensors(DUMP)
+
+
+def layer_kv(dump, layer, tokens, device="cpu"):
+    """Layer `layer`'s first `tokens` keys and values [1, H, S, D] as f16 torch tensors (copies)."""
+    import torch
+    k = torch.from_numpy(np.array(dump[f"layers.{layer}.key"][:, :, :tokens]))
+    v = torch.from_numpy(np.array(dump[f"layers.{layer}.value"][:, :, :tokens]))
+    return k.to(device), v.to(device)

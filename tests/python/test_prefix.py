@@ -1,34 +1,13 @@
 """kvcodec.PrefixCodec: a layer's whole prefix in the calibrated kvtc-gpu/2
 format, on the CPU (CI) and, where this libkvcodec has CUDA and torch a GPU
 (the GPU machine), on the GPU against the CPU bit for bit."""
-import os
 
-import numpy as np
 import pytest
 
 import kvcodec
-from conftest import MODEL, read_safetensors
+from conftest import CUDA_BUILT, ON_GPU, SHIPPED, layer_kv
 
 torch = pytest.importorskip("torch")
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-SHIPPED = os.path.join(ROOT, "models", "tinycode", "kvtc.kvcal")
-DUMP = os.path.join(MODEL, "kv_dump.safetensors")
-N_GPU, CUDA_BUILT = kvcodec.cuda_device_count()
-ON_GPU = N_GPU > 0 and CUDA_BUILT and torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def dump():
-    if not os.path.isfile(DUMP):
-        pytest.skip(f"no {DUMP}")
-    return read_safetensors(DUMP)
-
-
-def layer_kv(dump, layer, tokens, device="cpu"):
-    k = torch.from_numpy(np.ascontiguousarray(dump[f"layers.{layer}.key"][:, :, :tokens]))
-    v = torch.from_numpy(np.ascontiguousarray(dump[f"layers.{layer}.value"][:, :, :tokens]))
-    return k.to(device), v.to(device)
 
 
 def test_cpu_round_trip_keeps_raw_tokens_and_counts_every_byte(dump):
