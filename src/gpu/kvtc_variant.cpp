@@ -92,6 +92,11 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
       }
       const kvtc::ComponentQuantizer& q = p.quant[size_t(k)];
       const entropy::FrequencyTable& ft = p.rans_tables[size_t(k)];
+      if (q.has_centroid())
+        throw Error(ErrorCode::kUnsupported, "kvtc-gpu: head " + std::to_string(h) + " component " +
+                                                 std::to_string(k) +
+                                                 " uses centroid reconstruction, which the GPU codec does not "
+                                                 "implement (calibrate with kvtc.reconstruction=lattice)");
       if (!(q.step > 0.0f) || q.levels == 0 || ft.alphabet_size != q.levels || ft.freq.size() != q.levels ||
           ft.cum.size() != size_t(q.levels) + 1 || ft.scale_bits < 1 || ft.scale_bits > 16 ||
           ft.cum[q.levels] != (1u << ft.scale_bits))

@@ -116,6 +116,22 @@ double codec_squared_error(const HeadParams& h, const float* x, int64_t n) {
 
 }  // namespace
 
+int centroid_class(double m) {
+  const double a = std::fabs(m);
+  if (a < 0.25) return -1;  // the zero cell (midtread m = 0)
+  // midtread |m| = 1, 2, 3.. and midrise 1/2, 3/2, 5/2..: floor(|m| - 1/4)
+  // is 0 at both grids' first cell, 1 at the second, 2 from the third on.
+  return int(std::min(2.0, std::floor(a - 0.25)));
+}
+
+double reconstruction_steps(const ComponentQuantizer& q, uint32_t code) {
+  const double m = double(code) - double(recon_offset(q));
+  if (!q.has_centroid()) return m;
+  const int c = centroid_class(m);
+  if (c < 0) return 0.0;
+  return std::copysign(std::fabs(m) + double(q.centroid[size_t(c)]), m);
+}
+
 const char* allocator_name(Allocator a) { return a == Allocator::kDp ? "dp" : "rate"; }
 
 const char* coder_name(CoderChoice c) {
@@ -447,10 +463,10 @@ void scatter_recon_row(const int32_t* row, size_t k, size_t D, size_t kp2, int16
 // so that it vectorises. The callers' units keep |w| <= 32767, far inside
 // int32.
 template <bool kPlain>
-void round_recon_row(const float* __restrict basis, double step, double cmax, const double* __restrict unit,
-                     size_t D, int32_t* __restrict row_w, double* __restrict bound) {
+void round_recon_row(const float* __restrict basis, double step, double code_unit, double cmax,
+                     const double* __restrict unit, size_t D, int32_t* __restrict row_w, double* __restrict bound) {
   for (size_t d = 0; d < D; ++d) {
-    const double r = round_weight<kPlain>(step * double(basis[d]) / 2 / unit[d]);
+    const double r = round_weight<kPlain>(step * double(basis[d]) / code_unit / unit[d]);
     row_w[d] = int32_t(r);
     bound[d] += cmax * std::fabs(r);
   }
@@ -461,11 +477,14 @@ void round_recon_row(const float* __restrict basis, double step, double cmax, co
 template <bool kPlain>
 bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) {
   out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
+  out.recon_lut.clear(), out.recon_lut_base.clear(), out.recon_unit = 2.0;
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   if (K == 0 || D == 0 || p.mean.size() != D || p.basis.size() != K * D || p.quant.size() != K) return false;
   if (!values_finite) return false;
   std::vector<double> cmax(K);  // the largest |c| = |2 code - zero2| of a valid code
   std::vector<int16_t> zero2(K);
+  bool centroid = false;
+  double widest = 0.0;  // the largest |reconstruction_steps| of a valid code
   for (size_t k = 0; k < K; ++k) {
     const ComponentQuantizer& q = p.quant[k];
     const int64_t z2 = q.half_offset ? 2 * int64_t(q.levels / 2) - 1 : 2 * int64_t(q.zero);
@@ -474,6 +493,27 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) 
     if (q.levels == 0 || m > 32767 || !std::isfinite(q.step)) return false;
     zero2[k] = int16_t(z2);
     cmax[k] = double(m);
+    centroid |= q.has_centroid();
+    widest = std::max({widest, std::fabs(reconstruction_steps(q, 0)), std::fabs(reconstruction_steps(q, q.levels - 1u))});
+  }
+  std::vector<int16_t> lut;
+  std::vector<uint32_t> lut_base;
+  double code_unit = 2.0;
+  if (centroid) {
+    // One power of two for the head (see HeadKernels::recon_lut).
+    code_unit = 4096.0;
+    while (code_unit > 1.0 && code_unit * widest > 32767.0) code_unit /= 2;
+    for (size_t k = 0; k < K; ++k) {
+      const ComponentQuantizer& q = p.quant[k];
+      lut_base.push_back(uint32_t(lut.size()));
+      double top = 0.0;
+      for (uint32_t code = 0; code < q.levels; ++code) {
+        const double c = round_even(code_unit * reconstruction_steps(q, code));
+        lut.push_back(int16_t(c));
+        top = std::max(top, std::fabs(c));
+      }
+      cmax[k] = top;
+    }
   }
   const size_t kp2 = (K + 1) / 2;
   std::vector<float> scale(D, 0.0f);
@@ -485,7 +525,7 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) 
   // double) instead of held in a K x D array.
   std::vector<double> work(4 * D, 0.0);
   double *amax = work.data(), *sum = amax + D, *unit_of = sum + D, *bound = unit_of + D;
-  const auto exact = [&](size_t k, size_t d) { return double(p.quant[k].step) * double(p.basis[k * D + d]) / 2; };
+  const auto exact = [&](size_t k, size_t d) { return double(p.quant[k].step) * double(p.basis[k * D + d]) / code_unit; };
   for (size_t k = 0; k < K; ++k)
     for (size_t d = 0; d < D; ++d) {
       const double e = exact(k, d);
@@ -510,7 +550,8 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) 
   uint32_t outside = 0;
   std::vector<int32_t> row_w(D);
   for (size_t k = 0; k < K; ++k) {
-    round_recon_row<kPlain>(p.basis.data() + k * D, double(p.quant[k].step), cmax[k], unit_of, D, row_w.data(), bound);
+    round_recon_row<kPlain>(p.basis.data() + k * D, double(p.quant[k].step), code_unit, cmax[k], unit_of, D, row_w.data(),
+                            bound);
     outside |= outside_int16(row_w.data(), D);
     scatter_recon_row<kPlain>(row_w.data(), k, D, kp2, w.data());
   }
@@ -518,6 +559,7 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) 
   for (size_t d = 0; d < D; ++d)
     if (bound[d] > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
   out.recon_zero2 = std::move(zero2), out.recon_scale = std::move(scale), out.recon_w = std::move(w);
+  out.recon_lut = std::move(lut), out.recon_lut_base = std::move(lut_base), out.recon_unit = code_unit;
   return true;
 }
 
@@ -738,7 +780,18 @@ void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
                          p.quant.size() == size_t(p.n_kept()) && mean.finite && mean.no_negative_zero &&
                          basis.finite && basis.no_tiny;
   const float tiny = std::ldexp(1.0f, -40);
-  for (const ComponentQuantizer& q : p.quant) out.recon_skip_zeros &= std::isfinite(q.step) && q.step >= 2.0f * tiny;
+  for (const ComponentQuantizer& q : p.quant) {
+    // A bound on the smallest nonzero |coefficient| in steps: 1/2 on the
+    // lattice; with centroids also the least nonzero |m| + offset of a class.
+    double least = 0.5;
+    if (q.has_centroid()) {
+      for (int c = 0; c < 3; ++c) {
+        const double r = (q.half_offset ? 0.5 : 1.0) + c + double(q.centroid[size_t(c)]);
+        if (r > 0) least = std::min(least, r);
+      }
+    }
+    out.recon_skip_zeros &= std::isfinite(q.step) && double(q.step) * least >= double(tiny);
+  }
   if (!out.rans_decode.empty()) {
     std::vector<const entropy::RansDecodeTable*> tables;
     for (const auto& t : out.rans_decode) tables.push_back(&t);
@@ -796,7 +849,8 @@ uint64_t HeadKernels::held_bytes() const {
   for (const auto& t : rans_decode) n += t.held_bytes();
   n += uint64_t(rans_encode.capacity()) * sizeof(entropy::RansEncodeTable);
   for (const auto& t : rans_encode) n += t.held_bytes();
-  n += rans_groups.held_bytes() + kvcodec::held_bytes(recon_zero2) + kvcodec::held_bytes(recon_scale) +
+  n += rans_groups.held_bytes() + kvcodec::held_bytes(recon_zero2) + kvcodec::held_bytes(recon_lut) +
+       kvcodec::held_bytes(recon_lut_base) + kvcodec::held_bytes(recon_scale) +
        kvcodec::held_bytes(recon_w) + kvcodec::held_bytes(proj_w) + kvcodec::held_bytes(proj_qscale);
   return n;
 }
@@ -1095,6 +1149,7 @@ namespace {
 bool recon_int_ready(const HeadParams& p) {
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   return p.derived().recon_int && p.derived().recon_zero2.size() == K && p.derived().recon_scale.size() == D &&
+         (p.derived().recon_lut.empty() || p.derived().recon_lut_base.size() == K) &&
          p.derived().recon_w.size() == (D + 7) / 8 * ((K + 1) / 2) * 16 && p.mean.size() == D;
 }
 
@@ -1105,6 +1160,19 @@ KVCODEC_AVX2_BEGIN
 void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_t* c, size_t kp) {
   const size_t K = size_t(p.n_kept());
   const int16_t* z = p.derived().recon_zero2.data();
+  if (!p.derived().recon_lut.empty()) {
+    // Centroid reconstruction: the table's values (codes past a component's
+    // levels, which decoders reject before, read its last level).
+    const int16_t* lut = p.derived().recon_lut.data();
+    const uint32_t* base = p.derived().recon_lut_base.data();
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t* r = codes + size_t(i) * K;
+      int16_t* o = c + size_t(i) * kp;
+      for (size_t k = 0; k < K; ++k) o[k] = lut[base[k] + std::min<uint32_t>(r[k], p.quant[k].levels - 1u)];
+      if (kp > K) o[K] = 0;
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t* r = codes + size_t(i) * K;
     int16_t* o = c + size_t(i) * kp;
@@ -1544,15 +1612,24 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
     offset[k] = recon_offset(p.quant[k]);
   }
   size_t zeros = 0;
+  bool centroid = false;
+  for (const ComponentQuantizer& q : p.quant) centroid |= q.has_centroid();
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t* c = codes + i * kept;
     float* o = s.coeffs.data() + i * kept;
     // A 32-bit count per row: the vectorised loop then adds compare masks
     // lane-wise instead of widening them to 64 bits.
     uint32_t row_zeros = 0;
-    for (size_t k = 0; k < K; ++k) {
-      o[k] = (float(c[k]) - offset[k]) * step[k];
-      row_zeros += o[k] == 0.0f;
+    if (centroid) {
+      for (size_t k = 0; k < K; ++k) {
+        o[k] = float(reconstruction_steps(p.quant[k], c[k]) * double(step[k]));
+        row_zeros += o[k] == 0.0f;
+      }
+    } else {
+      for (size_t k = 0; k < K; ++k) {
+        o[k] = (float(c[k]) - offset[k]) * step[k];
+        row_zeros += o[k] == 0.0f;
+      }
     }
     zeros += row_zeros;
   }
@@ -1641,7 +1718,7 @@ void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int6
       double acc = p.mean[size_t(d)];
       for (int k = 0; k < kept; ++k) {
         const ComponentQuantizer& q = p.quant[size_t(k)];
-        const double c = (double(codes[i * kept + k]) - double(recon_offset(q))) * double(q.step);
+        const double c = reconstruction_steps(q, codes[i * kept + k]) * double(q.step);
         acc += c * double(p.basis[size_t(k) * size_t(p.dim) + size_t(d)]);
       }
       out[i * p.dim + d] = float(acc);
@@ -1656,7 +1733,11 @@ void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* cod
     for (size_t d = 0; d < D; ++d) {
       int64_t acc = 0;
       for (size_t k = 0; k < K; ++k) {
-        const int16_t c = int16_t(uint16_t(2u * codes[size_t(i) * K + k] - uint16_t(p.derived().recon_zero2[k])));
+        const uint16_t code = codes[size_t(i) * K + k];
+        const int16_t c = p.derived().recon_lut.empty()
+                              ? int16_t(uint16_t(2u * code - uint16_t(p.derived().recon_zero2[k])))
+                              : p.derived().recon_lut[p.derived().recon_lut_base[k] +
+                                                      std::min<uint32_t>(code, p.quant[k].levels - 1u)];
         acc += int64_t(c) * int64_t(p.derived().recon_w[recon_w_index(k, d, kp2)]);
       }
       out[size_t(i) * D + d] = std::fma(float(int32_t(uint32_t(uint64_t(acc)))), p.derived().recon_scale[d], p.mean[d]);
@@ -1863,8 +1944,10 @@ void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_
 //
 // Layout (little-endian): u16 dim, u8 coder, u8 basis_bits, u16 K,
 // K x u16 kept index, D x f16 mean, basis (K x D f16, or K x (f16 scale +
-// D x i8)), K x (f32 step, u16 levels, u16 zero, u8 midrise), then the coder's
-// tables as one length-prefixed bit-packed blob.
+// D x i8)), K x (f32 step, u16 levels, u16 zero, u8 flags: bit 0 midrise,
+// bit 1 centroid reconstruction, then 3 x f16 centroid offsets when bit 1
+// is set), then the coder's tables as one length-prefixed bit-packed blob.
+// Lattice quantizers (flags 0 or 1) are stored as before centroids existed.
 
 void HeadParams::serialize(ByteWriter& out) const {
   out.u16(uint16_t(dim));
@@ -1890,7 +1973,10 @@ void HeadParams::serialize(ByteWriter& out) const {
     out.f32(q.step);
     out.u16(q.levels);
     out.u16(q.zero);
-    out.u8(q.half_offset ? 1 : 0);
+    const bool centroid = q.has_centroid();
+    out.u8(uint8_t((q.half_offset ? 1 : 0) | (centroid ? 2 : 0)));
+    if (centroid)
+      for (float c : q.centroid) out.u16(f32_to_f16(c));
   }
   entropy::BitWriter tables;
   if (coder == CoderChoice::kRans)
@@ -1975,10 +2061,21 @@ void parse_params(ByteReader& in, int expected_dim, HeadParams& p) {
     q.step = in.f32();
     q.levels = in.u16();
     q.zero = in.u16();
-    const uint8_t mid = in.u8();
-    if (!(std::isfinite(q.step) && q.step > 0.0f) || q.levels < 2 || q.levels > (1u << kMaxComponentBits) || q.zero >= q.levels || mid > 1)
+    const uint8_t flags = in.u8();
+    if (!(std::isfinite(q.step) && q.step > 0.0f) || q.levels < 2 || q.levels > (1u << kMaxComponentBits) || q.zero >= q.levels || flags > 3)
       throw Error(ErrorCode::kFormat, "kvtc head params: bad quantizer of component " + std::to_string(k));
-    q.half_offset = mid == 1;
+    q.half_offset = (flags & 1) != 0;
+    if (flags & 2) {
+      for (float& c : q.centroid) c = f16_to_f32(in.u16());
+      for (float c : q.centroid)
+        if (!(std::fabs(c) <= 0.5f))
+          throw Error(ErrorCode::kFormat, "kvtc head params: centroid offset of component " + std::to_string(k) +
+                                              " outside [-1/2, 1/2] steps");
+      // One encoding per quantizer: offsets all 0 are the lattice (flag clear).
+      if (!q.has_centroid())
+        throw Error(ErrorCode::kFormat, "kvtc head params: component " + std::to_string(k) +
+                                            " flags centroid offsets that are all 0");
+    }
     p.quant.push_back(q);
     p.fixed_widths.push_back(uint8_t(ceil_log2(q.levels)));
     p.bits.push_back(ceil_log2(q.levels));

@@ -10,6 +10,7 @@
 // codes are [n, K] with K = kept components (those with a nonzero width).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -55,7 +56,26 @@ struct ComponentQuantizer {
   uint16_t levels = 1;
   uint16_t zero = 0;  // code of the reconstruction point nearest to 0 (may be fractional: see half_offset)
   bool half_offset = false;  // midrise grid: reconstruction points at (code - zero + 0.5) * step
+  // Centroid reconstruction (issue 21; docs/calibrated.md): the coefficients
+  // of a cell are not spread evenly over it (a peaked, Laplacian-like
+  // distribution leans toward 0), so the cell's centroid reconstructs them
+  // with less error than its lattice point, at the same codes and bits.
+  // With m = code - recon offset (integer midtread, half-integer midrise)
+  // the value is sign(m) * (|m| + centroid[c]) * step for the cells |m| = 1,
+  // 2, >= 3 (midtread) or 1/2, 3/2, >= 5/2 (midrise): c = 0, 1, 2; the zero
+  // cell stays 0. Offsets in steps, in [-1/2, 1/2], f16 as stored. All 0:
+  // the lattice (what fit_head gives; serialised as before, without them).
+  std::array<float, 3> centroid{};
+  bool has_centroid() const { return centroid[0] != 0.0f || centroid[1] != 0.0f || centroid[2] != 0.0f; }
 };
+
+// The reconstruction of `code` in steps (times q.step: the coefficient):
+// m = code - recon offset on the lattice, moved by q.centroid. The one
+// definition every decode path (float, integer, reference) follows.
+double reconstruction_steps(const ComponentQuantizer& q, uint32_t code);
+// Centroid class (index into ComponentQuantizer::centroid) of the cell whose
+// lattice point is m steps from 0, or -1 for the zero cell.
+int centroid_class(double m);
 
 // Which kernels derived from the parameters (HeadKernels::build) a
 // HeadParams holds: a decoder needs the decode tables and the integer
@@ -106,6 +126,18 @@ struct HeadKernels {
   // operand layout of madd). Set by build() when every level count
   // keeps |c| <= 32767 and the parameters are finite; false otherwise (the
   // float reconstruction runs).
+  // With centroid reconstruction (some ComponentQuantizer::centroid set)
+  // the centred codes are not 2 code - zero2 but a table's: c[k] =
+  // recon_lut[recon_lut_base[k] + code] = round(recon_unit *
+  // reconstruction_steps(q_k, code)) and W[k][d] = round(step[k] *
+  // basis[k][d] / recon_unit / recon_scale[d]), with one power of two
+  // recon_unit for the head (<= 2^12, the largest keeping every |c| <=
+  // 32767: the weights keep the precision of the lattice's, and the
+  // reconstruction moves by at most 1 / (2 recon_unit) steps). Empty for
+  // lattice heads (recon_unit 2).
+  std::vector<int16_t> recon_lut;        // [sum of levels]
+  std::vector<uint32_t> recon_lut_base;  // [K]
+  double recon_unit = 2.0;
   std::vector<int16_t> recon_zero2;  // [K]
   std::vector<float> recon_scale;    // [D]
   std::vector<int16_t> recon_w;      // [ceil(D/8)][Kp/2][8][2]

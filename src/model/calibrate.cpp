@@ -141,18 +141,47 @@ float round_f16(float v) { return f16_to_f32(f32_to_f16(v)); }
 //                          reconstruction (code - levels / 2 + 0.5) * step;
 //   midtread:              code = clamp(floor(c / step + 0.5 + zero)),
 //                          reconstruction (code - zero) * step, zero = levels / 2.
+//
+// centroid (not null): also the centroid reconstruction's offsets of the
+// cells (kvtc::ComponentQuantizer::centroid: per class, the mean of |v| /
+// step - |m| over its coefficients, clamped to [-1/2, 1/2] and rounded to
+// f16 as stored) and, in *centroid_err, the error with them. The lattice's
+// error returned is summed as without them, to the bit.
 double grid_sq_error(const float* c, int64_t n, int64_t stride, double step, int levels, bool midtread,
-                     std::vector<uint64_t>* counts) {
+                     std::vector<uint64_t>* counts, std::array<float, 3>* centroid = nullptr,
+                     double* centroid_err = nullptr) {
   const double inv = 1.0 / step, half = levels / 2;
   const double code_offset = midtread ? half + 0.5 : half, zero = midtread ? half : half - 0.5;
   double err = 0.0;
   if (counts) counts->assign(size_t(levels), 0);
+  // Per class: count, sum and sum of squares of e = |v| / step - |m| (v and
+  // its lattice point m * step share their sign, or v is 0), so that the
+  // class's error at offset o is step^2 (S2 - 2 o S1 + N o^2).
+  double cnt[3] = {}, s1[3] = {}, s2[3] = {}, zero_cell = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     const double v = c[i * stride];
     const double code = std::clamp(std::floor(v * inv + code_offset), 0.0, double(levels - 1));
     const double r = (code - zero) * step;
     err += (v - r) * (v - r);
     if (counts) ++(*counts)[size_t(code)];
+    if (!centroid) continue;
+    const double m = code - zero;
+    const int cls = kvtc::centroid_class(m);
+    if (cls < 0) {
+      zero_cell += v * v;
+      continue;
+    }
+    const double e = std::fabs(v) * inv - std::fabs(m);
+    cnt[cls] += 1, s1[cls] += e, s2[cls] += e * e;
+  }
+  if (centroid) {
+    double ce = zero_cell;
+    for (int k = 0; k < 3; ++k) {
+      const double o = cnt[k] > 0 ? double(round_f16(float(std::clamp(s1[k] / cnt[k], -0.5, 0.5)))) : 0.0;
+      (*centroid)[size_t(k)] = float(o);
+      ce += step * step * std::max(0.0, s2[k] - 2 * o * s1[k] + cnt[k] * o * o);
+    }
+    *centroid_err = ce;
   }
   return err;
 }
@@ -165,6 +194,10 @@ double entropy_bits(const std::vector<uint64_t>& counts, int64_t n) {
 }
 
 }  // namespace
+
+const char* reconstruction_name(Reconstruction r) {
+  return r == Reconstruction::kLattice ? "lattice" : r == Reconstruction::kCentroid ? "centroid" : "centroid_allocated";
+}
 
 const char* quantizer_family_name(QuantizerFamily f) {
   return f == QuantizerFamily::kMidtread ? "midtread" : "midrise";
@@ -180,7 +213,8 @@ double midtread_step_ratio(int label) {
 
 MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, const std::vector<float>& mean,
                                         const std::vector<float>& components, const std::vector<int>& bit_choices,
-                                        QuantizerFamily family) {
+                                        QuantizerFamily family, Reconstruction reconstruction) {
+  const bool centroid = reconstruction != Reconstruction::kLattice;
   if (n < 1 || dim < 1 || mean.size() != size_t(dim) || components.size() != size_t(dim) * size_t(dim))
     throw Error(ErrorCode::kInvalidArgument, "measure_component_tables: " + std::to_string(n) + " tokens of dim " +
                                                  std::to_string(dim) + ", mean " + std::to_string(mean.size()) +
@@ -215,6 +249,10 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
   t.distortion.assign(size_t(dim), std::vector<double>(J, 0.0));
   t.step.assign(size_t(dim), std::vector<double>(J, 0.0));
   t.levels.assign(size_t(dim), std::vector<int>(J, 1));
+  if (centroid) {
+    t.centroid.assign(size_t(dim), std::vector<std::array<float, 3>>(J, std::array<float, 3>{}));
+    t.centroid_distortion = t.distortion;  // width 0: the same error (the mean)
+  }
   // The step search runs on a subsample (every s-th token, >= 4096 tokens);
   // rate and distortion are then measured on every token at the chosen step.
   const int64_t sub = std::max<int64_t>(1, n / 4096);
@@ -234,6 +272,7 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
       const int b = t.bit_choices[j];
       if (b == 0) {
         t.distortion[size_t(k)][j] = energy / double(n);  // reconstructed as the mean
+        if (centroid) t.centroid_distortion[size_t(k)][j] = t.distortion[size_t(k)][j];
         continue;
       }
       if (family == QuantizerFamily::kMidtread) {
@@ -246,7 +285,11 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
         const int levels = 2 * int(half) + 1;
         t.step[size_t(k)][j] = step;
         t.levels[size_t(k)][j] = levels;
-        t.distortion[size_t(k)][j] = grid_sq_error(c, n, dim, step, levels, true, &counts) / double(n);
+        double ce = 0.0;
+        t.distortion[size_t(k)][j] =
+            grid_sq_error(c, n, dim, step, levels, true, &counts, centroid ? &t.centroid[size_t(k)][j] : nullptr, &ce) /
+            double(n);
+        if (centroid) t.centroid_distortion[size_t(k)][j] = ce / double(n);
         t.rate[size_t(k)][j] = entropy_bits(counts, n);
         continue;
       }
@@ -274,11 +317,16 @@ MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, cons
       const double stored = double(float(step));
       t.step[size_t(k)][j] = stored;
       t.levels[size_t(k)][j] = levels;
-      t.distortion[size_t(k)][j] = grid_sq_error(c, n, dim, stored, levels, false, &counts) / double(n);
+      double ce = 0.0;
+      t.distortion[size_t(k)][j] =
+          grid_sq_error(c, n, dim, stored, levels, false, &counts, centroid ? &t.centroid[size_t(k)][j] : nullptr, &ce) /
+          double(n);
+      if (centroid) t.centroid_distortion[size_t(k)][j] = ce / double(n);
       t.rate[size_t(k)][j] = entropy_bits(counts, n);
     }
   });
   failure.rethrow();
+  if (reconstruction == Reconstruction::kCentroidAllocated) t.distortion = t.centroid_distortion;
   return t;
 }
 
@@ -306,6 +354,7 @@ kvtc::HeadParams build_head_params(const MeasuredTables& t, const float* x, int6
     q.zero = uint16_t(q.levels / 2);
     q.half_offset = !midtread;
     q.step = float(t.step[size_t(k)][j]);
+    if (!t.centroid.empty()) q.centroid = t.centroid[size_t(k)][j];
     // The width a fixed-width code would need (telemetry and pre-entropy size).
     int width = 0;
     while ((1 << width) < q.levels) ++width;
@@ -422,7 +471,7 @@ kvtc::HeadParams fit_one(const std::vector<float>& x, int64_t n, int dim, const 
   auto ratio_of = [&](const kvtc::HeadParams& p) { return payload_ratio(p, x, n, dim); };
   if (o.measured_allocation) {
     const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, codec.bit_choices,
-                                                      o.quantizers);
+                                                      o.quantizers, o.reconstruction);
     return fit_measured(t, pca, x, n, dim, o, target_ratio, achieved_ratio);
   }
   if (target_ratio > 0.0) {
@@ -460,7 +509,7 @@ std::vector<kvtc::HeadParams> fit_tensor_at_ratios(const std::vector<float>& x, 
   // One PCA and one set of measured tables serve every target.
   const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
   const MeasuredTables t = measure_component_tables(x.data(), n, dim, pca.mean, pca.components, o.codec.bit_choices,
-                                                    o.quantizers);
+                                                    o.quantizers, o.reconstruction);
   for (size_t i = 0; i < targets.size(); ++i)
     out.push_back(fit_measured(t, pca, x, n, dim, o, targets[i], achieved ? &(*achieved)[i] : nullptr));
   return out;
@@ -712,7 +761,8 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
         bases[size_t(t)] = linalg::fit_pca(data(t).data(), s.tokens, dim);
         MeasuredTables& mt = tables[size_t(t)];
         mt = measure_component_tables(data(t).data(), s.tokens, dim, bases[size_t(t)].mean,
-                                      bases[size_t(t)].components, o.codec.bit_choices, o.quantizers);
+                                      bases[size_t(t)].components, o.codec.bit_choices, o.quantizers,
+                                      o.reconstruction);
         mt.coeffs = {};  // not needed past the tables
         params_of(t) = fit_measured(mt, bases[size_t(t)], data(t), s.tokens, dim, o, tensor_ratio(t),
                                     &ratios[size_t(t)]);
@@ -813,7 +863,8 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
       for (size_t i = 0; i < x.size(); ++i) residual[i] = x[i] - residual[i];
       const linalg::PcaBasis pca = linalg::fit_pca(residual.data(), s.tokens, dim);
       const MeasuredTables mt = measure_component_tables(residual.data(), s.tokens, dim, pca.mean, pca.components,
-                                                         o.codec.bit_choices, o.quantizers);
+                                                         o.codec.bit_choices, o.quantizers,
+                                                         o.reconstruction);
       (t % 2 == 0 ? cal.key_refine : cal.value_refine)[size_t(t / 2)] =
           fit_measured(mt, pca, residual, s.tokens, dim, o, o.refine_ratio, &refine_ratios[size_t(t)]);
     });
@@ -836,6 +887,7 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
   cal.info["allocator"] = o.measured_allocation ? "measured" : kvtc::allocator_name(o.codec.allocator);
   cal.info["coder"] = kvtc::coder_name(o.codec.coder);
   if (o.measured_allocation) cal.info["quantizers"] = quantizer_family_name(o.quantizers);
+  if (o.reconstruction != Reconstruction::kLattice) cal.info["reconstruction"] = reconstruction_name(o.reconstruction);
   cal.info["allocation"] = o.sensitivity_allocation ? "global by KL sensitivity (" + std::to_string(o.sensitivity_windows) + " windows)" : "per tensor";
   cal.info["weighting"] = o.attention_weighting ? "attention (floor " + std::to_string(o.weight_floor) + ")" : "none";
   cal.info["target_ratio"] = o.target_ratio > 0 ? std::to_string(o.target_ratio) : "none";

@@ -11,6 +11,7 @@
 // KvtcCalibration (write it with KvtcCalibration::write_file).
 #pragma once
 
+#include <array>
 #include <algorithm>
 #include <cstdint>
 #include <functional>
@@ -37,6 +38,18 @@ namespace kvcodec::model {
 //             below one bit per kept component.
 enum class QuantizerFamily : uint8_t { kMidrise = 0, kMidtread = 1 };
 const char* quantizer_family_name(QuantizerFamily f);
+// How the measured quantizers reconstruct (kvtc::ComponentQuantizer::centroid):
+//   kLattice            at the grid's points;
+//   kCentroid           each cell at its centroid on the calibration tokens,
+//                       the allocation made on the lattice's distortion: the
+//                       same allocation, codes and bytes as kLattice, less
+//                       error;
+//   kCentroidAllocated  the same offsets, the allocation made on the
+//                       distortion with them (it then keeps more components
+//                       at coarse steps, where centroids gain most).
+// The GPU codec refuses centroid parameters.
+enum class Reconstruction : uint8_t { kLattice = 0, kCentroid = 1, kCentroidAllocated = 2 };
+const char* reconstruction_name(Reconstruction r);
 // step / sigma of midtread choice label j (1-based): a geometric ladder
 // (ratio 0.76) from 5 sigma (a few percent of codes nonzero: ~0.1-0.3 bit
 // per component) to 0.08 sigma (~6 bits).
@@ -63,6 +76,8 @@ struct CalibrateOptions {
   // entropy-coded bits per token vector.
   bool measured_allocation = false;
   QuantizerFamily quantizers = QuantizerFamily::kMidrise;  // measured allocator only
+  // Centroid reconstruction (measured allocator only; Reconstruction).
+  Reconstruction reconstruction = Reconstruction::kLattice;
   // Weighted distortion (issue 5, build item 3): the codec works on x * w
   // per dimension, so what PCA, allocation and quantizers minimise is the
   // squared error weighted by how much each dimension matters downstream:
@@ -161,14 +176,22 @@ struct MeasuredTables {
   std::vector<std::vector<double>> distortion;  // [D][choices]
   std::vector<std::vector<double>> step;        // [D][choices] (0 for width 0)
   std::vector<std::vector<int>> levels;         // [D][choices] (1 for width 0)
+  // [D][choices] centroid offsets (kvtc::ComponentQuantizer::centroid) and
+  // the distortion with them; empty for Reconstruction::kLattice. (distortion
+  // above is what the allocation minimises: the lattice's, or this one for
+  // kCentroidAllocated.)
+  std::vector<std::vector<std::array<float, 3>>> centroid;
+  std::vector<std::vector<double>> centroid_distortion;
 };
 
 // x [n, dim]; mean [dim]; components [dim, dim] (PCA rows). Throws
 // Error(kInvalidArgument) on mismatched sizes or widths outside [0, 12]
 // (kMidrise). kMidtread ignores bit_choices (its labels are fixed).
+// reconstruction: see Reconstruction (offsets in .centroid).
 MeasuredTables measure_component_tables(const float* x, int64_t n, int dim, const std::vector<float>& mean,
                                         const std::vector<float>& components, const std::vector<int>& bit_choices,
-                                        QuantizerFamily family = QuantizerFamily::kMidrise);
+                                        QuantizerFamily family = QuantizerFamily::kMidrise,
+                                        Reconstruction reconstruction = Reconstruction::kLattice);
 
 // Codec parameters for choice labels `bits` [dim] (each 0 or a measured
 // label): the measured quantizers, rANS models from x's codes.

@@ -131,6 +131,7 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
     c.info["windows"] = std::to_string(o.first_window) + "-" + std::to_string(o.first_window + o.windows - 1);
     c.info["allocator"] = o.measured_allocation ? "measured" : kvtc::allocator_name(o.codec.allocator);
     if (o.measured_allocation) c.info["quantizers"] = quantizer_family_name(o.quantizers);
+    if (o.reconstruction != Reconstruction::kLattice) c.info["reconstruction"] = reconstruction_name(o.reconstruction);
     c.info["weighting"] = o.attention_weighting ? "attention (floor " + std::to_string(o.weight_floor) + ")" : "none";
     c.info["target_ratio"] = std::to_string(targets[i]);
     c.info["coder"] = kvtc::coder_name(o.codec.coder);

@@ -1286,3 +1286,132 @@ TEST(Codec, QuantizerClampsExtremesLikeTheReference) {
   EXPECT_GT(saturated, K);  // most components see the huge coordinate
   for (int k = 0; k < K; ++k) EXPECT_EQ(fast[size_t(2 * K + k)], 0) << "NaN token, component " << k;
 }
+
+// Centroid reconstruction (ComponentQuantizer::centroid): the value of a
+// code by its definition; every decode path (integer tiles, their plain
+// loops, the float product) agrees with the double-precision reference;
+// the offsets survive serialisation, and the flag is checked.
+namespace {
+HeadParams with_centroids(HeadParams p) {
+  for (size_t k = 0; k < p.quant.size(); ++k) {
+    const float c = float(int(k % 5) - 3) * 0.0625f;  // -3/16 .. 1/16 (k % 5 == 3: 0)
+    p.quant[k].centroid = {c, c / 2, k % 2 ? 0.25f : -0.125f};
+  }
+  p.build_decoders();
+  return p;
+}
+}  // namespace
+
+TEST(Codec, CentroidReconstructionValueIsItsDefinition) {
+  ComponentQuantizer tread;
+  tread.step = 0.5f, tread.levels = 9, tread.zero = 4;
+  tread.centroid = {-0.125f, -0.0625f, 0.03125f};
+  EXPECT_EQ(reconstruction_steps(tread, 4), 0.0);  // the zero cell
+  EXPECT_EQ(reconstruction_steps(tread, 5), 1 - 0.125);
+  EXPECT_EQ(reconstruction_steps(tread, 3), -(1 - 0.125));
+  EXPECT_EQ(reconstruction_steps(tread, 6), 2 - 0.0625);
+  EXPECT_EQ(reconstruction_steps(tread, 8), 4 + 0.03125);
+  EXPECT_EQ(reconstruction_steps(tread, 0), -(4 + 0.03125));
+  ComponentQuantizer rise;
+  rise.step = 1.0f, rise.levels = 8, rise.zero = 4, rise.half_offset = true;
+  rise.centroid = {-0.25f, 0.125f, 0.0f};
+  EXPECT_EQ(reconstruction_steps(rise, 4), 0.5 - 0.25);
+  EXPECT_EQ(reconstruction_steps(rise, 3), -(0.5 - 0.25));
+  EXPECT_EQ(reconstruction_steps(rise, 5), 1.5 + 0.125);
+  EXPECT_EQ(reconstruction_steps(rise, 7), 3.5);
+  rise.centroid = {};
+  for (uint32_t c = 0; c < 8; ++c) EXPECT_EQ(reconstruction_steps(rise, c), double(c) - 3.5);
+}
+
+TEST(Codec, CentroidReconstructionPathsAgreeWithTheReference) {
+  std::mt19937 rng(23);
+  size_t heads = 0;
+  for (int dim : {16, 40, 64, 128}) {
+    const int64_t fit_n = 4 * dim + 64;
+    const auto x = correlated(fit_n, dim, uint32_t(700 + dim));
+    for (int setting = 0; setting < 4; ++setting) {
+      const HeadParams lattice = fit(x, fit_n, dim, setting_options(setting, dim, dim / 2 + 1));
+      const size_t K = size_t(lattice.n_kept());
+      if (K == 0) continue;
+      const HeadParams p = with_centroids(lattice);
+      ASSERT_TRUE(p.derived().recon_int) << dim << " " << setting;
+      ASSERT_EQ(p.derived().recon_lut_base.size(), K);
+      EXPECT_TRUE(lattice.derived().recon_lut.empty());
+      ++heads;
+      for (int64_t n : {int64_t(1), int64_t(7), int64_t(64)}) {
+        std::vector<uint16_t> codes(size_t(n) * K);
+        for (size_t i = 0; i < codes.size(); ++i)
+          codes[i] = uint16_t(std::uniform_int_distribution<int>(0, p.quant[i % K].levels - 1)(rng));
+        std::vector<float> fast(size_t(n * dim)), ints(fast.size()), dense(fast.size()), ref(fast.size()),
+            flat(fast.size());
+        dequantize_block(p, codes.data(), n, fast.data());
+        dequantize_block_integer_reference(p, codes.data(), n, ints.data());
+        dequantize_block_path(p, codes.data(), n, dense.data(), ReconPath::kDense);
+        dequantize_block_reference(p, codes.data(), n, ref.data());
+        dequantize_block_reference(lattice, codes.data(), n, flat.data());
+        ASSERT_TRUE(same_bits(fast, ints)) << dim << " " << setting << " " << n;
+        double scale = 0.0, moved = 0.0;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          scale = std::max(scale, double(std::fabs(ref[i])));
+          moved = std::max(moved, double(std::fabs(ref[i] - flat[i])));
+        }
+        EXPECT_GT(moved, 0.0);  // the offsets do move the reconstruction
+        for (size_t i = 0; i < ref.size(); ++i) {
+          ASSERT_NEAR(dense[i], ref[i], 1e-5 * scale + 1e-6) << dim << " " << setting << " " << i;
+          // The table rounds each value to 1 / recon_unit of a step.
+          ASSERT_NEAR(fast[i], ref[i], 2e-3 * scale + 1e-6) << dim << " " << setting << " " << i;
+        }
+      }
+      // Serialised with the offsets (f16: these are exact) and parsed back.
+      ByteWriter w;
+      p.serialize(w);
+      const std::vector<uint8_t> bytes = w.take();
+      ByteReader r(bytes.data(), bytes.size());
+      const HeadParams q = HeadParams::deserialize(r, dim);
+      for (size_t k = 0; k < K; ++k) EXPECT_EQ(q.quant[k].centroid, p.quant[k].centroid);
+      ByteWriter w2;
+      q.serialize(w2);
+      EXPECT_EQ(w2.take(), bytes);
+      ByteWriter wl;
+      lattice.serialize(wl);
+      EXPECT_EQ(bytes.size(), wl.size() + 6 * K);  // 3 f16 per component, nothing else
+    }
+  }
+  EXPECT_GE(heads, 12u);
+}
+
+TEST(Codec, CentroidFlagsAreChecked) {
+  const int dim = 16;
+  const auto x = correlated(128, dim, 5);
+  HeadParams p = fit(x, 128, dim, CodecOptions{});
+  ASSERT_GT(p.n_kept(), 0);
+  p.quant[0].centroid = {-0.125f, 0.0f, 0.0f};
+  ByteWriter w;
+  p.serialize(w);
+  const std::vector<uint8_t> good = w.take();
+  // The first quantizer's flags byte: after dim, coder, basis bits, K, kept, mean, basis, step, levels, zero.
+  const size_t K = size_t(p.n_kept());
+  const size_t flags = 6 + 2 * K + 2 * size_t(dim) + 2 * K * size_t(dim) + 8;
+  ASSERT_EQ(good[flags], uint8_t(p.quant[0].half_offset ? 3 : 2));
+  auto parse = [&](const std::vector<uint8_t>& b) {
+    ByteReader r(b.data(), b.size());
+    return HeadParams::deserialize(r, dim);
+  };
+  EXPECT_EQ(parse(good).quant[0].centroid[0], -0.125f);
+  std::vector<uint8_t> bad = good;
+  bad[flags] |= 4;  // unknown flag
+  EXPECT_THROW(parse(bad), Error);
+  bad = good;
+  bad[flags + 1] = 0, bad[flags + 2] = 0;  // the offsets all 0 under the flag
+  EXPECT_THROW(parse(bad), Error);
+  bad = good;
+  bad[flags + 1] = 0x00, bad[flags + 2] = 0x3c;  // 1.0: outside [-1/2, 1/2]
+  try {
+    parse(bad);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("centroid"), std::string::npos) << e.what();
+  }
+  bad[flags + 2] = 0x7c;  // infinity
+  EXPECT_THROW(parse(bad), Error);
+}

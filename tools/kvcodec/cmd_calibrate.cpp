@@ -203,6 +203,21 @@ void run_calibrate(const CalibrateArgs& a) {
     o.quantizers = v == "midtread" ? model::QuantizerFamily::kMidtread : model::QuantizerFamily::kMidrise;
     s.erase("quantizers");
   }
+  // reconstruction=lattice|centroid|centroid_allocated [lattice] (measured
+  // allocator): cells reconstructed at their calibration centroids
+  // (model::Reconstruction; docs/calibrated.md). The GPU codec refuses
+  // centroid calibrations.
+  if (s.count("reconstruction")) {
+    const std::string v = s.at("reconstruction");
+    if (v != "lattice" && v != "centroid" && v != "centroid_allocated")
+      throw_config_error("kvtc.reconstruction", v, "lattice, centroid or centroid_allocated");
+    o.reconstruction = v == "lattice"    ? model::Reconstruction::kLattice
+                       : v == "centroid" ? model::Reconstruction::kCentroid
+                                         : model::Reconstruction::kCentroidAllocated;
+    if (o.reconstruction != model::Reconstruction::kLattice && !o.measured_allocation)
+      throw_config_error("kvtc.reconstruction", v, "allocator=measured (the centroids come from measured tables)");
+    s.erase("reconstruction");
+  }
   take_ratio("key_target_ratio", o.key_target_ratio);
   take_ratio("refine_ratio", o.refine_ratio);
   take_ratio("value_target_ratio", o.value_target_ratio);
@@ -328,7 +343,7 @@ void register_calibrate(CLI::App& app) {
   cmd->add_option("-o,--output", args->output, "Calibration file to write")->required();
   cmd->add_option("--set", args->sets, "kvtc.<field>=<value>: bit_budget, target_ratio, key_target_ratio, value_target_ratio, "
                                   "allocator (measured [default]|dp|rate), weighting (attention [default]|none), weight_floor [0.01], "
-                                  "sensitivity (kl [default; none with --cross-layer]|none), sensitivity_windows [2], quantizers (midtread [default]|midrise), refine_ratio (refinement code's payload ratio; none by default), "
+                                  "sensitivity (kl [default; none with --cross-layer]|none), sensitivity_windows [2], quantizers (midtread [default]|midrise), reconstruction (lattice [default]|centroid|centroid_allocated), refine_ratio (refinement code's payload ratio; none by default), "
                                   "bit_choices, beta, coder, basis_bits");
   cmd->add_option("--target-ratios", args->target_ratios,
                   "Comma-separated target ratios: one calibration each from one model run; -o must contain {}");
