@@ -108,6 +108,24 @@ TEST(KvtcVariant, StreamRoundTripIsExactForEveryBlockLength) {
   }
 }
 
+// The GPU format has no centroid reconstruction: parameters that use it
+// are refused by name, not decoded at the lattice's points.
+TEST(KvtcVariant, CentroidReconstructionIsRefused) {
+  const int dim = 64;
+  const std::vector<uint16_t> x = synth_bf16(600, dim, 5);
+  kvtc::HeadParams p = fit(x.data(), 600, dim);
+  ASSERT_GT(p.n_kept(), 1);
+  EXPECT_NO_THROW(flatten_heads({&p}));
+  p.quant[1].centroid = {-0.125f, 0.0f, 0.0f};
+  try {
+    flatten_heads({&p});
+    FAIL() << "centroid parameters were flattened";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("centroid"), std::string::npos) << e.what();
+  }
+}
+
 TEST(KvtcVariant, EntropyCodingIsCloseToTheCpuCoder) {
   const int dim = 128;
   const std::vector<uint16_t> x = synth_bf16(640, dim, 9);
