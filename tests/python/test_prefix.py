@@ -90,6 +90,43 @@ def test_gpu_codes_and_decodes_the_cpu_bytes_bit_for_bit(dump, tokens):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA build of libkvcodec and a GPU")
+def test_gpu_equals_cpu_on_fresh_inputs(dump):
+    """Inputs drawn from KVCODEC_GPU_TEST_SEED (a fixed seed without it):
+    a batch of 2 slices of the dump at random layers, offsets, lengths and
+    first positions, with noise added (f16 or bf16): the GPU's bytes and
+    decode are the CPU's, bit for bit."""
+    import os
+    seed = int(os.environ.get("KVCODEC_GPU_TEST_SEED", "2024"))
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g).item())
+    for trial in range(6):
+        layer = draw(0, 6)
+        tokens = draw(1, 1500)
+        first = draw(0, 4096 - tokens + 1)  # positions within max_tokens
+        rows_k, rows_v = [], []
+        for _ in range(2):
+            start = draw(0, 2048 - tokens + 1)
+            k, v = layer_kv(dump, draw(0, 6), start + tokens)
+            rows_k.append(k[:, :, start:].float()), rows_v.append(v[:, :, start:].float())
+        dtype = torch.float16 if trial % 2 else torch.bfloat16
+        scale = 0.1 * torch.rand((), generator=g).item()
+        k = (torch.cat(rows_k) + scale * torch.randn(torch.cat(rows_k).shape, generator=g)).to(dtype)
+        v = (torch.cat(rows_v) + scale * torch.randn(torch.cat(rows_v).shape, generator=g)).to(dtype)
+        what = f"seed {seed} trial {trial}: layer {layer}, {tokens} tokens at {first}, {dtype}"
+        cpu = kvcodec.PrefixCodec(SHIPPED, layer=layer, batch=2, max_tokens=4096, window=draw(0, 64))
+        gpu = kvcodec.PrefixCodec(SHIPPED, layer=layer, batch=2, max_tokens=4096, window=cpu.window,
+                                  sinks=cpu.sinks, device="cuda")
+        e_cpu = cpu.encode(k, v, first_position=first)
+        e_gpu = gpu.encode(k.cuda(), v.cuda(), first_position=first)
+        assert torch.equal(e_gpu.payload.cpu(), e_cpu.payload), what
+        assert torch.equal(e_gpu.offsets.cpu(), e_cpu.offsets), what
+        k_cpu, v_cpu = cpu.decode(e_cpu)
+        k_gpu, v_gpu = gpu.decode(e_gpu)
+        assert torch.equal(k_gpu.cpu(), k_cpu) and torch.equal(v_gpu.cpu(), v_cpu), what
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA build of libkvcodec and a GPU")
 def test_gpu_reports_damaged_streams_and_wrong_devices(dump):
     gpu = kvcodec.PrefixCodec(SHIPPED, layer=1, max_tokens=512, device="cuda")
     k, v = layer_kv(dump, 1, 512)
