@@ -1,6 +1,7 @@
 // libFuzzer target: the KVTC parameter decoder (HeadParams::deserialize) and
 // the block decoder on the parameters it accepts.
 //   input: u8 (dim - 1), u8 (tokens - 1), serialised HeadParams, block payload
+// (seeds: each coder and basis width, and centroid reconstruction)
 // Success or kvcodec::Error only; a decoded block re-encodes.
 #include <cstddef>
 #include <cstdint>
@@ -33,6 +34,17 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
       w.bytes(payload.data(), payload.size());
       fuzz::write_seed(std::string(kvtc::coder_name(coder)) + "_" + std::to_string(basis_bits), w.take());
     }
+  // Centroid reconstruction (quantizer flag bit 1 and its offsets).
+  kvtc::HeadParams p = kvtc::fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, kvtc::CodecOptions{});
+  for (size_t k = 0; k < p.quant.size(); ++k) p.quant[k].centroid = {-0.125f, k % 2 ? 0.0625f : 0.0f, 0.25f};
+  p.build_decoders();
+  ByteWriter w;
+  w.u8(uint8_t(dim - 1));
+  w.u8(uint8_t(block - 1));
+  p.serialize(w);
+  const std::vector<uint8_t> payload = kvtc::encode_block(p, x.data(), block);
+  w.bytes(payload.data(), payload.size());
+  fuzz::write_seed("rans_16_centroid", w.take());
   return 0;
 }
 
