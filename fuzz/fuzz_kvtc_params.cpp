@@ -5,6 +5,7 @@
 // Success or kvcodec::Error only; a decoded block re-encodes.
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "fuzz_seeds.hpp"
@@ -20,31 +21,28 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   const int64_t n = 64, block = 8;
   const std::vector<float> x = fuzz::low_rank(n, dim, 5);
   const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
+  const auto write = [&](const kvtc::HeadParams& p, const std::string& name) {
+    ByteWriter w;
+    w.u8(uint8_t(dim - 1));
+    w.u8(uint8_t(block - 1));
+    p.serialize(w);
+    const std::vector<uint8_t> payload = kvtc::encode_block(p, x.data(), block);
+    w.bytes(payload.data(), payload.size());
+    fuzz::write_seed(name, w.take());
+  };
   for (const kvtc::CoderChoice coder : {kvtc::CoderChoice::kRans, kvtc::CoderChoice::kHuffman, kvtc::CoderChoice::kFixed})
     for (const int basis_bits : {16, 8}) {
       kvtc::CodecOptions o;
       o.coder = coder;
       o.basis_bits = basis_bits;
-      const kvtc::HeadParams p = kvtc::fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
-      ByteWriter w;
-      w.u8(uint8_t(dim - 1));
-      w.u8(uint8_t(block - 1));
-      p.serialize(w);
-      const std::vector<uint8_t> payload = kvtc::encode_block(p, x.data(), block);
-      w.bytes(payload.data(), payload.size());
-      fuzz::write_seed(std::string(kvtc::coder_name(coder)) + "_" + std::to_string(basis_bits), w.take());
+      write(kvtc::fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o),
+            std::string(kvtc::coder_name(coder)) + "_" + std::to_string(basis_bits));
     }
   // Centroid reconstruction (quantizer flag bit 1 and its offsets).
   kvtc::HeadParams p = kvtc::fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, kvtc::CodecOptions{});
   for (size_t k = 0; k < p.quant.size(); ++k) p.quant[k].centroid = {-0.125f, k % 2 ? 0.0625f : 0.0f, 0.25f};
   p.build_decoders();
-  ByteWriter w;
-  w.u8(uint8_t(dim - 1));
-  w.u8(uint8_t(block - 1));
-  p.serialize(w);
-  const std::vector<uint8_t> payload = kvtc::encode_block(p, x.data(), block);
-  w.bytes(payload.data(), payload.size());
-  fuzz::write_seed("rans_16_centroid", w.take());
+  write(p, "rans_16_centroid");
   return 0;
 }
 
