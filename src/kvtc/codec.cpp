@@ -477,7 +477,7 @@ void round_recon_row(const float* __restrict basis, double step, double code_uni
 template <bool kPlain>
 bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) {
   out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
-  out.recon_lut.clear(), out.recon_lut_base.clear(), out.recon_unit = 2.0;
+  out.recon_lut.clear(), out.recon_lut_base.clear();
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   if (K == 0 || D == 0 || p.mean.size() != D || p.basis.size() != K * D || p.quant.size() != K) return false;
   if (!values_finite) return false;
@@ -559,7 +559,7 @@ bool build_recon_int(const HeadParams& p, HeadKernels& out, bool values_finite) 
   for (size_t d = 0; d < D; ++d)
     if (bound[d] > 2147483647.0) return false;  // not reached: <= 2^30 + K * 32767 / 2
   out.recon_zero2 = std::move(zero2), out.recon_scale = std::move(scale), out.recon_w = std::move(w);
-  out.recon_lut = std::move(lut), out.recon_lut_base = std::move(lut_base), out.recon_unit = code_unit;
+  out.recon_lut = std::move(lut), out.recon_lut_base = std::move(lut_base);
   return true;
 }
 
@@ -1146,6 +1146,13 @@ namespace {
 
 // Whether p's integer tables match its shapes (parameters edited after
 // build_decoders() without calling it again fall back to the float product).
+// Centroid heads' centred code of component k (HeadKernels::recon_lut;
+// codes past a component's levels, which decoders reject before, read its
+// last level).
+inline int16_t table_code(const HeadParams& p, size_t k, uint16_t code) {
+  return p.derived().recon_lut[p.derived().recon_lut_base[k] + std::min<uint32_t>(code, p.quant[k].levels - 1u)];
+}
+
 bool recon_int_ready(const HeadParams& p) {
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim);
   return p.derived().recon_int && p.derived().recon_zero2.size() == K && p.derived().recon_scale.size() == D &&
@@ -1160,15 +1167,11 @@ KVCODEC_AVX2_BEGIN
 void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_t* c, size_t kp) {
   const size_t K = size_t(p.n_kept());
   const int16_t* z = p.derived().recon_zero2.data();
-  if (!p.derived().recon_lut.empty()) {
-    // Centroid reconstruction: the table's values (codes past a component's
-    // levels, which decoders reject before, read its last level).
-    const int16_t* lut = p.derived().recon_lut.data();
-    const uint32_t* base = p.derived().recon_lut_base.data();
+  if (!p.derived().recon_lut.empty()) {  // centroid reconstruction: the table's values
     for (int64_t i = 0; i < n; ++i) {
       const uint16_t* r = codes + size_t(i) * K;
       int16_t* o = c + size_t(i) * kp;
-      for (size_t k = 0; k < K; ++k) o[k] = lut[base[k] + std::min<uint32_t>(r[k], p.quant[k].levels - 1u)];
+      for (size_t k = 0; k < K; ++k) o[k] = table_code(p, k, r[k]);
       if (kp > K) o[K] = 0;
     }
     return;
@@ -1736,8 +1739,7 @@ void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* cod
         const uint16_t code = codes[size_t(i) * K + k];
         const int16_t c = p.derived().recon_lut.empty()
                               ? int16_t(uint16_t(2u * code - uint16_t(p.derived().recon_zero2[k])))
-                              : p.derived().recon_lut[p.derived().recon_lut_base[k] +
-                                                      std::min<uint32_t>(code, p.quant[k].levels - 1u)];
+                              : table_code(p, k, code);
         acc += int64_t(c) * int64_t(p.derived().recon_w[recon_w_index(k, d, kp2)]);
       }
       out[size_t(i) * D + d] = std::fma(float(int32_t(uint32_t(uint64_t(acc)))), p.derived().recon_scale[d], p.mean[d]);

@@ -128,16 +128,14 @@ struct HeadKernels {
   // float reconstruction runs).
   // With centroid reconstruction (some ComponentQuantizer::centroid set)
   // the centred codes are not 2 code - zero2 but a table's: c[k] =
-  // recon_lut[recon_lut_base[k] + code] = round(recon_unit *
-  // reconstruction_steps(q_k, code)) and W[k][d] = round(step[k] *
-  // basis[k][d] / recon_unit / recon_scale[d]), with one power of two
-  // recon_unit for the head (<= 2^12, the largest keeping every |c| <=
-  // 32767: the weights keep the precision of the lattice's, and the
-  // reconstruction moves by at most 1 / (2 recon_unit) steps). Empty for
-  // lattice heads (recon_unit 2).
+  // recon_lut[recon_lut_base[k] + code] = round(u * reconstruction_steps(q_k,
+  // code)) and W[k][d] = round(step[k] * basis[k][d] / u / recon_scale[d]),
+  // with one power of two u for the head (<= 2^12, the largest keeping
+  // every |c| <= 32767: the weights keep the precision of the lattice's,
+  // and the reconstruction moves by at most 1 / (2 u) steps). Empty for
+  // lattice heads (u = 2).
   std::vector<int16_t> recon_lut;        // [sum of levels]
   std::vector<uint32_t> recon_lut_base;  // [K]
-  double recon_unit = 2.0;
   std::vector<int16_t> recon_zero2;  // [K]
   std::vector<float> recon_scale;    // [D]
   std::vector<int16_t> recon_w;      // [ceil(D/8)][Kp/2][8][2]

@@ -1358,7 +1358,7 @@ TEST(Codec, CentroidReconstructionPathsAgreeWithTheReference) {
         EXPECT_GT(moved, 0.0);  // the offsets do move the reconstruction
         for (size_t i = 0; i < ref.size(); ++i) {
           ASSERT_NEAR(dense[i], ref[i], 1e-5 * scale + 1e-6) << dim << " " << setting << " " << i;
-          // The table rounds each value to 1 / recon_unit of a step.
+          // The table rounds each value to 1 / (the head's code unit) of a step.
           ASSERT_NEAR(fast[i], ref[i], 2e-3 * scale + 1e-6) << dim << " " << setting << " " << i;
         }
       }

@@ -209,11 +209,11 @@ void run_calibrate(const CalibrateArgs& a) {
   // centroid calibrations.
   if (s.count("reconstruction")) {
     const std::string v = s.at("reconstruction");
-    if (v != "lattice" && v != "centroid" && v != "centroid_allocated")
-      throw_config_error("kvtc.reconstruction", v, "lattice, centroid or centroid_allocated");
-    o.reconstruction = v == "lattice"    ? model::Reconstruction::kLattice
-                       : v == "centroid" ? model::Reconstruction::kCentroid
-                                         : model::Reconstruction::kCentroidAllocated;
+    bool known = false;
+    for (const auto r : {model::Reconstruction::kLattice, model::Reconstruction::kCentroid,
+                         model::Reconstruction::kCentroidAllocated})
+      if (v == model::reconstruction_name(r)) o.reconstruction = r, known = true;
+    if (!known) throw_config_error("kvtc.reconstruction", v, "lattice, centroid or centroid_allocated");
     if (o.reconstruction != model::Reconstruction::kLattice && !o.measured_allocation)
       throw_config_error("kvtc.reconstruction", v, "allocator=measured (the centroids come from measured tables)");
     s.erase("reconstruction");
