@@ -524,11 +524,19 @@ namespace {
 // positions >= sinks; keys with RoPE removed and re-applied, weights applied
 // and undone, as the calibrated cache does): one tensor of one layer carries
 // the coding error, everything else is exact.
+//
+// window == 0: every token is coded as it is appended. window > 0 (batch 1):
+// a token stays raw until it has left the window as a streaming cache would
+// code it: an append of tokens [o, o + m) first codes the held raw tokens
+// below sinks + floor((o + 1 - window - sinks) / block) * block (what the
+// append's first query would see coded), re-appending them to the inner
+// cache (trim, then append) as their reconstruction.
 class ReconstructingCache final : public KVCache {
  public:
   ReconstructingCache(const CacheConfig& config, const kvtc::HeadParams& params, const std::vector<float>* scale,
-                      bool is_key, int sinks)
+                      bool is_key, int sinks, int window = 0, int block = 1)
       : inner_(make_cache("fp16", config)), params_(params), scale_(scale), is_key_(is_key), sinks_(sinks),
+        window_(window), block_(std::max(block, 1)), coded_(sinks),
         inv_freq_(rope_inv_freq(config.head_dim, config.rope_theta)) {}
 
   std::string method() const override { return "reconstructing"; }
@@ -542,6 +550,7 @@ class ReconstructingCache final : public KVCache {
   void for_each_block(const BlockVisitor& visit) const override { inner_->for_each_block(visit); }
 
   void append(const TensorView& keys, const TensorView& values) override {
+    if (window_ > 0) return append_windowed(keys, values);
     const TensorView& src = is_key_ ? keys : values;
     const int64_t B = src.shape[0], H = src.shape[1], n = src.shape[2], D = src.shape[3], V = H * D;
     std::vector<float> heads(size_t(B * H * n * D)), x(size_t(n * V));
@@ -549,26 +558,9 @@ class ReconstructingCache final : public KVCache {
     const int64_t first = std::max<int64_t>(0, sinks_ - offset());  // first coded token of this append
     for (int64_t b = 0; b < B; ++b) {
       float* hb = heads.data() + b * H * n * D;
-      // [H, n, D] -> token-major [n, H * D]
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t t = 0; t < n; ++t) std::copy_n(hb + (h * n + t) * D, D, x.data() + t * V + h * D);
-      float* xs = x.data() + first * V;
-      const int64_t m = n - first;
-      if (m > 0) {
-        if (is_key_) rope_rotate_tokens(xs, m, int(H), int(D), offset() + first, inv_freq_, /*inverse=*/true);
-        if (scale_)
-          for (int64_t t = 0; t < m; ++t)
-            for (int64_t d = 0; d < V; ++d) xs[t * V + d] *= (*scale_)[size_t(d)];
-        std::vector<uint16_t> codes(size_t(m) * size_t(params_.n_kept()));
-        kvtc::quantize_block(params_, xs, m, codes.data());
-        kvtc::dequantize_block(params_, codes.data(), m, xs);
-        if (scale_)
-          for (int64_t t = 0; t < m; ++t)
-            for (int64_t d = 0; d < V; ++d) xs[t * V + d] /= (*scale_)[size_t(d)];
-        if (is_key_) rope_rotate_tokens(xs, m, int(H), int(D), offset() + first, inv_freq_, /*inverse=*/false);
-      }
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t t = 0; t < n; ++t) std::copy_n(x.data() + t * V + h * D, D, hb + (h * n + t) * D);
+      to_rows(hb, H, n, D, x.data());
+      if (n - first > 0) reconstruct_rows(x.data() + first * V, n - first, offset() + first, H, D);
+      from_rows(x.data(), H, n, D, hb);
     }
     const TensorView changed = TensorView::contiguous(heads.data(), DType::kF32, {B, H, n, D});
     const TensorView& other = is_key_ ? values : keys;
@@ -576,20 +568,94 @@ class ReconstructingCache final : public KVCache {
   }
 
  private:
+  // [H, n, D] <-> token-major [n, H * D]
+  static void to_rows(const float* heads, int64_t H, int64_t n, int64_t D, float* rows) {
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < n; ++t) std::copy_n(heads + (h * n + t) * D, D, rows + (t * H + h) * D);
+  }
+  static void from_rows(const float* rows, int64_t H, int64_t n, int64_t D, float* heads) {
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < n; ++t) std::copy_n(rows + (t * H + h) * D, D, heads + (h * n + t) * D);
+  }
+
+  // Token rows xs [m, H * D] at positions first.. replaced by their reconstruction.
+  void reconstruct_rows(float* xs, int64_t m, int64_t first, int64_t H, int64_t D) const {
+    const int64_t V = H * D;
+    if (is_key_) rope_rotate_tokens(xs, m, int(H), int(D), first, inv_freq_, /*inverse=*/true);
+    if (scale_)
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t d = 0; d < V; ++d) xs[t * V + d] *= (*scale_)[size_t(d)];
+    std::vector<uint16_t> codes(size_t(m) * size_t(params_.n_kept()));
+    kvtc::quantize_block(params_, xs, m, codes.data());
+    kvtc::dequantize_block(params_, codes.data(), m, xs);
+    if (scale_)
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t d = 0; d < V; ++d) xs[t * V + d] /= (*scale_)[size_t(d)];
+    if (is_key_) rope_rotate_tokens(xs, m, int(H), int(D), first, inv_freq_, /*inverse=*/false);
+  }
+
+  void append_windowed(const TensorView& keys, const TensorView& values) {
+    const int64_t H = keys.shape[1], n = keys.shape[2], D = keys.shape[3], V = H * D;
+    if (keys.shape[0] != 1) throw Error(ErrorCode::kUnsupported, "sensitivity cache with a window: batch 1 only");
+    const int64_t o = offset();
+    // Code what the first query of this append would see coded.
+    const int64_t reach = o + 1 - window_ - sinks_;
+    const int64_t target = std::min<int64_t>(o, sinks_ + (reach > 0 ? reach / block_ * block_ : 0));
+    if (target > coded_) {
+      const int64_t held = o - coded_;  // raw tokens [coded_, o) in pending_k_ / pending_v_
+      inner_->trim(held);
+      std::vector<float>& pend = is_key_ ? pending_k_ : pending_v_;
+      reconstruct_rows(pend.data(), target - coded_, coded_, H, D);
+      std::vector<float> kh(size_t(held * V)), vh(size_t(held * V));
+      from_rows(pending_k_.data(), H, held, D, kh.data());
+      from_rows(pending_v_.data(), H, held, D, vh.data());
+      inner_->append(TensorView::contiguous(kh.data(), DType::kF32, {1, H, held, D}),
+                     TensorView::contiguous(vh.data(), DType::kF32, {1, H, held, D}));
+      const size_t drop = size_t((target - coded_) * V);
+      pending_k_.erase(pending_k_.begin(), pending_k_.begin() + ptrdiff_t(drop));
+      pending_v_.erase(pending_v_.begin(), pending_v_.begin() + ptrdiff_t(drop));
+      coded_ = target;
+    }
+    // The new tokens at positions >= sinks stay raw (pending) until coded.
+    const int64_t first = std::max<int64_t>(0, coded_ - o);
+    if (n > first) {
+      std::vector<float> heads(size_t(H * n * D)), rows(size_t(n * V));
+      for (int kv = 0; kv < 2; ++kv) {
+        copy_to_contiguous(kv == 0 ? keys : values, heads.data(), DType::kF32);
+        to_rows(heads.data(), H, n, D, rows.data());
+        std::vector<float>& pend = kv == 0 ? pending_k_ : pending_v_;
+        pend.insert(pend.end(), rows.begin() + first * V, rows.end());
+      }
+    }
+    inner_->append(keys, values);
+  }
+
   std::unique_ptr<KVCache> inner_;
   const kvtc::HeadParams& params_;
   const std::vector<float>* scale_;
   bool is_key_;
   int sinks_;
+  int window_, block_;
+  int64_t coded_;                              // window > 0: tokens below this are coded (or sinks)
+  std::vector<float> pending_k_, pending_v_;   // window > 0: raw rows [coded_, offset) [*, H * D]
   std::vector<double> inv_freq_;
 };
 
+}  // namespace
+
+std::unique_ptr<KVCache> make_reconstructing_cache(const CacheConfig& config, const kvtc::HeadParams& params,
+                                                   const std::vector<float>* scale, bool is_key, int sinks,
+                                                   int stream_window, int stream_block) {
+  return std::make_unique<ReconstructingCache>(config, params, scale, is_key, sinks, stream_window, stream_block);
+}
+
 // Mean KL(clean || one tensor coded) over the non-sink positions of the first
 // `windows` calibration windows, for every tensor (order: layer 0 key,
-// layer 0 value, layer 1 key, ...).
+// layer 0 value, layer 1 key, ...). stream_window > 0: measured as a
+// streaming cache codes (CalibrateOptions::sensitivity_window).
 std::vector<double> measure_tensor_kl(const LlamaModel& model, const CalibrationSamples& s,
-                                      const KvtcCalibration& cal, int windows, int sinks,
-                                      const CalibrationProgress& progress) {
+                                      const KvtcCalibration& cal, int windows, int sinks, int stream_window,
+                                      int stream_block, const CalibrationProgress& progress) {
   const ModelConfig& c = model.config();
   const int vocab = c.vocab_size;
   const int tensors = 2 * c.n_layers;
@@ -601,9 +667,22 @@ std::vector<double> measure_tensor_kl(const LlamaModel& model, const Calibration
   for (int w = 0; w < windows; ++w) {
     const std::vector<int32_t>& tok = s.window_tokens[size_t(w)];
     const int64_t n = int64_t(tok.size());
+    // With a stream window the runs go in chunks of stream_block tokens
+    // (the clean one too, so that both sum their attention alike).
+    const int64_t chunk = stream_window > 0 ? std::max(stream_block, 1) : n;
+    const auto run_all = [&](Session& run) {
+      std::vector<float> part;
+      logits.resize(size_t(n) * size_t(vocab));
+      for (int64_t a = 0; a < n; a += chunk) {
+        const int64_t m = std::min(chunk, n - a);
+        run.forward(tok.data() + a, m, part, /*all_logits=*/true);
+        std::copy_n(part.data(), size_t(m) * size_t(vocab), logits.data() + a * vocab);
+      }
+    };
     {
       Session clean(model, method_cache_factory("fp16"));
-      clean.forward(tok.data(), n, logits, /*all_logits=*/true);
+      if (stream_window > 0) run_all(clean);
+      else clean.forward(tok.data(), n, logits, /*all_logits=*/true);
     }
     std::vector<double> ref(size_t(n) * size_t(vocab));
     for (int64_t i = 0; i < n; ++i) {
@@ -617,11 +696,13 @@ std::vector<double> measure_tensor_kl(const LlamaModel& model, const Calibration
       const std::vector<float>* scale =
           cal.weighted() ? &(is_key ? cal.key_scale : cal.value_scale)[size_t(layer)] : nullptr;
       CacheFactory factory = [&](const CacheConfig& cc) -> std::unique_ptr<KVCache> {
-        if (cc.layer == layer) return std::make_unique<ReconstructingCache>(cc, p, scale, is_key, sinks);
+        if (cc.layer == layer)
+          return std::make_unique<ReconstructingCache>(cc, p, scale, is_key, sinks, stream_window, stream_block);
         return make_cache("fp16", cc);
       };
       Session run(model, factory);
-      run.forward(tok.data(), n, logits, /*all_logits=*/true);
+      if (stream_window > 0) run_all(run);
+      else run.forward(tok.data(), n, logits, /*all_logits=*/true);
       double sum = 0.0;
       for (int64_t i = sinks; i < n; ++i) {
         log_softmax(logits.data() + i * vocab, vocab, lp);
@@ -641,6 +722,8 @@ std::vector<double> measure_tensor_kl(const LlamaModel& model, const Calibration
   for (double& v : kl) v /= double(std::max<int64_t>(scored, 1));
   return kl;
 }
+
+namespace {
 
 // Predicted distortion (sum over components of the measured table) of widths.
 double predicted_distortion(const MeasuredTables& t, const std::vector<int>& bits) {
@@ -772,7 +855,8 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
   }
   if (o.sensitivity_allocation) {
     // Sensitivity of each tensor at its equal-ratio fit.
-    const std::vector<double> kl = measure_tensor_kl(*model, s, cal, o.sensitivity_windows, o.sinks, progress);
+    const std::vector<double> kl = measure_tensor_kl(*model, s, cal, o.sensitivity_windows, o.sinks, o.sensitivity_window,
+                                                     o.sensitivity_block, progress);
     std::vector<double> alpha(size_t(2 * L));
     std::ostringstream sens;
     sens.precision(4);
@@ -785,6 +869,9 @@ KvtcCalibration fit_calibration(const ModelConfig& config, const std::string& co
       sens << (t ? " " : "") << "L" << t / 2 << (t % 2 == 0 ? "K" : "V") << "=" << ts.kl;
     }
     cal.info["sensitivity_kl"] = sens.str();
+    if (o.sensitivity_window > 0)
+      cal.info["sensitivity_measured"] = "streaming: raw window " + std::to_string(o.sensitivity_window) +
+                                         ", block " + std::to_string(o.sensitivity_block);
     // One Lagrangian allocation over every tensor's components under the
     // total payload the per-tensor targets give; the multiplier is bisected
     // on the measured rates, then the total corrected by the coder's real

@@ -103,6 +103,15 @@ struct CalibrateOptions {
   // payload of target_ratio (per-tensor ratios then differ).
   bool sensitivity_allocation = false;
   int sensitivity_windows = 2;
+  // > 0: the sensitivity runs measure as a streaming cache codes (issue 21's
+  // lever "sensitivities with the window in place"): the window is run in
+  // chunks of sensitivity_block tokens, and a token is coded only once it
+  // has left a raw window of sensitivity_window tokens behind the chunk's
+  // first query (block-aligned, as the streaming caches code whole blocks).
+  // A layer whose attention is mostly local then reads less sensitive. 0:
+  // every non-sink token coded (the whole-prefix measurement).
+  int sensitivity_window = 0;
+  int sensitivity_block = 16;
   // > 0: also fit REFINEMENT parameters (KvtcCalibration::key_refine /
   // value_refine) per layer and tensor: the codec fitted (same quantizer
   // family, measured allocation) on the calibration tokens' residuals after
@@ -142,6 +151,24 @@ struct TensorSensitivity {
   double distortion = 0.0;
   double per_distortion() const { return kl / std::max(distortion, 1e-30); }
 };
+
+// The sensitivity runs' pieces (fit_calibration with sensitivity_allocation).
+// An fp16 cache in which one tensor (keys or values) of the layer it is made
+// for carries its coding error through `params` (and the calibration's
+// per-dimension `scale`, or none): non-sink tokens are replaced by their
+// reconstruction as they are appended (stream_window 0) or once they have
+// left a raw window of stream_window tokens, block by block of stream_block
+// (CalibrateOptions::sensitivity_window; batch 1). `params` and `scale` must
+// outlive it.
+std::unique_ptr<KVCache> make_reconstructing_cache(const CacheConfig& config, const kvtc::HeadParams& params,
+                                                   const std::vector<float>* scale, bool is_key, int sinks,
+                                                   int stream_window = 0, int stream_block = 1);
+// Mean KL(clean || one tensor coded) per tensor (layer 0 key, layer 0 value,
+// layer 1 key, ...) over the non-sink positions of the first `windows` of
+// s.window_tokens, each tensor coded by `cal` through a reconstructing cache.
+std::vector<double> measure_tensor_kl(const LlamaModel& model, const CalibrationSamples& s,
+                                      const KvtcCalibration& cal, int windows, int sinks, int stream_window,
+                                      int stream_block, const CalibrationProgress& progress = {});
 
 // Throws Error(kConfig) naming the window range when it does not fit the tokens.
 CalibrationSamples collect_calibration_samples(const LlamaModel& model, const std::vector<int32_t>& tokens,

@@ -125,6 +125,9 @@ std::vector<KvtcCalibration> fit_cross_layer_calibrations(const ModelConfig& con
       for (int t = 0; t < 2 * L; ++t)
         a += (t ? " L" : "L") + std::to_string(t / 2) + (t % 2 == 0 ? "K=" : "V=") + std::to_string(alpha[size_t(t)]);
       c.info["layer_sensitivity"] = a;
+      if (o.sensitivity_window > 0)
+        c.info["sensitivity_measured"] = "streaming: raw window " + std::to_string(o.sensitivity_window) +
+                                         ", block " + std::to_string(o.sensitivity_block);
     }
     c.info["tokens_per_layer"] = std::to_string(n);
     c.info["sinks"] = std::to_string(o.sinks);

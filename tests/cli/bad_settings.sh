@@ -46,6 +46,16 @@ expect_config_error kvtc.bit_choices "$kvcodec" eval --methods kvtc $bad --windo
 expect_config_error kvtc.bit_choices "$kvcodec" bench --kv "$dump" --methods kvtc $bad
 expect_config_error kvtc.bit_choices "$kvcodec" calibrate --tokens "$model/eval_tokens.u16" --windows 0-1 \
   --set kvtc.bit_choices=0,14 -o "$work/x.kvcal"
+# The stream-window sensitivity: a bad count, and a window without the
+# sensitivity it changes (--cross-layer has it off unless asked for).
+for bad in kvtc.sensitivity_window=-1 kvtc.sensitivity_window=x kvtc.sensitivity_block=0; do
+  expect_config_error "${bad%%=*}" "$kvcodec" calibrate --tokens "$model/eval_tokens.u16" --windows 0-1 \
+    --set "$bad" -o "$work/x.kvcal"
+done
+expect_config_error kvtc.sensitivity_window "$kvcodec" calibrate --tokens "$model/eval_tokens.u16" --windows 0-1 \
+  --cross-layer --target-ratios 20 --set kvtc.sensitivity_window=16 -o "$work/x{}.kvcal"
+expect_config_error kvtc.sensitivity_window "$kvcodec" calibrate --tokens "$model/eval_tokens.u16" --windows 0-1 \
+  --set kvtc.sensitivity=none --set kvtc.target_ratio=10 --set kvtc.sensitivity_window=16 -o "$work/x.kvcal"
 
 if [ "$failures" -gt 0 ]; then echo "bad_settings: $failures failures" >&2; exit 1; fi
 echo "bad_settings: every bad setting exited 2 with a configuration error"

@@ -184,6 +184,20 @@ void run_calibrate(const CalibrateArgs& a) {
     o.sensitivity_windows = int(n);
     s.erase("sensitivity_windows");
   }
+  // sensitivity_window=W [0], sensitivity_block=B [16]: measure the KL
+  // sensitivities as a streaming cache with a raw window of W tokens coding
+  // blocks of B (model::CalibrateOptions::sensitivity_window); 0: whole prefix.
+  for (const char* field : {"sensitivity_window", "sensitivity_block"}) {
+    if (!s.count(field)) continue;
+    const std::string v = s.at(field);
+    char* end = nullptr;
+    const long n = std::strtol(v.c_str(), &end, 10);
+    const bool is_window = std::string(field) == "sensitivity_window";
+    if (v.empty() || end != v.c_str() + v.size() || n < (is_window ? 0 : 1) || n > 4096)
+      throw_config_error(std::string("kvtc.") + field, v, is_window ? "[0, 4096] tokens" : "[1, 4096] tokens");
+    (is_window ? o.sensitivity_window : o.sensitivity_block) = int(n);
+    s.erase(field);
+  }
   if (s.count("weight_floor")) {
     const std::string v = s.at("weight_floor");
     char* end = nullptr;
@@ -265,6 +279,9 @@ void run_calibrate(const CalibrateArgs& a) {
     // Across layers the sensitivity scales each layer inside the one tensor
     // (model::fit_cross_layer_calibrations); off unless asked for.
     if (!sensitivity_given) o.sensitivity_allocation = false;
+    if (o.sensitivity_window > 0 && !o.sensitivity_allocation)
+      throw_config_error("kvtc.sensitivity_window", std::to_string(o.sensitivity_window),
+                         "set only with kvtc.sensitivity=kl (it changes how the sensitivities are measured)");
     std::vector<double> targets;
     for (const std::string& r : ratios) {
       char* end = nullptr;
@@ -319,6 +336,9 @@ void run_calibrate(const CalibrateArgs& a) {
     if (!sensitivity_given)
       oi.sensitivity_allocation = oi.measured_allocation &&
                                   (oi.target_ratio > 0 || (oi.key_target_ratio > 0 && oi.value_target_ratio > 0));
+    if (oi.sensitivity_window > 0 && !oi.sensitivity_allocation)
+      throw_config_error("kvtc.sensitivity_window", std::to_string(oi.sensitivity_window),
+                         "set only where the KL sensitivity allocation runs (measured allocator, a target ratio)");
     const KvtcCalibration cal = model::fit_calibration(m.config(), hash, samples, oi, progress, &m);
     cal.write_file(path);
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -343,7 +363,7 @@ void register_calibrate(CLI::App& app) {
   cmd->add_option("-o,--output", args->output, "Calibration file to write")->required();
   cmd->add_option("--set", args->sets, "kvtc.<field>=<value>: bit_budget, target_ratio, key_target_ratio, value_target_ratio, "
                                   "allocator (measured [default]|dp|rate), weighting (attention [default]|none), weight_floor [0.01], "
-                                  "sensitivity (kl [default; none with --cross-layer]|none), sensitivity_windows [2], quantizers (midtread [default]|midrise), reconstruction (lattice [default]|centroid|centroid_allocated), refine_ratio (refinement code's payload ratio; none by default), "
+                                  "sensitivity (kl [default; none with --cross-layer]|none), sensitivity_windows [2], sensitivity_window (raw tokens while measuring the sensitivities as a stream; 0 [default]: whole prefix), sensitivity_block [16], quantizers (midtread [default]|midrise), reconstruction (lattice [default]|centroid|centroid_allocated), refine_ratio (refinement code's payload ratio; none by default), "
                                   "bit_choices, beta, coder, basis_bits");
   cmd->add_option("--target-ratios", args->target_ratios,
                   "Comma-separated target ratios: one calibration each from one model run; -o must contain {}");
