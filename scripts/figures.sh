@@ -19,6 +19,8 @@
 # Other docs' figures (the KV-dump sweep, calibrated tables) come from the
 # commands written in those docs.
 # The stored-prefix table of docs/calibrated.md (issue 21): scripts/stored_prefix_figures.sh.
+# The streaming table of docs/calibrated.md (issue 21, session 16): scripts/issue21_windowed.sh
+# (about 5 min on 16 CPU cores; the GPU machine's were used).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build

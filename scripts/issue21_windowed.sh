@@ -37,3 +37,15 @@ for f in "$OUT"/res_r/*.json; do cp "$f" "$OUT/all/r$(basename "$f")"; done
 python3 "$here/combine_windows.py" "$OUT/all" 8 15 > "$OUT/choose_8-15.json"
 python3 "$here/combine_windows.py" "$OUT/all" 0 7 > "$OUT/report_0-7.json"
 python3 "$here/ratio_curve.py" choose="$OUT/choose_8-15.json" report="$OUT/report_0-7.json" | tee "$OUT/curves.tsv"
+# The rows of docs/data/stream_windowed_s16.tsv (its columns), both window ranges.
+python3 - "$OUT" > "$OUT/stream_windowed.tsv" <<'PY'
+import json, sys
+print("windows\tmethod\tratio\tppl\tppl_change_pct\tse_pct\tmin_pct\tmax_pct\tkl\ttop1")
+for part in ("choose_8-15", "report_0-7"):
+    for r in json.load(open(f"{sys.argv[1]}/{part}.json")):
+        print("\t".join([part, r["method"], f"{r['compression_ratio']:.2f}", f"{r['ppl']:.4f}",
+                         f"{r['ppl_change_pct']:+.3f}", f"{r['ppl_change_se_pct']:.2f}",
+                         f"{r['ppl_change_min_pct']:+.2f}", f"{r['ppl_change_max_pct']:+.2f}",
+                         f"{r['kl']:.4f}", f"{r['top1_agreement']:.4f}"]))
+PY
+echo "issue21_windowed: $OUT/stream_windowed.tsv, $OUT/curves.tsv"
