@@ -32,15 +32,7 @@ class StreamSensitivity : public ::testing::Test {
     samples_ = collect_calibration_samples(*model_, random_tokens(2 * 96, config_.vocab_size, 11), options_);
     cal_ = fit_calibration(config_, "", samples_, options_, {}, model_.get());
   }
-  CacheConfig cache_config(int layer) const {
-    CacheConfig c;
-    c.layer = layer;
-    c.n_layers = config_.n_layers;
-    c.n_kv_heads = config_.n_kv_heads;
-    c.head_dim = config_.head_dim;
-    c.rope_theta = config_.rope_theta;
-    return c;
-  }
+  CacheConfig cache_config(int layer) const { return layer_cache_config(config_, layer); }
   ModelConfig config_;
   std::unique_ptr<LlamaModel> model_;
   CalibrateOptions options_;
