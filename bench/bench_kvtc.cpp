@@ -1,10 +1,12 @@
 // KVTC codec throughput on one real head of the shared KV dump: encode and
 // decode of 64-token blocks through frozen parameters, beside memcpy of the
-// same f16 bytes measured in the same run.
+// same f16 bytes measured in the same run. KVCODEC_BENCH_KV names another
+// dump (e.g. scripts/make_hd128_dump.py's head_dim-128 one).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -19,6 +21,11 @@ using namespace kvcodec;
 
 namespace {
 
+std::string bench_dump_path() {
+  const char* other = std::getenv("KVCODEC_BENCH_KV");
+  return other && *other ? other : std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
+}
+
 struct Fixture {
   std::vector<float> x;  // [T, D] of layer 2's key head 0
   int64_t n = 0;
@@ -28,7 +35,7 @@ struct Fixture {
 const Fixture& fixture() {
   static Fixture f = [] {
     Fixture out;
-    const std::string path = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
+    const std::string path = bench_dump_path();
     const SafetensorsFile file = SafetensorsFile::open(path);
     TensorView v = file.view4("layers.2.key");
     v.shape[0] = 1;  // batch 0, head 0: [1, 1, T, D]
@@ -263,7 +270,7 @@ struct CacheFixture {
 
 CacheFixture make_cache_fixture(int arg) {
   CacheFixture f;
-  const std::string path = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
+  const std::string path = bench_dump_path();
   const SafetensorsFile file = SafetensorsFile::open(path);
   for (int i = 0; file.contains("layers." + std::to_string(i) + ".key"); ++i) {
     f.keys.push_back(Tensor::from_view(file.view4("layers." + std::to_string(i) + ".key"), DType::kF32));
