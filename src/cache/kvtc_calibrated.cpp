@@ -122,6 +122,15 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
   void cut_raw(int64_t count) override;
   void uncode_newest_block() override;
   void encode_ready_blocks();
+  // The tokens the next coding step of encode_ready_blocks takes when
+  // `coded` tokens are coded and the newest block holds `held` of them
+  // (0: a new block); 0 when none is ready.
+  int64_t next_step_tokens(int64_t coded, int64_t held) const {
+    const int64_t ready = offset_ - options_.sinks - coded - options_.window;
+    if (ready <= 0) return 0;
+    const int64_t m = options_.whole_blocks ? options_.block - held : std::min(ready, options_.block - held);
+    return ready < m ? 0 : m;
+  }
   // first_coded: coded-token index of blk's first token (its position - sinks).
   void decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
   void cover_positions(int64_t positions) {
@@ -189,13 +198,39 @@ void CalibratedKvtcCache::encode_ready_blocks() {
   // with whole_blocks, a whole block of such tokens is there), into the
   // newest block: its codes are appended to the block's payload, so no
   // coded token is coded again.
+  //
+  // The refinement groups that this call would code and then drop (all
+  // their tokens older than the `refine` newest coded tokens once the call
+  // is done: the whole of a long prefill but its end) are skipped: they are
+  // created and aged as before, with no codes. The kept groups are coded
+  // exactly as one-token appends code them (CalibratedAppend tests).
+  const int64_t open_held =
+      !key_.blocks.empty() && key_.blocks.back().tokens < options_.block ? key_.blocks.back().tokens : 0;
+  int64_t coded_at_end = encoded_tokens();
+  for (int64_t held = open_held, m; (m = next_step_tokens(coded_at_end, held)) > 0;) {
+    coded_at_end += m;
+    held = held + m == options_.block ? 0 : held + m;
+  }
+  // Tokens coded by this call, still in the raw tails after the sinks: cut
+  // once after the loop (cutting each step's tokens moved the whole tail per
+  // block, quadratic in a long prefill's length), and on a throw, so that
+  // the tails always match encoded_.
+  struct TakenTokens {
+    CalibratedKvtcCache& cache;
+    int64_t n = 0;
+    void cut() {
+      const int64_t sinks = cache.sink_tokens(), V = cache.vdim();
+      for (Stream* stream : {&cache.key_, &cache.value_})
+        for (auto& raw : stream->raw) raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + n) * V);
+      n = 0;
+    }
+    ~TakenTokens() { cut(); }
+  } taken{*this};
   for (;;) {
-    const int64_t ready = offset_ - options_.sinks - encoded_tokens() - options_.window;
-    if (ready <= 0) break;
     const bool grow = !key_.blocks.empty() && key_.blocks.back().tokens < options_.block;
     const int64_t held = grow ? key_.blocks.back().tokens : 0;
-    const int64_t m = options_.whole_blocks ? options_.block - held : std::min(ready, options_.block - held);
-    if (ready < m) break;
+    const int64_t m = next_step_tokens(encoded_tokens(), held);
+    if (m == 0) break;
     const int64_t sinks = sink_tokens();
     const int64_t first_position = sinks + encoded_tokens();
     for (Stream* stream : {&key_, &value_}) {
@@ -223,6 +258,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
         RefineGroup* group;
         int64_t tokens;  // of this step that the group takes
         bool closes;     // the group is whole after them
+        bool dropped;    // aged out by the end of this call: not coded
       };
       std::vector<Piece> pieces;
       for (int64_t at = held; refining && at < held + m;) {
@@ -235,14 +271,18 @@ void CalibratedKvtcCache::encode_ready_blocks() {
           open_payloads(stream->refine.back().codes.payload, previous);
         }
         const int64_t n = std::min(kRefineGroup - at % kRefineGroup, held + m - at);
-        pieces.push_back({&stream->refine.back(), n, (at + n) % kRefineGroup == 0 || block_closes});
+        const bool closes = (at + n) % kRefineGroup == 0 || block_closes;
+        const int64_t group_end = encoded_tokens() + (at - held) + n;  // coded-token index past the piece
+        const bool dropped = closes && group_end <= coded_at_end - options_.refine;
+        pieces.push_back({&stream->refine.back(), n, closes, dropped});
         at += n;
       }
+      const bool any_kept = std::any_of(pieces.begin(), pieces.end(), [](const Piece& q) { return !q.dropped; });
       Block& blk = stream->blocks.back();
       x.resize(size_t(m * V));
       for (int64_t b = 0; b < batch_; ++b) {
         const auto& raw = stream->raw[size_t(b)];
-        convert(raw.data() + size_t(sinks * V), raw_dtype_, x.data(), DType::kF32, size_t(m * V));
+        convert(raw.data() + size_t((sinks + taken.n) * V), raw_dtype_, x.data(), DType::kF32, size_t(m * V));
         if (is_key) rope_->rotate(x.data(), m, V, config_.n_kv_heads, first_position, /*inverse=*/true);
         if (const float* w = scale(is_key))
           for (int64_t t = 0; t < m; ++t)
@@ -250,14 +290,15 @@ void CalibratedKvtcCache::encode_ready_blocks() {
         fresh.resize(size_t(m) * K);
         kvtc::quantize_block(p, x.data(), m, fresh.data());
         coded_symbols_ += cache_impl::grow_block_payload(p, blk.payload[size_t(b)], held, fresh.data(), m, block_closes);
-        if (refining) {
+        if (refining && any_kept) {
           // The residual after the base reconstruction the reader will see.
           recon.resize(x.size());
           kvtc::dequantize_block(p, fresh.data(), m, recon.data());
           for (size_t i = 0; i < x.size(); ++i) x[i] -= recon[i];
           int64_t at = 0;
           for (const Piece& piece : pieces) {
-            append_refinement(*piece.group, is_key, b, x.data() + at * V, piece.tokens, piece.closes);
+            if (!piece.dropped)
+              append_refinement(*piece.group, is_key, b, x.data() + at * V, piece.tokens, piece.closes);
             at += piece.tokens;
           }
         }
@@ -273,14 +314,12 @@ void CalibratedKvtcCache::encode_ready_blocks() {
       };
       settle(blk, m, block_closes);
       for (const Piece& piece : pieces) settle(piece.group->codes, piece.tokens, piece.closes);
-      for (auto& raw : stream->raw) {
-        raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + m) * V);
-        shrink_if_oversized(raw, size_t(sinks + options_.block + options_.window) * size_t(V));
-      }
     }
     encoded_ += m;
+    taken.n += m;
     drop_aged_refinement();
   }
+  taken.cut();
   // The tail now holds the sinks and the window (and, with whole_blocks, up
   // to a block more): held within an eighth of what it regrows to, not the
   // 2x slack of the loop's shrink (with the shipped settings the raw vectors
