@@ -1,10 +1,43 @@
 #include "cache/kvtc_base.hpp"
 
+#include <cstring>
+
 #include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
 #include "kvcodec/error.hpp"
+#include "kvtc/raw_convert.hpp"
 
 namespace kvcodec::cache_impl {
+
+void KvtcCacheBase::head_rows_to_raw(const TensorView& src, int64_t b, int64_t h, int64_t first, int64_t n,
+                                     uint16_t* dst, size_t dst_stride) const {
+  const int64_t D = src.shape[3];
+  const size_t esize = dtype_size(src.dtype);
+  const uint8_t* row0 = static_cast<const uint8_t*>(src.data) +
+                        (b * src.strides[0] + h * src.strides[1] + first * src.strides[2]) * int64_t(esize);
+  const bool rows_contiguous = src.strides[3] == 1 || D == 1;
+  if (rows_contiguous && (src.dtype == DType::kF32 || src.dtype == raw_dtype_)) {
+    for (int64_t t = 0; t < n; ++t) {
+      const uint8_t* row = row0 + t * src.strides[2] * int64_t(esize);
+      uint16_t* out = dst + size_t(t) * dst_stride;
+      if (src.dtype == DType::kF32)
+        kvtc::f32_to_raw(reinterpret_cast<const float*>(row), out, raw_dtype_, size_t(D));
+      else
+        std::memcpy(out, row, size_t(D) * sizeof(uint16_t));
+    }
+    return;
+  }
+  TensorView head = src;
+  head.data = row0;
+  head.shape = {1, 1, n, D};
+  if (dst_stride == size_t(D)) {
+    copy_to_contiguous(head, dst, raw_dtype_);
+    return;
+  }
+  std::vector<uint16_t> rows(size_t(n * D));
+  copy_to_contiguous(head, rows.data(), raw_dtype_);
+  for (int64_t t = 0; t < n; ++t) std::memcpy(dst + size_t(t) * dst_stride, rows.data() + t * D, size_t(D) * 2);
+}
 
 int64_t KvtcCacheBase::trim(int64_t n) {
   if (n < 0) throw Error(ErrorCode::kInvalidArgument, who_ + ": trim(" + std::to_string(n) + ")");

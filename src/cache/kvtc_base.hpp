@@ -64,6 +64,12 @@ class KvtcCacheBase : public KVCache {
   virtual void uncode_newest_block() = 0;
   // Back to empty (trim() to 0 tokens).
   virtual void reset() = 0;
+  // Batch row b, head h of src [B, H, S, D] (tokens [first, first + n)) into
+  // raw_dtype_ rows at dst, dst_stride elements apart: f32 rows through the
+  // SIMD conversion, rows already in raw_dtype_ copied, anything else (a
+  // strided last dimension) through copy_to_contiguous. Bits as convert().
+  void head_rows_to_raw(const TensorView& src, int64_t b, int64_t h, int64_t first, int64_t n, uint16_t* dst,
+                        size_t dst_stride) const;
   CacheConfig config_;
   Settings settings_;
   KvtcSettings options_;

@@ -251,23 +251,11 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
     const TensorView& src = stream == &key_ ? keys : values;
     for (int64_t b = 0; b < batch_; ++b)
       for (int64_t h = 0; h < config_.n_kv_heads; ++h) {
-        TensorView head = src;
-        head.data = static_cast<const uint8_t*>(src.data) +
-                    (b * src.strides[0] + h * src.strides[1] + direct * src.strides[2]) * int64_t(dtype_size(src.dtype));
-        head.shape = {1, 1, S_raw, src.shape[3]};
-        // Straight into the raw tail, no intermediate row buffer; f32 rows
-        // (the common case) through the SIMD conversion.
+        // Straight into the raw tail, no intermediate row buffer.
         auto& raw = stream->raw[size_t(b * config_.n_kv_heads + h)];
         const size_t at = raw.size();
         raw.resize(at + size_t(S_raw) * D);
-        uint16_t* dst = raw.data() + at;
-        if (src.dtype == DType::kF32 && (src.strides[3] == 1 || D == 1)) {
-          for (int64_t t = 0; t < S_raw; ++t)
-            kvtc::f32_to_raw(static_cast<const float*>(head.data) + t * src.strides[2], dst + size_t(t) * D,
-                             raw_dtype_, D);
-        } else {
-          copy_to_contiguous(head, dst, raw_dtype_);
-        }
+        head_rows_to_raw(src, b, h, direct, S_raw, raw.data() + at, size_t(D));
       }
   }
   offset_ += S;

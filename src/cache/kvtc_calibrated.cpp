@@ -14,6 +14,7 @@
 #include "core/first_exception.hpp"
 #include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
+#include "kvtc/raw_convert.hpp"
 #include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 
@@ -164,7 +165,6 @@ void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& value
   const int64_t S = keys.shape[2];
   if (S == 0) return;
   const int64_t H = config_.n_kv_heads, D = config_.head_dim;
-  std::vector<uint16_t> head(size_t(S * D));
   for (Stream* stream : {&key_, &value_}) {
     const TensorView& src = stream == &key_ ? keys : values;
     for (int64_t b = 0; b < batch_; ++b) {
@@ -172,16 +172,9 @@ void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& value
       const size_t base = raw.size();
       grow_by_eighths(raw, base + size_t(S * H * D));
       raw.resize(base + size_t(S * H * D));
-      for (int64_t h = 0; h < H; ++h) {
-        TensorView one = src;
-        one.data = static_cast<const uint8_t*>(src.data) +
-                   (b * src.strides[0] + h * src.strides[1]) * int64_t(dtype_size(src.dtype));
-        one.shape = {1, 1, S, D};
-        copy_to_contiguous(one, head.data(), raw_dtype_);
-        // [h][s][d] -> token-major [s][h][d]
-        for (int64_t s = 0; s < S; ++s)
-          std::copy_n(head.data() + s * D, D, raw.data() + base + size_t((s * H + h) * D));
-      }
+      // [h][s][d] -> token-major [s][h][d]
+      for (int64_t h = 0; h < H; ++h)
+        head_rows_to_raw(src, b, h, 0, S, raw.data() + base + size_t(h * D), size_t(H * D));
     }
   }
   offset_ += S;
@@ -282,7 +275,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
       x.resize(size_t(m * V));
       for (int64_t b = 0; b < batch_; ++b) {
         const auto& raw = stream->raw[size_t(b)];
-        convert(raw.data() + size_t((sinks + taken.n) * V), raw_dtype_, x.data(), DType::kF32, size_t(m * V));
+        kvtc::raw_to_f32(raw.data() + size_t((sinks + taken.n) * V), raw_dtype_, x.data(), size_t(m * V));
         if (is_key) rope_->rotate(x.data(), m, V, config_.n_kv_heads, first_position, /*inverse=*/true);
         if (const float* w = scale(is_key))
           for (int64_t t = 0; t < m; ++t)
@@ -419,10 +412,10 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
     if (count <= 0) return;
     scratch(count);
     for (int64_t b = 0; b < batch_; ++b) {
-      convert(key_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_, key_scratch.data() + b * count * V,
-              DType::kF32, size_t(count * V));
-      convert(value_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_,
-              value_scratch.data() + b * count * V, DType::kF32, size_t(count * V));
+      kvtc::raw_to_f32(key_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_,
+                       key_scratch.data() + b * count * V, size_t(count * V));
+      kvtc::raw_to_f32(value_.raw[size_t(b)].data() + size_t(raw_first * V), raw_dtype_,
+                       value_scratch.data() + b * count * V, size_t(count * V));
     }
     visit(first_token, view(key_scratch.data(), count), view(value_scratch.data(), count));
   };

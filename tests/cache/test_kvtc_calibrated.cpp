@@ -744,5 +744,52 @@ TEST(CalibratedCache, HugeOffsetIsRefusedBeforeAnythingIsSizedByIt) {
   }
 }
 
+// Both kvtc modes take f32, f16 and bf16 keys and values with any strides:
+// a view whose last dimension is strided (every other element of a wider
+// tensor) and, in calibrated mode, one split into pieces save the bytes of the contiguous
+// tensor appended at once (the rows go through the SIMD conversion, a
+// copy, or the strided gather: head_rows_to_raw).
+TEST(KvtcAppendRows, StridedAndConvertedInputsSaveTheContiguousBytes) {
+  const Sequence seq = make_sequence(2, 200, 1, 6161);
+  for (const bool calibrated_mode : {true, false}) {
+    const Settings set = calibrated_mode ? refined(40, 8, 64) : Settings{};
+    for (const DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+      const Tensor k = Tensor::from_view(seq.keys.view(), dtype), v = Tensor::from_view(seq.values.view(), dtype);
+      auto plain = make_cache("kvtc", layer_config(1), set);
+      plain->append(k.view(), v.view());
+      const auto bytes = plain->save();
+      // The same values at every other element of [B, H, S, 2D].
+      const auto widen = [&](const Tensor& t) {
+        const auto& sh = t.shape();
+        Tensor w(dtype, {sh[0], sh[1], sh[2], 2 * sh[3]});
+        const size_t e = dtype_size(dtype);
+        for (int64_t i = 0; i < numel(sh); ++i)
+          std::memcpy(static_cast<uint8_t*>(w.data()) + size_t(2 * i) * e,
+                      static_cast<const uint8_t*>(t.data()) + size_t(i) * e, e);
+        return w;
+      };
+      const Tensor wk = widen(k), wv = widen(v);
+      const auto narrow = [&](const Tensor& w, int64_t first, int64_t n) {
+        TensorView view = w.view();
+        view.shape[3] /= 2;
+        view.strides[3] = 2;
+        view.data = static_cast<const uint8_t*>(view.data) + first * view.strides[2] * int64_t(dtype_size(dtype));
+        view.shape[2] = n;
+        return view;
+      };
+      auto strided = make_cache("kvtc", layer_config(1), set);
+      strided->append(narrow(wk, 0, 200), narrow(wv, 0, 200));
+      EXPECT_EQ(strided->save(), bytes) << calibrated_mode << " " << dtype_name(dtype);
+      // Pieces: the calibrated mode only (local kvtc fits on what its first
+      // append past min_fit_tokens holds, so its bytes depend on the split).
+      if (!calibrated_mode) continue;
+      auto pieces = make_cache("kvtc", layer_config(1), set);
+      for (const auto& [first, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 7}, {7, 90}, {97, 103}})
+        pieces->append(slice(k, first, n), slice(v, first, n));
+      EXPECT_EQ(pieces->save(), bytes) << calibrated_mode << " " << dtype_name(dtype);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvcodec
