@@ -103,7 +103,34 @@ void decode_stacked_codes(const kvtc::HeadParams& p, const uint8_t* data, size_t
   const size_t lanes = lanes_used(n, kept);
   States x = read_states(data, size, lanes, "kvtc block");
   size_t pos = size - 4 * lanes;  // renormalisation bytes left, read backwards
-  for (uint64_t i = uint64_t(n) * kept; i-- > 0;) {
+  uint64_t i = uint64_t(n) * kept;  // symbols left: the next is i - 1
+  // Groups of kRansLanes symbols while 2 bytes per symbol are left, with a
+  // branchless renormalisation: a step leaves a state >= 2^(23 - scale) >=
+  // 2^7 (it was >= 2^23, scale <= 16), so at most two bytes bring it back
+  // to [2^23, 2^31), and the bytes it takes follow from the state alone:
+  // the lanes' only serial dependency is one subtract per symbol, where the
+  // loop below branches per byte. The same symbols, states and errors.
+  size_t k = size_t((i + kept - 1) % kept);
+  bool out_of_range = false;
+  while (i >= kRansLanes && pos >= 2 * kRansLanes) {
+    for (size_t j = 0; j < kRansLanes; ++j) {
+      --i;
+      const entropy::RansDecodeTable& table = (*tables)[k];
+      uint32_t& state = x[i % kRansLanes];
+      const uint32_t slot = state & ((1u << table.scale_bits) - 1);
+      const uint32_t s = table.symbol_of(slot);
+      state = table.syms[s].freq * (state >> table.scale_bits) + slot - table.syms[s].cum;
+      const uint32_t take = uint32_t(state < kRansLow) + uint32_t(state < (kRansLow >> 8));
+      const uint32_t v = uint32_t(data[pos - 1]) << 8 | data[pos - 2];  // in bounds: pos >= 2 per symbol left
+      state = (state << (8 * take)) | (v >> (16 - 8 * take));           // take = 0: v >> 16 == 0
+      pos -= take;
+      out_of_range |= s >= p.quant[k].levels;
+      codes[i] = uint16_t(s);
+      k = k == 0 ? kept - 1 : k - 1;
+    }
+    if (out_of_range) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
+  }
+  while (i-- > 0) {
     const size_t k = size_t(i % kept);
     const entropy::RansDecodeTable& table = (*tables)[k];
     uint32_t& state = x[i % kRansLanes];

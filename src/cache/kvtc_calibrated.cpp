@@ -134,6 +134,11 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
   }
   // first_coded: coded-token index of blk's first token (its position - sinks).
   void decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
+  // decode() of the key and the value block of one position and batch row.
+  void decode_pair(const Block& key_blk, const Block& value_blk, int64_t first_coded, int64_t b, float* key_out,
+                   float* value_out) const;
+  // What decode() does after the base codes: refinement, weights, RoPE.
+  void finish_decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
   void cover_positions(int64_t positions) {
     if (!rope_ || rope_->positions() < positions)
       rope_ = RopeTable::get(config_.head_dim, options_.rope_theta, positions);
@@ -356,6 +361,27 @@ void CalibratedKvtcCache::drop_aged_refinement() {
 void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const {
   const auto& p = blk.payload[size_t(b)];
   cache_impl::decode_block_payload(params(is_key), p.data(), p.size(), blk.tokens, blk.open, out);
+  finish_decode(is_key, blk, first_coded, b, out);
+}
+
+void CalibratedKvtcCache::decode_pair(const Block& key_blk, const Block& value_blk, int64_t first_coded, int64_t b,
+                                      float* key_out, float* value_out) const {
+  if (key_blk.open || value_blk.open || key_blk.tokens != value_blk.tokens) {
+    decode(true, key_blk, first_coded, b, key_out);
+    decode(false, value_blk, first_coded, b, value_out);
+    return;
+  }
+  const auto& kp = key_blk.payload[size_t(b)];
+  const auto& vp = value_blk.payload[size_t(b)];
+  // Keys and values together: their two rANS streams decode interleaved.
+  kvtc::decode_block_pair(params(true), kp.data(), kp.size(), key_out, params(false), vp.data(), vp.size(), value_out,
+                          key_blk.tokens);
+  finish_decode(true, key_blk, first_coded, b, key_out);
+  finish_decode(false, value_blk, first_coded, b, value_out);
+}
+
+void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b,
+                                        float* out) const {
   const Stream& stream = is_key ? key_ : value_;
   if (!stream.refine.empty() && stream.refine.back().first + stream.refine.back().codes.tokens > first_coded) {
     // Groups lie inside one block: those starting in this block's range.
@@ -429,16 +455,19 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
     // at token j * n of it.
     const int64_t tokens = (m - 1) * n + key_.blocks[size_t(j0 + m - 1)].tokens;
     scratch(tokens);
-    // One task per (block, batch row, tensor). decode_block throws on bad
-    // bytes; an exception must not leave an OpenMP region, so it is carried out.
-    const int64_t tasks = m * batch_ * 2;
+    // One task per (block, batch row): its keys and values. decode_block
+    // throws on bad bytes; an exception must not leave an OpenMP region, so
+    // it is carried out.
+    const int64_t tasks = m * batch_;
     FirstException failure;
 #pragma omp parallel for num_threads(options_.threads) schedule(dynamic, 1) if (options_.threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; ++t) {
-      const bool is_key = t % 2 == 0;
-      const int64_t j = t / 2 / batch_, b = t / 2 % batch_;
-      float* out = (is_key ? key_scratch : value_scratch).data() + (b * tokens + j * n) * V;
-      failure.capture([&] { decode(is_key, (is_key ? key_ : value_).blocks[size_t(j0 + j)], (j0 + j) * n, b, out); });
+      const int64_t j = t / batch_, b = t % batch_;
+      const size_t at = size_t((b * tokens + j * n) * V);
+      failure.capture([&] {
+        decode_pair(key_.blocks[size_t(j0 + j)], value_.blocks[size_t(j0 + j)], (j0 + j) * n, b,
+                    key_scratch.data() + at, value_scratch.data() + at);
+      });
     }
     failure.rethrow();
     visit(sinks + j0 * n, view(key_scratch.data(), tokens), view(value_scratch.data(), tokens));

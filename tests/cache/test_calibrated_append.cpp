@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
 
 #include "cache/append_coder.hpp"
 #include "cache/calibrated_fixture.hpp"
+#include "entropy/entropy.hpp"
 #include "kvtc/block_codes.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/container.hpp"
@@ -139,6 +141,93 @@ TEST(CalibratedAppend, OneTokenAppendsCodeEachTokenOnceWithoutWaiting) {
     // dropped later it never codes, and saves the same bytes (above).
     EXPECT_EQ(once->stats().coded_symbols, rows * (288 * base + 64 * fine)) << refining;
   }
+}
+
+// The stacked decoder's plain reference: one symbol at a time, newest
+// first, renormalising byte by byte (the decoder takes groups of 8
+// symbols with a branchless renormalisation while 16 bytes are left).
+// Returns the error message, or "" with codes written.
+std::string decode_stacked_reference(const kvtc::HeadParams& p, const std::vector<uint8_t>& data, int64_t n,
+                                     std::vector<uint16_t>& codes) {
+  const size_t kept = size_t(p.n_kept());
+  const size_t lanes = std::min<size_t>(size_t(n) * kept, entropy::kRansLanes);
+  if (data.size() < 4 * lanes) return "states";
+  std::vector<uint32_t> x(entropy::kRansLanes, entropy::kRansLow);
+  size_t pos = data.size() - 4 * lanes;
+  for (size_t j = 0; j < lanes; ++j) {
+    std::memcpy(&x[j], data.data() + pos + 4 * j, 4);
+    if (x[j] < entropy::kRansLow || x[j] >= (entropy::kRansLow << 8)) return "states";
+  }
+  codes.assign(size_t(n) * kept, 0);
+  for (size_t i = size_t(n) * kept; i-- > 0;) {
+    const size_t k = i % kept;
+    const entropy::FrequencyTable& t = p.rans_tables[k];
+    uint32_t& st = x[i % entropy::kRansLanes];
+    const uint32_t slot = st & ((1u << t.scale_bits) - 1);
+    uint32_t s = 0;
+    while (s + 1 < t.alphabet_size && t.cum[s + 1] <= slot) ++s;
+    st = t.freq[s] * (st >> t.scale_bits) + slot - t.cum[s];
+    while (st < entropy::kRansLow) {
+      if (pos == 0) return "kvtc block: truncated stream";
+      st = st << 8 | data[--pos];
+    }
+    if (s >= p.quant[k].levels) return "kvtc block: code out of range";
+    codes[i] = uint16_t(s);
+  }
+  if (pos != 0) return "kvtc block: trailing bytes";
+  for (size_t j = 0; j < lanes; ++j)
+    if (x[j] != entropy::kRansLow) return "kvtc block: a lane does not end in its initial state";
+  return "";
+}
+
+// The decoder equals its reference on good payloads of every length and on
+// damaged ones (single flipped bytes, random bytes under good states, cut
+// streams): the same codes, or the same error.
+TEST(StackedCodes, DecoderEqualsItsPlainReference) {
+  const Coded c = coded_tokens(120, 33);
+  std::mt19937 rng(4242);
+  size_t compared = 0, refused = 0;
+  const auto check = [&](const std::vector<uint8_t>& bytes, int64_t n) {
+    std::vector<uint16_t> want;
+    const std::string expected = decode_stacked_reference(c.params, bytes, n, want);
+    std::vector<uint16_t> got(size_t(n) * c.kept());
+    std::string error;
+    try {
+      cache_impl::decode_stacked_codes(c.params, bytes.data(), bytes.size(), n, got.data());
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    ++compared;
+    if (expected.empty()) {
+      EXPECT_EQ(error, "") << n;
+      EXPECT_EQ(got, want) << n;
+    } else {
+      ++refused;
+      EXPECT_NE(error, "") << n << " " << expected;
+      if (expected != "states") {
+        EXPECT_NE(error.find(expected), std::string::npos) << error << " vs " << expected;
+      }
+    }
+  };
+  for (const int64_t n : {int64_t(1), int64_t(2), int64_t(7), int64_t(33), int64_t(120)}) {
+    std::vector<uint8_t> good;
+    cache_impl::append_stacked_codes(c.params, good, 0, c.codes.data(), n);
+    check(good, n);
+    for (size_t i = 0; i < good.size(); ++i) {
+      std::vector<uint8_t> bad = good;
+      bad[i] ^= uint8_t(1 + rng() % 255);
+      check(bad, n);
+    }
+    const size_t states = 4 * std::min<size_t>(size_t(n) * c.kept(), entropy::kRansLanes);
+    for (int r = 0; r < 50; ++r) {
+      std::vector<uint8_t> noise = good;
+      for (size_t i = 0; i + states < noise.size(); ++i) noise[i] = uint8_t(rng());
+      noise.erase(noise.begin(), noise.begin() + std::ptrdiff_t(rng() % std::max<size_t>(1, good.size() - states)));
+      check(noise, n);
+    }
+  }
+  EXPECT_GT(refused, compared / 4);
+  EXPECT_LT(refused, compared);
 }
 
 // Appends in pieces of random lengths (1 to 150 tokens: some inside a
