@@ -4,6 +4,11 @@
 #include <map>
 #include <mutex>
 
+#include "core/cpu_features.hpp"
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+#include <immintrin.h>
+#endif
+
 #include "cache/kvtc_calibrated.hpp"
 #include "kvcodec/error.hpp"
 
@@ -71,6 +76,30 @@ std::shared_ptr<const RopeTable> RopeTable::get(int head_dim, double theta, int6
   return slot;
 }
 
+namespace {
+
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+KVCODEC_AVX2_BEGIN
+// rotate()'s pair loop for i < half rounded down to 4, four pairs per step:
+// the same double products, differences and sums (no contraction:
+// -ffp-contract=off, and no fma here), so the same bits.
+int rotate_pairs_avx2(float* v, const float* c, const float* s, int half, double sign) {
+  const __m256d sg = _mm256_set1_pd(sign);
+  int i = 0;
+  for (; i + 4 <= half; i += 4) {
+    const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(v + i)), b = _mm256_cvtps_pd(_mm_loadu_ps(v + i + half));
+    const __m256d ci = _mm256_cvtps_pd(_mm_loadu_ps(c + i));
+    const __m256d si = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(s + i)), sg);
+    _mm_storeu_ps(v + i, _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_mul_pd(a, ci), _mm256_mul_pd(b, si))));
+    _mm_storeu_ps(v + i + half, _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(b, ci), _mm256_mul_pd(a, si))));
+  }
+  return i;
+}
+KVCODEC_AVX2_END
+#endif
+
+}  // namespace
+
 void RopeTable::rotate(float* x, int64_t n, int64_t token_stride, int n_heads, int64_t first_position,
                        bool inverse) const {
   if (first_position < 0 || first_position + n > positions_)
@@ -78,13 +107,18 @@ void RopeTable::rotate(float* x, int64_t n, int64_t token_stride, int n_heads, i
                                           std::to_string(first_position) + "+" + std::to_string(n));
   const int half = half_, head_dim = 2 * half_;
   const double sign = inverse ? -1.0 : 1.0;
+  const bool simd = simd_avx2();
   for (int64_t t = 0; t < n; ++t) {
     const float* c = cos_.data() + (first_position + t) * half;
     const float* s = sin_.data() + (first_position + t) * half;
     for (int h = 0; h < n_heads; ++h) {
       float* v = x + t * token_stride + int64_t(h) * head_dim;
       // Same double arithmetic as rope_rotate_tokens, so both give the same bits.
-      for (int i = 0; i < half; ++i) {
+      int i = 0;
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+      if (simd) i = rotate_pairs_avx2(v, c, s, half, sign);
+#endif
+      for (; i < half; ++i) {
         const double a = v[i], b = v[i + half];
         const double ci = c[i], si = double(s[i]) * sign;
         v[i] = float(a * ci - b * si);

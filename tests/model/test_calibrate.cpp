@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "alloc/allocator.hpp"
+#include "core/cpu_features.hpp"
 #include "cache/kvtc_calibrated.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
@@ -76,30 +77,38 @@ std::vector<float> heavy_tailed(int64_t n, int dim, uint32_t seed, uint32_t nois
 }
 
 TEST(RopeTable, BitIdenticalToPerCallReference) {
-  const int H = 3, D = 16;
+  const int H = 3;
   const double theta = 10000.0;
   std::mt19937 rng(3);
   std::normal_distribution<float> g(0.0f, 2.0f);
-  // Positions past the table's first size (4096) make it grow.
-  for (const int64_t first : {int64_t(0), int64_t(700), int64_t(5000)}) {
-    const int64_t n = 37;
-    std::vector<float> x(size_t(n * H * D));
-    for (auto& v : x) v = g(rng);
-    const auto table = RopeTable::get(D, theta, first + n);
-    ASSERT_GE(table->positions(), first + n);
-    for (const bool inverse : {false, true}) {
-      std::vector<float> ref = x, fast = x;
-      rope_rotate_tokens(ref.data(), n, H, D, first, rope_inv_freq(D, theta), inverse);
-      table->rotate(fast.data(), n, H * D, H, first, inverse);
-      ASSERT_EQ(0, std::memcmp(ref.data(), fast.data(), ref.size() * sizeof(float))) << first << " " << inverse;
+  // The AVX2 pair loop (4 pairs a step, the rest plain) and the plain one;
+  // positions past the table's first size (4096) make it grow.
+  for (const bool simd : {true, false}) {
+    for (const int D : {6, 16, 64, 128}) {
+      for (const int64_t first : {int64_t(0), int64_t(700), int64_t(5000)}) {
+        const ScopedSimd scoped(simd);
+        const int64_t n = 37;
+        std::vector<float> x(size_t(n * H * D));
+        for (auto& v : x) v = g(rng);
+        const auto table = RopeTable::get(D, theta, first + n);
+        ASSERT_GE(table->positions(), first + n);
+        for (const bool inverse : {false, true}) {
+          std::vector<float> ref = x, fast = x;
+          rope_rotate_tokens(ref.data(), n, H, D, first, rope_inv_freq(D, theta), inverse);
+          table->rotate(fast.data(), n, H * D, H, first, inverse);
+          ASSERT_EQ(0, std::memcmp(ref.data(), fast.data(), ref.size() * sizeof(float)))
+              << first << " " << inverse << " D " << D << " simd " << simd;
+        }
+        // Removal after application gives x back to f32 rounding.
+        std::vector<float> y = x;
+        table->rotate(y.data(), n, H * D, H, first, false);
+        table->rotate(y.data(), n, H * D, H, first, true);
+        for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(y[i], x[i], 1e-5f * (1.0f + std::fabs(x[i])));
+      }
     }
-    // Removal after application gives x back to f32 rounding.
-    std::vector<float> y = x;
-    table->rotate(y.data(), n, H * D, H, first, false);
-    table->rotate(y.data(), n, H * D, H, first, true);
-    for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(y[i], x[i], 1e-5f * (1.0f + std::fabs(x[i])));
   }
   // A strided layout rotates only each token's first H * D values.
+  const int D = 16;
   const auto table = RopeTable::get(D, theta, 10);
   std::vector<float> s(size_t(2 * (H * D + 5)), 7.0f);
   table->rotate(s.data(), 2, H * D + 5, H, 3, false);
