@@ -134,9 +134,10 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
   }
   // first_coded: coded-token index of blk's first token (its position - sinks).
   void decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
-  // decode() of the key and the value block of one position and batch row.
-  void decode_pair(const Block& key_blk, const Block& value_blk, int64_t first_coded, int64_t b, float* key_out,
-                   float* value_out) const;
+  // decode() of two consecutive blocks of one tensor and batch row (first
+  // starting at coded-token index first_coded).
+  void decode_pair(bool is_key, const Block& first, const Block& second, int64_t first_coded, int64_t b,
+                   float* first_out, float* second_out) const;
   // What decode() does after the base codes: refinement, weights, RoPE.
   void finish_decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
   void cover_positions(int64_t positions) {
@@ -364,20 +365,23 @@ void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_co
   finish_decode(is_key, blk, first_coded, b, out);
 }
 
-void CalibratedKvtcCache::decode_pair(const Block& key_blk, const Block& value_blk, int64_t first_coded, int64_t b,
-                                      float* key_out, float* value_out) const {
-  if (key_blk.open || value_blk.open || key_blk.tokens != value_blk.tokens) {
-    decode(true, key_blk, first_coded, b, key_out);
-    decode(false, value_blk, first_coded, b, value_out);
+void CalibratedKvtcCache::decode_pair(bool is_key, const Block& first, const Block& second, int64_t first_coded,
+                                      int64_t b, float* first_out, float* second_out) const {
+  const int64_t second_coded = first_coded + first.tokens;
+  if (first.open || second.open || first.tokens != second.tokens) {
+    decode(is_key, first, first_coded, b, first_out);
+    decode(is_key, second, second_coded, b, second_out);
     return;
   }
-  const auto& kp = key_blk.payload[size_t(b)];
-  const auto& vp = value_blk.payload[size_t(b)];
-  // Keys and values together: their two rANS streams decode interleaved.
-  kvtc::decode_block_pair(params(true), kp.data(), kp.size(), key_out, params(false), vp.data(), vp.size(), value_out,
-                          key_blk.tokens);
-  finish_decode(true, key_blk, first_coded, b, key_out);
-  finish_decode(false, value_blk, first_coded, b, value_out);
+  const auto& pa = first.payload[size_t(b)];
+  const auto& pb = second.payload[size_t(b)];
+  // Two rANS streams of one tensor's parameters (about the same length, so
+  // they stay paired to their ends; keys and values may keep very different
+  // numbers of components), decoded interleaved.
+  const kvtc::HeadParams& p = params(is_key);
+  kvtc::decode_block_pair(p, pa.data(), pa.size(), first_out, p, pb.data(), pb.size(), second_out, first.tokens);
+  finish_decode(is_key, first, first_coded, b, first_out);
+  finish_decode(is_key, second, second_coded, b, second_out);
 }
 
 void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b,
@@ -455,18 +459,23 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
     // at token j * n of it.
     const int64_t tokens = (m - 1) * n + key_.blocks[size_t(j0 + m - 1)].tokens;
     scratch(tokens);
-    // One task per (block, batch row): its keys and values. decode_block
-    // throws on bad bytes; an exception must not leave an OpenMP region, so
-    // it is carried out.
-    const int64_t tasks = m * batch_;
+    // One task per (pair of blocks, batch row, tensor); an odd last block
+    // alone. decode_block throws on bad bytes; an exception must not leave
+    // an OpenMP region, so it is carried out.
+    const int64_t pairs = (m + 1) / 2, tasks = pairs * batch_ * 2;
     FirstException failure;
 #pragma omp parallel for num_threads(options_.threads) schedule(dynamic, 1) if (options_.threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t j = t / batch_, b = t % batch_;
-      const size_t at = size_t((b * tokens + j * n) * V);
+      const bool is_key = t % 2 == 0;
+      const int64_t j = 2 * (t / 2 / batch_), b = t / 2 % batch_;
+      const Stream& stream = is_key ? key_ : value_;
+      float* out = (is_key ? key_scratch : value_scratch).data() + (b * tokens + j * n) * V;
       failure.capture([&] {
-        decode_pair(key_.blocks[size_t(j0 + j)], value_.blocks[size_t(j0 + j)], (j0 + j) * n, b,
-                    key_scratch.data() + at, value_scratch.data() + at);
+        if (j + 1 < m)
+          decode_pair(is_key, stream.blocks[size_t(j0 + j)], stream.blocks[size_t(j0 + j + 1)], (j0 + j) * n, b, out,
+                      out + n * V);
+        else
+          decode(is_key, stream.blocks[size_t(j0 + j)], (j0 + j) * n, b, out);
       });
     }
     failure.rethrow();

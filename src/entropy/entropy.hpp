@@ -18,6 +18,7 @@
 // are truncated or inconsistent.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -224,8 +225,27 @@ struct RansDecodeTable {
   uint64_t held_bytes() const;  // heap bytes (capacity)
   // The symbol owning `slot` (< 2^scale_bits), whichever table was built:
   // for decoders outside this module (the cache's stack-order coder).
+  // Inline: the stack-order decoder calls it once per symbol.
   uint32_t symbol_of(uint32_t slot) const;
 };
+
+inline uint32_t RansDecodeTable::symbol_of(uint32_t slot) const {
+  if (!slot_symbol.empty()) return slot_symbol[slot];
+  const uint32_t last = alphabet_size - 1;
+  if (!search.empty()) {
+    uint32_t sym = 0;
+    for (const uint16_t c : search) sym += uint32_t(c <= slot);
+    return sym < last ? sym : last;
+  }
+  // The largest s with cum[s] <= slot (cum[0] = 0 <= every slot).
+  uint32_t lo = 0;
+  for (uint32_t step = std::bit_floor(last ? last : 1u); step != 0; step >>= 1) {
+    const uint32_t m = std::min(lo + step, last);
+    lo = syms[m].cum <= slot ? m : lo;
+  }
+  return lo;
+}
+
 
 // RansEncodeTable's reciprocal ceil(2^(31 + l) / f) of a frequency f in
 // [2, 2^16], l = ceil(log2 f), by the plain 64-bit integer division (the

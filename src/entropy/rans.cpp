@@ -656,22 +656,6 @@ RansDecodeTable::RansDecodeTable(const FrequencyTable& t, RansLookup lookup)
   }
 }
 
-uint32_t RansDecodeTable::symbol_of(uint32_t slot) const {
-  if (!slot_symbol.empty()) return slot_symbol[slot];
-  const uint32_t last = alphabet_size - 1;
-  if (!search.empty()) {
-    uint32_t sym = 0;
-    for (const uint16_t c : search) sym += uint32_t(c <= slot);
-    return sym < last ? sym : last;
-  }
-  // The largest s with cum[s] <= slot (cum[0] = 0 <= every slot).
-  uint32_t lo = 0;
-  for (uint32_t step = std::bit_floor(last ? last : 1u); step != 0; step >>= 1) {
-    const uint32_t m = std::min(lo + step, last);
-    lo = syms[m].cum <= slot ? m : lo;
-  }
-  return lo;
-}
 
 namespace {
 
