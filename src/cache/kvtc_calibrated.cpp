@@ -11,6 +11,7 @@
 #include "cache/kvtc_base.hpp"
 #include "cache/saved_meta.hpp"
 #include "cache/settings.hpp"
+#include "core/cpu_features.hpp"
 #include "core/first_exception.hpp"
 #include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
@@ -384,6 +385,35 @@ void CalibratedKvtcCache::decode_pair(bool is_key, const Block& first, const Blo
   finish_decode(is_key, second, second_coded, b, second_out);
 }
 
+namespace {
+
+// dst[i] += add[i] (refinement) or, with add null, dst[t * V + d] *=
+// inverse[d] (weights undone), for n rows of V: one IEEE add or product per
+// element, so the plain loops and their AVX2 compilation (the vectoriser
+// under KVCODEC_TARGET_AVX2, picked at run time) give the same bits.
+__attribute__((always_inline)) inline void finish_rows_body(float* dst, const float* add, const float* inverse,
+                                                            int64_t n, int64_t V) {
+  if (add) {
+    for (int64_t i = 0; i < n * V; ++i) dst[i] += add[i];
+    return;
+  }
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < V; ++d) dst[t * V + d] *= inverse[d];
+}
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+KVCODEC_TARGET_AVX2 void finish_rows_avx2(float* dst, const float* add, const float* inverse, int64_t n, int64_t V) {
+  finish_rows_body(dst, add, inverse, n, V);
+}
+#endif
+void finish_rows(float* dst, const float* add, const float* inverse, int64_t n, int64_t V) {
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  if (simd_avx2()) return finish_rows_avx2(dst, add, inverse, n, V);
+#endif
+  finish_rows_body(dst, add, inverse, n, V);
+}
+
+}  // namespace
+
 void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b,
                                         float* out) const {
   const Stream& stream = is_key ? key_ : value_;
@@ -396,8 +426,7 @@ void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t f
       fine.resize(size_t(g.codes.tokens * vdim()));
       cache_impl::decode_block_payload(refine_params(is_key), rp.data(), rp.size(), g.codes.tokens, g.codes.open,
                                        fine.data());
-      float* dst = out + (g.first - first_coded) * vdim();
-      for (size_t i = 0; i < fine.size(); ++i) dst[i] += fine[i];
+      finish_rows(out + (g.first - first_coded) * vdim(), fine.data(), nullptr, g.codes.tokens, vdim());
     }
   }
   if (const float* w = scale(is_key)) {
@@ -405,8 +434,7 @@ void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t f
     // layer and sequence, where a block's decode is 64 x V products).
     std::vector<float> inverse(static_cast<size_t>(vdim()));
     for (int64_t d = 0; d < vdim(); ++d) inverse[size_t(d)] = 1.0f / w[d];
-    for (int64_t t = 0; t < blk.tokens; ++t)
-      for (int64_t d = 0; d < vdim(); ++d) out[t * vdim() + d] *= inverse[size_t(d)];
+    finish_rows(out, nullptr, inverse.data(), blk.tokens, vdim());
   }
   if (is_key)
     rope_->rotate(out, blk.tokens, vdim(), config_.n_kv_heads, sink_tokens() + first_coded, /*inverse=*/false);

@@ -27,6 +27,8 @@ TEST(SimdBytes, CachesSaveAndFetchTheSameBytesWithAndWithoutAvx2) {
       {"kvtc", {}},
       {"kvtc", {{"allocator", "rate"}, {"coder", "huffman"}, {"basis_bits", "8"}}},
       {"kvtc", {{"calibration", calibration}}},
+      // The shipped model's kvtc settings (models/tinycode/kvtc.settings): refinement codes, weights, RoPE.
+      {"kvtc", {{"calibration", calibration}, {"sinks", "4"}, {"window", "8"}, {"refine", "128"}}},
       {"palu", {}},
       {"int8", {}},
       {"kivi2", {}},
