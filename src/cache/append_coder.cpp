@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <string>
 
 #include "entropy/entropy.hpp"
@@ -113,13 +114,31 @@ void decode_stacked_codes(const kvtc::HeadParams& p, const uint8_t* data, size_t
   size_t k = size_t((i + kept - 1) % kept);
   bool out_of_range = false;
   while (i >= kRansLanes && pos >= 2 * kRansLanes) {
+    // The group's 8 symbols use the 8 lanes once each, so all their slots
+    // are known now: the symbol searches run side by side (the tables
+    // without a slot or search table, <= kRansGroupMaxAlphabet symbols,
+    // bisect in lockstep from one step size: independent loads, not eight
+    // dependent chains one after the other).
+    std::array<const entropy::RansDecodeTable*, kRansLanes> tab;
+    std::array<uint32_t, kRansLanes> slot, sym;
+    for (size_t j = 0, kj = k; j < kRansLanes; ++j, kj = kj == 0 ? kept - 1 : kj - 1) {
+      tab[j] = &(*tables)[kj];
+      slot[j] = x[(i - 1 - j) % kRansLanes] & ((1u << tab[j]->scale_bits) - 1);
+      sym[j] = 0;
+    }
+    for (uint32_t step = std::bit_floor(entropy::kRansGroupMaxAlphabet - 1); step != 0; step >>= 1)
+      for (size_t j = 0; j < kRansLanes; ++j) {
+        const uint32_t last = tab[j]->alphabet_size - 1, m = std::min(sym[j] + step, last);
+        sym[j] = tab[j]->syms[m].cum <= slot[j] ? m : sym[j];
+      }
     for (size_t j = 0; j < kRansLanes; ++j) {
       --i;
-      const entropy::RansDecodeTable& table = (*tables)[k];
+      const entropy::RansDecodeTable& table = *tab[j];
       uint32_t& state = x[i % kRansLanes];
-      const uint32_t slot = state & ((1u << table.scale_bits) - 1);
-      const uint32_t s = table.symbol_of(slot);
-      state = table.syms[s].freq * (state >> table.scale_bits) + slot - table.syms[s].cum;
+      const bool bisected = table.slot_symbol.empty() && table.search.empty() &&
+                            table.alphabet_size <= entropy::kRansGroupMaxAlphabet;
+      const uint32_t s = bisected ? sym[j] : table.symbol_of(slot[j]);
+      state = table.syms[s].freq * (state >> table.scale_bits) + slot[j] - table.syms[s].cum;
       const uint32_t take = uint32_t(state < kRansLow) + uint32_t(state < (kRansLow >> 8));
       const uint32_t v = uint32_t(data[pos - 1]) << 8 | data[pos - 2];  // in bounds: pos >= 2 per symbol left
       state = (state << (8 * take)) | (v >> (16 - 8 * take));           // take = 0: v >> 16 == 0
