@@ -102,7 +102,7 @@ KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const s
     ByteReader in(r.section(name), "calibration " + name);
     kvtc::HeadParams p;
     try {
-      p = kvtc::HeadParams::deserialize(in, dim);
+      p = kvtc::HeadParams::deserialize(in, dim, kvtc::KernelSet::kHeld);  // held by every cache using it
     } catch (const Error& e) {
       throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
     }

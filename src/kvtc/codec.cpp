@@ -763,6 +763,10 @@ void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
     std::vector<int16_t>().swap(out.proj_w), std::vector<float>().swap(out.proj_qscale);
     out.proj_unit = out.proj_scale = out.proj_max_abs = out.proj_max_sq = 0.0f;
   }
+  if (uint8_t(which) & uint8_t(KernelSet::kHeld) & ~uint8_t(KernelSet::kBoth))
+    transpose_basis(p, out.basis_t);
+  else
+    std::vector<float>().swap(out.basis_t);
   if (encoding) {
     // Held at exact size; a table built before is rebuilt in place.
     out.rans_encode.resize(p.rans_tables.size());
@@ -851,7 +855,8 @@ uint64_t HeadKernels::held_bytes() const {
   for (const auto& t : rans_encode) n += t.held_bytes();
   n += rans_groups.held_bytes() + kvcodec::held_bytes(recon_zero2) + kvcodec::held_bytes(recon_lut) +
        kvcodec::held_bytes(recon_lut_base) + kvcodec::held_bytes(recon_scale) +
-       kvcodec::held_bytes(recon_w) + kvcodec::held_bytes(proj_w) + kvcodec::held_bytes(proj_qscale);
+       kvcodec::held_bytes(recon_w) + kvcodec::held_bytes(proj_w) + kvcodec::held_bytes(proj_qscale) +
+       kvcodec::held_bytes(basis_t);
   return n;
 }
 
@@ -1521,9 +1526,12 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
     return;
   }
   const size_t K8 = round_up8(K);
-  // Transposed per call, not held: the default (integer) projection does
-  // not need it, and K x D copies are ~1/n of this product's work.
-  transpose_basis(p, s.basis_t);
+  // Held by kHeld kernels; else transposed per call (the default, integer,
+  // projection does not need it, and K x D copies are ~1/n of this
+  // product's work for a whole block of rows).
+  const bool held = p.derived().basis_t.size() == size_t(dim) * K8;
+  if (!held) transpose_basis(p, s.basis_t);
+  const std::vector<float>& basis_t = held ? p.derived().basis_t : s.basis_t;
 #ifdef KVCODEC_KVTC_GEMM
   if (simd_avx2()) {
     // Constants padded to K8 (the kernel reads whole groups of 8).
@@ -1534,13 +1542,13 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
       s.c[k] = float(p.quant[k].levels - 1);
     }
     const QuantConsts q{s.a.data(), s.b.data(), s.c.data()};
-    gemm_quant(c, size_t(dim), s.basis_t.data(), K8, size_t(n), K8, size_t(dim), q, codes, K);
+    gemm_quant(c, size_t(dim), basis_t.data(), K8, size_t(n), K8, size_t(dim), q, codes, K);
     return;
   }
 #endif
   // Coefficients [n, kept], as gemm_quant's accumulators hold them.
   s.coeffs.resize(n, kept);
-  gemm_plain(c, size_t(dim), s.basis_t.data(), K8, size_t(n), K, size_t(dim), nullptr, s.coeffs.data(), K);
+  gemm_plain(c, size_t(dim), basis_t.data(), K8, size_t(n), K, size_t(dim), nullptr, s.coeffs.data(), K);
   const size_t ldc = K;
   s.a.resize(K), s.b.resize(K), s.c.resize(K);
   float* const inv_step = s.a.data();

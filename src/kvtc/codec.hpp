@@ -82,7 +82,11 @@ int centroid_class(double m);
 // reconstruction, an encoder the encode constants and the integer
 // projection. A cache that holds its parameters as bytes builds one set per
 // call (src/cache/kvtc_cache.cpp).
-enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3 };
+// kHeld: both, plus the float projection's transposed basis
+// (HeadKernels::basis_t), for parameters held for many calls (a
+// calibration), whose rows past the integer projection's range would
+// otherwise transpose the basis again in every block.
+enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3, kHeld = 7 };
 
 struct HeadParams;
 
@@ -166,6 +170,10 @@ struct HeadKernels {
   // steps nonzero; false otherwise (the float kernel runs).
   std::vector<int16_t> proj_w;       // [ceil(K/8)][Dp/2][8][2]
   std::vector<float> proj_qscale;    // [K8]
+  // The basis transposed [D][K8] (K8 = K rounded up to 8, padded with 0),
+  // the float projection's operand; only in kHeld sets (empty: transposed
+  // per call into scratch).
+  std::vector<float> basis_t;
   float proj_unit = 0.0f;
   float proj_scale = 0.0f;
   float proj_max_abs = 0.0f;

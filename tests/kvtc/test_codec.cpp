@@ -903,6 +903,37 @@ void expect_same_kernels(const HeadKernels& a, const HeadKernels& b, const std::
 // edited so that each condition fails (NaN, infinity, -0 in the mean, a
 // basis value or step below the zero-skip's 2^-40 bound, a level count past
 // int16's doubled codes), with each kernel set.
+// kHeld kernels carry the float projection's transposed basis; the codes
+// are those of kBoth kernels, which transpose it per call: for rows past
+// the integer projection's range (rows scaled up, so that a part of them
+// take the float projection) and for the float path itself, with the AVX2
+// paths on and off. held_bytes counts the held basis.
+TEST(Codec, HeldTransposedBasisGivesTheSameCodes) {
+  for (const int dim : {24, 64}) {
+    const int64_t n = 300;
+    std::vector<float> x = correlated(n, dim, uint32_t(91 + dim));
+    HeadParams both = fit(x, n, dim, setting_options(2, dim, 2 * dim));
+    HeadParams held = both;
+    both.build_kernels(KernelSet::kBoth);
+    held.build_kernels(KernelSet::kHeld);
+    ASSERT_EQ(held.kernel_set(), KernelSet::kHeld);
+    ASSERT_GT(held.derived().held_bytes(), both.derived().held_bytes());
+    // Every other row 40x longer: past the integer projection's range.
+    for (int64_t t = 0; t < n; t += 2)
+      for (int d = 0; d < dim; ++d) x[size_t(t * dim + d)] *= 40.0f;
+    const size_t K = size_t(both.n_kept());
+    for (const bool simd : {true, false}) {
+      const ScopedSimd scoped(simd);
+      for (const QuantPath path : {QuantPath::kAuto, QuantPath::kFloat}) {
+        std::vector<uint16_t> a(size_t(n) * K), b(size_t(n) * K);
+        quantize_block_path(both, x.data(), n, a.data(), path);
+        quantize_block_path(held, x.data(), n, b.data(), path);
+        EXPECT_EQ(a, b) << dim << " simd " << simd << " path " << int(path);
+      }
+    }
+  }
+}
+
 TEST(Codec, KernelsEqualTheirReference) {
   int compared = 0, recon_on = 0, proj_on = 0, skip_on = 0;
   for (int dim : {64, 128, 37}) {
