@@ -47,6 +47,59 @@ States read_states(const uint8_t* data, size_t size, size_t lanes, const char* w
   return x;
 }
 
+
+// Stack-order rANS encode of m tokens' codes [m, K] onto lane states x,
+// symbol index i onwards, appending the renormalisation bytes to out:
+// ryg_rans's step with a division (the reference).
+void push_symbols_plain(const kvtc::HeadParams& p, States& x, uint64_t i, const uint16_t* codes, int64_t m,
+                        std::vector<uint8_t>& out) {
+  const size_t kept = size_t(p.n_kept());
+  for (int64_t t = 0; t < m; ++t)
+    for (size_t k = 0; k < kept; ++k, ++i) {
+      const entropy::FrequencyTable& table = p.rans_tables[k];
+      const uint16_t s = codes[size_t(t) * kept + k];
+      const uint32_t freq = table.freq[s], scale = table.scale_bits;
+      uint32_t& state = x[i % kRansLanes];
+      // Renormalise so the step below stays in [2^23, 2^31) (ryg_rans).
+      const uint32_t x_max = ((kRansLow >> scale) << 8) * freq;
+      while (state >= x_max) {
+        out.push_back(uint8_t(state & 0xff));
+        state >>= 8;
+      }
+      state = ((state / freq) << scale) + state % freq + table.cum[s];
+    }
+}
+
+// The same bytes and states with the encoder's division-free constants
+// (the kernels' RansEncodeTable: x / freq by its reciprocal, as
+// entropy::rans_encode) and a branchless renormalisation: a state below
+// 2^31 against x_max >= 2^15 emits 0, 1 or 2 bytes, low byte first. The
+// bytes go to per-thread scratch with room for two a symbol, then onto out
+// (which grows as by push_back: an open payload is resident bytes, and two
+// bytes of room a symbol there would hold far more than its size).
+void push_symbols_fast(const kvtc::HeadParams& p, States& x, uint64_t i, const uint16_t* codes, int64_t m,
+                       std::vector<uint8_t>& out) {
+  const size_t kept = size_t(p.n_kept());
+  const auto& enc = p.derived().rans_encode;
+  thread_local std::vector<uint8_t> scratch;
+  scratch.resize(2 * size_t(m) * kept);
+  uint8_t* bytes = scratch.data();
+  size_t at = 0;
+  for (int64_t t = 0; t < m; ++t)
+    for (size_t k = 0; k < kept; ++k, ++i) {
+      const entropy::RansEncodeTable::Sym& e = enc[k].syms[codes[size_t(t) * kept + k]];
+      uint32_t& state = x[i % kRansLanes];
+      const uint32_t n = uint32_t(state >= e.x_max) + uint32_t(uint64_t(state) >= (uint64_t(e.x_max) << 8));
+      bytes[at] = uint8_t(state);
+      bytes[at + 1] = uint8_t(state >> 8);  // in the room of this symbol's two bytes
+      at += n;
+      state >>= 8 * n;
+      const uint32_t q = uint32_t((uint64_t(state) * e.rcp) >> 32) >> e.shift;
+      state = state + e.bias + q * e.cmpl_freq;
+    }
+  out.insert(out.end(), bytes, bytes + at);
+}
+
 }  // namespace
 
 void append_stacked_codes(const kvtc::HeadParams& p, std::vector<uint8_t>& payload, int64_t held,
@@ -65,20 +118,10 @@ void append_stacked_codes(const kvtc::HeadParams& p, std::vector<uint8_t>& paylo
   States x = read_states(payload.data(), payload.size(), old_lanes, "append_stacked_codes");
   payload.resize(payload.size() - 4 * old_lanes);
   uint64_t i = uint64_t(held) * kept;  // index of the next symbol of the run
-  for (int64_t t = 0; t < m; ++t)
-    for (size_t k = 0; k < kept; ++k, ++i) {
-      const entropy::FrequencyTable& table = p.rans_tables[k];
-      const uint16_t s = codes[size_t(t) * kept + k];
-      const uint32_t freq = table.freq[s], scale = table.scale_bits;
-      uint32_t& state = x[i % kRansLanes];
-      // Renormalise so the step below stays in [2^23, 2^31) (ryg_rans).
-      const uint32_t x_max = ((kRansLow >> scale) << 8) * freq;
-      while (state >= x_max) {
-        payload.push_back(uint8_t(state & 0xff));
-        state >>= 8;
-      }
-      state = ((state / freq) << scale) + state % freq + table.cum[s];
-    }
+  if (p.derived().rans_encode.size() == kept)
+    push_symbols_fast(p, x, i, codes, m, payload);
+  else
+    push_symbols_plain(p, x, i, codes, m, payload);
   for (size_t j = 0; j < lanes_used(held + m, kept); ++j)
     for (int b = 0; b < 4; ++b) payload.push_back(uint8_t(x[j] >> (8 * b)));
 }

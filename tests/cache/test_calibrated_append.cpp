@@ -72,6 +72,32 @@ TEST(StackedCodes, PiecesEqualOneRunAndMatchTheForwardCoderRate) {
   }
 }
 
+// The stacked coder with the kernels' division-free constants (the
+// default) writes the bytes of its plain reference (ryg_rans's step with a
+// division, taken by parameters without encode kernels), in one run and in
+// pieces of 1 to 4 tokens, for every prefix length up to 120 tokens.
+TEST(StackedCodes, FastCoderWritesTheBytesOfItsPlainReference) {
+  const Coded c = coded_tokens(120, 34);
+  ASSERT_EQ(c.params.derived().rans_encode.size(), c.kept());
+  kvtc::HeadParams plain = c.params;
+  plain.build_kernels(kvtc::KernelSet::kDecode);  // no encoder constants: the reference loop
+  ASSERT_TRUE(plain.derived().rans_encode.empty());
+  std::mt19937 rng(77);
+  for (int64_t n = 0; n <= c.n; ++n) {
+    std::vector<uint8_t> fast, ref;
+    cache_impl::append_stacked_codes(c.params, fast, 0, c.codes.data(), n);
+    cache_impl::append_stacked_codes(plain, ref, 0, c.codes.data(), n);
+    ASSERT_EQ(fast, ref) << n;
+    std::vector<uint8_t> pieces;
+    for (int64_t held = 0; held < n;) {
+      const int64_t m = std::min<int64_t>(n - held, 1 + int64_t(rng() % 4));
+      cache_impl::append_stacked_codes(c.params, pieces, held, c.codes.data() + size_t(held) * c.kept(), m);
+      held += m;
+    }
+    ASSERT_EQ(pieces, ref) << n;
+  }
+}
+
 // Bad bytes end in Error(kFormat), never a crash or a read out of bounds:
 // every truncation, a trailing byte, and every single flipped byte (which
 // must either be refused or decode to codes inside every alphabet).
