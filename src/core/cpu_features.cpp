@@ -45,7 +45,32 @@ bool cpu_has_avx2_paths() {
 #endif
 }
 
+bool cpu_has_vnni_paths() {
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  // libgcc's checks include the OS's AVX-512 state (XCR0), which EVEX
+  // instructions need even on 256-bit registers.
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx2_paths() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<bool>& vnni_flag() {
+  static std::atomic<bool> flag{cpu_has_vnni_paths()};
+  return flag;
+}
+}  // namespace
+
 bool simd_avx2() { return simd_flag().load(std::memory_order_relaxed); }
+
+bool simd_vnni() { return simd_avx2() && vnni_flag().load(std::memory_order_relaxed); }
+
+bool set_simd_vnni(bool on) { return vnni_flag().exchange(on && cpu_has_vnni_paths(), std::memory_order_relaxed); }
 
 bool set_simd_avx2(bool on) { return simd_flag().exchange(on && cpu_has_avx2_paths(), std::memory_order_relaxed); }
 

@@ -44,6 +44,16 @@ bool simd_avx2();
 // honoured only where cpu_has_avx2_paths()); returns the previous setting.
 bool set_simd_avx2(bool on);
 
+// Whether the CPU (and the OS) run AVX512-VNNI on 256-bit registers
+// (avx512vnni + avx512vl): the int16 products' vpdpwssd, a multiply-add
+// and an add in one instruction (src/kvtc). False without AVX2 paths.
+bool cpu_has_vnni_paths();
+// Whether those run: simd_avx2() and cpu_has_vnni_paths(), unless a test
+// turned them off (the AVX2 madd then add give the same integers).
+bool simd_vnni();
+// Tests: the VNNI paths on (where the CPU has them) or off; the previous setting.
+bool set_simd_vnni(bool on);
+
 // Tests: the plain paths (or the AVX2 ones, where the CPU has them) for one scope.
 class ScopedSimd {
  public:
@@ -51,6 +61,18 @@ class ScopedSimd {
   ~ScopedSimd() { set_simd_avx2(previous_); }
   ScopedSimd(const ScopedSimd&) = delete;
   ScopedSimd& operator=(const ScopedSimd&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// Tests: the VNNI paths on or off for one scope (AVX2 as it is).
+class ScopedVnni {
+ public:
+  explicit ScopedVnni(bool on) : previous_(set_simd_vnni(on)) {}
+  ~ScopedVnni() { set_simd_vnni(previous_); }
+  ScopedVnni(const ScopedVnni&) = delete;
+  ScopedVnni& operator=(const ScopedVnni&) = delete;
 
  private:
   bool previous_;

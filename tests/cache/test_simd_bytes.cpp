@@ -42,8 +42,9 @@ TEST(SimdBytes, CachesSaveAndFetchTheSameBytesWithAndWithoutAvx2) {
     const auto& settings = one.second;
     std::string label = method;
     for (const auto& [key, val] : settings) label += " " + key + "=" + val;
-    const auto run = [&](bool on) {
+    const auto run = [&](bool on, bool vnni) {
       ScopedSimd mode(on);
+      ScopedVnni vnni_mode(vnni);
       EXPECT_EQ(simd_avx2(), on);
       CacheConfig cfg;
       cfg.layer = layer;
@@ -64,10 +65,16 @@ TEST(SimdBytes, CachesSaveAndFetchTheSameBytesWithAndWithoutAvx2) {
       return std::vector<std::vector<uint8_t>>{cache->save(), std::vector<uint8_t>(kb, kb + out.keys.nbytes()),
                                                std::vector<uint8_t>(vb, vb + out.values.nbytes())};
     };
-    const auto avx2 = run(true), plain = run(false);
+    const auto avx2 = run(true, false), plain = run(false, false);
     EXPECT_EQ(avx2[0], plain[0]) << label << ": saved bytes differ";
     EXPECT_EQ(avx2[1], plain[1]) << label << ": fetched keys differ";
     EXPECT_EQ(avx2[2], plain[2]) << label << ": fetched values differ";
+    if (cpu_has_vnni_paths()) {  // and with AVX512-VNNI's products
+      const auto vnni = run(true, true);
+      EXPECT_EQ(vnni[0], plain[0]) << label << ": saved bytes differ with VNNI";
+      EXPECT_EQ(vnni[1], plain[1]) << label << ": fetched keys differ with VNNI";
+      EXPECT_EQ(vnni[2], plain[2]) << label << ": fetched values differ with VNNI";
+    }
   }
 }
 

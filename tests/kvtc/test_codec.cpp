@@ -625,7 +625,8 @@ TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
 // same codes, bytes and floats bit for bit, so what the codec writes does
 // not depend on the CPU it ran on. Heads of both allocators on dims of
 // whole 64-column chunks, a tail only and not a multiple of 8; ragged
-// blocks; rows holding NaN, infinities, f16 overflow and subnormals.
+// blocks; rows holding NaN, infinities, f16 overflow and subnormals. Where
+// the CPU has AVX512-VNNI, the int16 products by vpdpwssd too.
 TEST(Codec, AvxAndPlainPathsGiveTheSameBits) {
   if (!cpu_has_avx2_paths()) GTEST_SKIP() << "this CPU runs the plain paths only";
   const auto bytes_of = [](const auto& v) {
@@ -648,9 +649,11 @@ TEST(Codec, AvxAndPlainPathsGiveTheSameBits) {
           rows[size_t(3 * stride)] = 1e6f;
           rows[size_t(4 * stride + 5)] = 3e-7f;
         }
-        const auto run = [&](bool on) {
+        const auto run = [&](bool on, bool vnni) {
           ScopedSimd mode(on);
+          ScopedVnni vnni_mode(vnni);
           EXPECT_EQ(simd_avx2(), on);
+          EXPECT_EQ(simd_vnni(), on && vnni && cpu_has_vnni_paths());
           std::vector<std::vector<uint8_t>> out;
           const size_t K = size_t(p.n_kept());
           std::vector<uint16_t> codes(size_t(n) * K);
@@ -673,10 +676,15 @@ TEST(Codec, AvxAndPlainPathsGiveTheSameBits) {
             out.push_back(encode_block_rows(p, rows.data(), stride, n, raw));
           return out;
         };
-        const auto avx2 = run(true), plain = run(false);
+        // AVX2 with the VNNI products where the CPU has them, AVX2's madd
+        // alone, and the plain loops.
+        const auto vnni = run(true, true), avx2 = run(true, false), plain = run(false, false);
         ASSERT_EQ(avx2.size(), plain.size());
-        for (size_t i = 0; i < avx2.size(); ++i)
+        ASSERT_EQ(vnni.size(), plain.size());
+        for (size_t i = 0; i < avx2.size(); ++i) {
           ASSERT_EQ(avx2[i], plain[i]) << "dim " << dim << " setting " << setting << " n " << n << " output " << i;
+          ASSERT_EQ(vnni[i], plain[i]) << "vnni: dim " << dim << " setting " << setting << " n " << n << " output " << i;
+        }
       }
     }
   }
