@@ -419,13 +419,28 @@ void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t f
   const Stream& stream = is_key ? key_ : value_;
   if (!stream.refine.empty() && stream.refine.back().first + stream.refine.back().codes.tokens > first_coded) {
     // Groups lie inside one block: those starting in this block's range.
-    std::vector<float> fine;
-    for (const RefineGroup& g : stream.refine) {
-      if (g.first < first_coded || g.first >= first_coded + blk.tokens) continue;
-      const auto& rp = g.codes.payload[size_t(b)];
+    // Two closed ones of one length (a whole block's two) decode as one
+    // interleaved rANS pair, as blocks do.
+    const kvtc::HeadParams& rp = refine_params(is_key);
+    std::vector<const RefineGroup*> groups;
+    for (const RefineGroup& g : stream.refine)
+      if (g.first >= first_coded && g.first < first_coded + blk.tokens) groups.push_back(&g);
+    std::vector<float> fine, fine2;
+    for (size_t i = 0; i < groups.size(); ++i) {
+      const RefineGroup& g = *groups[i];
+      const auto& gp = g.codes.payload[size_t(b)];
       fine.resize(size_t(g.codes.tokens * vdim()));
-      cache_impl::decode_block_payload(refine_params(is_key), rp.data(), rp.size(), g.codes.tokens, g.codes.open,
-                                       fine.data());
+      const RefineGroup* h = i + 1 < groups.size() ? groups[i + 1] : nullptr;
+      if (h && !g.codes.open && !h->codes.open && h->codes.tokens == g.codes.tokens) {
+        const auto& hp = h->codes.payload[size_t(b)];
+        fine2.resize(fine.size());
+        kvtc::decode_block_pair(rp, gp.data(), gp.size(), fine.data(), rp, hp.data(), hp.size(), fine2.data(),
+                                g.codes.tokens);
+        finish_rows(out + (h->first - first_coded) * vdim(), fine2.data(), nullptr, h->codes.tokens, vdim());
+        ++i;
+      } else {
+        cache_impl::decode_block_payload(rp, gp.data(), gp.size(), g.codes.tokens, g.codes.open, fine.data());
+      }
       finish_rows(out + (g.first - first_coded) * vdim(), fine.data(), nullptr, g.codes.tokens, vdim());
     }
   }

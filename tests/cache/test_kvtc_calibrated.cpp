@@ -437,6 +437,41 @@ TEST(CalibratedCache, RefinementSharpensTheNewestCodedTokensOnly) {
   }
 }
 
+// Blocks of 64 hold two refinement groups each; a block's two closed
+// groups decode as one rANS pair (finish_decode). Every refined group of
+// 32 tokens is sharper than the base code of its tokens, and the tokens
+// before the refined ones are the base code exactly.
+TEST(CalibratedCache, RefinementGroupsDecodedInPairsSharpenTheirOwnTokens) {
+  const int64_t S = 300, refine = 100;
+  const Sequence seq = make_sequence(2, S, 1, 5152);
+  auto plain = make_cache("kvtc", layer_config(1), refined(0, 8, 64));
+  auto sharp = make_cache("kvtc", layer_config(1), refined(int(refine), 8, 64));
+  const KVPair a = plain->update_and_fetch(seq.keys.view(), seq.values.view());
+  const KVPair b = sharp->update_and_fetch(seq.keys.view(), seq.values.view());
+  // 300 = 4 sinks + 288 coded + window 8: blocks [0, 64) ... [256, 288)
+  // (open); the groups ending after coded token 188 are kept: [160, 192),
+  // [192, 224) and [224, 256) (the whole block [192, 256) a pair), [256, 288).
+  EXPECT_EQ(sharp->stats().extras.at("key.refined_tokens"), 128.0);
+  for (int64_t row = 0; row < 2; ++row)
+    for (int64_t group = 0; group * 32 < 288; ++group) {
+      double base_err = 0.0, refined_err = 0.0;
+      for (int64_t t = 4 + group * 32; t < 4 + (group + 1) * 32; ++t)
+        for (const bool is_key : {true, false}) {
+          const Tensor& orig = is_key ? seq.keys : seq.values;
+          const double ea = token_error(orig, is_key ? a.keys : a.values, row, t);
+          const double eb = token_error(orig, is_key ? b.keys : b.values, row, t);
+          if (group < 5) {
+            EXPECT_EQ(ea, eb) << "row " << row << " token " << t;
+          }
+          base_err += ea;
+          refined_err += eb;
+        }
+      if (group >= 5) {
+        EXPECT_LT(refined_err, 0.5 * base_err) << "row " << row << " group " << group;
+      }
+    }
+}
+
 TEST(CalibratedCache, RefinedCacheStreamsSavesLoadsAndTrims) {
   const int64_t S = 230;
   const Sequence seq = make_sequence(2, S, 0, 6262);
