@@ -572,7 +572,13 @@ void KvtcCache::decode_every_block(const OpenHeads& open) const {
 
 }  // namespace
 
-KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& config) {
+namespace {
+// Local mode's rate-control fields: with none of them set, the default preset.
+constexpr const char* kRateControlFields[] = {"allocator",      "bit_budget",         "target_ratio",
+                                              "target_rel_mse", "key_target_rel_mse", "value_target_rel_mse"};
+}  // namespace
+
+KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& config, KvtcDefaults defaults) {
   const MethodInfo info = kvtc_method_info();
   const SettingsReader r("kvtc", settings, info.fields);
   const int D = config.head_dim;
@@ -599,6 +605,15 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
   if (r.find("rope_theta")) r.fail("rope_theta", "unset (only calibrated mode uses it)");
   if (r.find("refine")) r.fail("refine", "unset (only calibrated mode has refinement codes)");
   if (r.find("whole_blocks")) r.fail("whole_blocks", "unset (only calibrated mode codes blocks from a window)");
+  // No rate-control field given: the default preset, the rate allocator at a
+  // distortion target with an int8 basis (docs/kvtc.md "Defaults": the best
+  // measured ratio within 1% perplexity). Any such field given (or
+  // kPerField): the fields' own defaults (dp allocator, 4*D bits, f16
+  // basis), as before the preset.
+  // A saved cache needs neither to load (each head's parameters carry their
+  // widths and basis format); they decide only fits still to come.
+  bool rate_field_given = defaults == KvtcDefaults::kPerField;
+  for (const char* f : kRateControlFields) rate_field_given = rate_field_given || r.find(f) != nullptr;
   s.codec.bit_budget = int(r.get_int("bit_budget", 4 * D, 1, 16 * D));
   std::vector<int64_t> choices = r.get_int_list("bit_choices", {0, 1, 2, 3, 4, 6, 8}, 0, kvtc::kMaxComponentBits);
   std::vector<int64_t> sorted = choices;
@@ -608,8 +623,10 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
                               "] including 0, e.g. 0,1,2,3,4,6,8");
   s.codec.bit_choices.assign(choices.begin(), choices.end());
   s.codec.beta = r.get_double("beta", 3.5, 1.0, 1e6, /*lo_open=*/true);
-  s.codec.allocator = r.get_choice("allocator", "dp", {"dp", "rate"}) == "dp" ? kvtc::Allocator::kDp
-                                                                              : kvtc::Allocator::kRate;
+  s.codec.allocator = r.get_choice("allocator", rate_field_given ? "dp" : "rate", {"dp", "rate"}) == "dp"
+                          ? kvtc::Allocator::kDp
+                          : kvtc::Allocator::kRate;
+  if (!rate_field_given) s.codec.target_rel_mse = kDefaultTargetRelMse;
   const std::string coder = r.get_choice("coder", "rans", {"rans", "huffman", "fixed", "auto"});
   s.codec.coder = coder == "rans"      ? kvtc::CoderChoice::kRans
                   : coder == "huffman" ? kvtc::CoderChoice::kHuffman
@@ -625,7 +642,7 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
       if (s.codec.allocator != kvtc::Allocator::kRate) r.fail(field, "set only with allocator=rate");
       (std::string(field) == "key_target_rel_mse" ? s.key_target_rel_mse : s.value_target_rel_mse) = v;
     }
-  s.codec.basis_bits = int(r.get_int("basis_bits", 16, 8, 16));
+  s.codec.basis_bits = int(r.get_int("basis_bits", rate_field_given ? 16 : 8, 8, 16));
   if (s.codec.basis_bits != 8 && s.codec.basis_bits != 16) r.fail("basis_bits", "8 or 16");
   const std::string* ratio = r.find("target_ratio");
   s.target_ratio = (ratio && *ratio != "none") ? r.get_double("target_ratio", 0.0, 1.0, 1000.0) : 0.0;
@@ -641,12 +658,17 @@ MethodInfo kvtc_method_info() {
   return {"kvtc",
           "KV cache transform coding: PCA per head, DP bit allocation, uniform quantization, rANS",
           {{"mode", "local", "local: basis fitted per (layer, head) at prefill; calibrated: per-layer parameters from a calibration file"},
-           {"bit_budget", "", "payload bits per token per head (default 4*head_dim)"},
+           {"bit_budget", "", "payload bits per token per head (default 4*head_dim; setting it selects the dp allocator)"},
            {"bit_choices", "0,1,2,3,4,6,8", "widths the DP may give a component, each in [0, 12] (0 drops it)"},
            {"beta", "3.5", "distortion model d(v,b) = v * beta^-b of the dp allocator"},
-           {"allocator", "dp", "dp (beta model) or rate (one step for all components, measured entropy)"},
+           {"allocator", "rate",
+            "rate (one step for all components, measured entropy) or dp (beta model); with no allocator, "
+            "bit_budget, target_ratio or *target_rel_mse set: rate at target_rel_mse=0.01 with basis_bits=8, "
+            "else dp"},
            {"target_ratio", "none", "pick the budget whose fit-token cost meets this compression ratio"},
-           {"target_rel_mse", "none", "allocator=rate: pick the step reaching this ||x-x_hat||^2/||x||^2 on the fit tokens"},
+           {"target_rel_mse", "0.01",
+            "allocator=rate: pick the step reaching this ||x-x_hat||^2/||x||^2 on the fit tokens (0.01 only in "
+            "the default preset)"},
            {"key_target_rel_mse", "none", "target_rel_mse for keys only (overrides target_rel_mse)"},
            {"value_target_rel_mse", "none", "target_rel_mse for values only (overrides target_rel_mse)"},
            {"min_fit_tokens", "", "tokens (sinks excluded) needed before the fit (default 2*head_dim)"},
@@ -656,7 +678,7 @@ MethodInfo kvtc_method_info() {
            {"refine", "0", "calibrated: newest coded tokens that also keep the calibration's refinement code"},
            {"whole_blocks", "false", "calibrated: code a block only when whole (each token coded once, a longer raw tail)"},
            {"coder", "rans", "rans, huffman, fixed or auto (strictly smallest on the fit tokens)"},
-           {"basis_bits", "16", "16: f16 basis rows; 8: int8 rows with an f16 scale"},
+           {"basis_bits", "8", "16: f16 basis rows; 8: int8 rows with an f16 scale (default 8 in the preset, 16 otherwise)"},
            {"threads", "1", "OpenMP threads for fit, encode and decode"},
            {"calibration", "", "calibration file from kvcodec calibrate (implies mode=calibrated)"},
            {"rope_theta", "", "RoPE base for calibrated mode (default: the model's)"}}};

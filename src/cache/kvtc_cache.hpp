@@ -46,8 +46,22 @@ struct KvtcSettings {
   bool whole_blocks = false;
 };
 
+// Local mode's default distortion target (the rate allocator's, on the fit
+// tokens), used when no rate-control field is set: chosen on windows 9-17 of
+// the default corpus as the largest measured target within 1% perplexity,
+// checked on windows 0-8 (docs/kvtc.md "Defaults").
+inline constexpr double kDefaultTargetRelMse = 0.01;
+
+// Which defaults local mode's rate-control fields take. kLocalPreset (a
+// cache): with none of allocator, bit_budget, target_ratio, *target_rel_mse
+// set, the rate allocator at kDefaultTargetRelMse with basis_bits=8; else
+// each field's own default (dp, 4*D bits, basis_bits=16). kPerField (kvcodec
+// calibrate, which reads the same fields): always each field's own default.
+enum class KvtcDefaults { kLocalPreset, kPerField };
+
 // Parses and validates kvtc settings (errors name field, value and range).
-KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& config);
+KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& config,
+                                 KvtcDefaults defaults = KvtcDefaults::kLocalPreset);
 // The fields and defaults of kvtc, for list_methods().
 MethodInfo kvtc_method_info();
 

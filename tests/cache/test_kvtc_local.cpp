@@ -6,6 +6,8 @@
 #include <iomanip>
 #include <random>
 
+#include "cache/kvtc_cache.hpp"
+#include "cache/settings.hpp"
 #include "kvcodec/cache.hpp"
 #include "kvcodec/error.hpp"
 
@@ -119,6 +121,54 @@ double rel_mse_f16(const Tensor& orig, const Tensor& back) {
     ref += a * a;
   }
   return err / ref;
+}
+
+// With no rate-control field, local kvtc is the preset chosen within 1%
+// perplexity (the rate allocator at kDefaultTargetRelMse, int8 basis); any
+// such field brings back every field's own default, and kvcodec calibrate
+// (kPerField) never sees the preset.
+TEST(KvtcLocal, DefaultsAreTheRatePresetUnlessARateFieldIsGiven) {
+  CacheConfig cfg;
+  cfg.n_kv_heads = 1;
+  cfg.head_dim = 16;
+  const KvtcSettings preset = parse_kvtc_settings({}, cfg);
+  EXPECT_EQ(preset.codec.allocator, kvtc::Allocator::kRate);
+  EXPECT_EQ(preset.codec.target_rel_mse, kDefaultTargetRelMse);
+  EXPECT_EQ(preset.codec.basis_bits, 8);
+  EXPECT_EQ(parse_kvtc_settings({{"basis_bits", "16"}}, cfg).codec.basis_bits, 16);  // not a rate field
+  EXPECT_EQ(parse_kvtc_settings({{"basis_bits", "16"}}, cfg).codec.target_rel_mse, kDefaultTargetRelMse);
+  for (const Settings& s : std::vector<Settings>{{{"bit_budget", "32"}},
+                                                 {{"allocator", "rate"}},
+                                                 {{"allocator", "dp"}},
+                                                 {{"target_ratio", "5"}},
+                                                 {{"allocator", "rate"}, {"key_target_rel_mse", "0.02"}}}) {
+    const KvtcSettings p = parse_kvtc_settings(s, cfg);
+    EXPECT_EQ(p.codec.allocator, s.count("allocator") && s.at("allocator") == "rate" ? kvtc::Allocator::kRate
+                                                                                    : kvtc::Allocator::kDp)
+        << encode_settings(s);
+    EXPECT_EQ(p.codec.target_rel_mse, 0.0) << encode_settings(s);
+    EXPECT_EQ(p.codec.basis_bits, 16) << encode_settings(s);
+    EXPECT_EQ(p.codec.bit_budget, s.count("bit_budget") ? 32 : 4 * 16) << encode_settings(s);
+  }
+  const KvtcSettings per_field = parse_kvtc_settings({}, cfg, KvtcDefaults::kPerField);
+  EXPECT_EQ(per_field.codec.allocator, kvtc::Allocator::kDp);
+  EXPECT_EQ(per_field.codec.target_rel_mse, 0.0);
+  EXPECT_EQ(per_field.codec.basis_bits, 16);
+  // The preset codes as its fields written out do, and meets its target.
+  Settings explicit_fields = {{"allocator", "rate"}, {"target_rel_mse", "0.01"}, {"basis_bits", "8"}};
+  auto by_default = make_cache("kvtc", cfg, {{"block", "16"}, {"min_fit_tokens", "64"}});
+  explicit_fields["block"] = "16";
+  explicit_fields["min_fit_tokens"] = "64";
+  auto spelled_out = make_cache("kvtc", cfg, explicit_fields);
+  const Tensor k = correlated(1, 64, 16, 7), v = correlated(1, 64, 16, 8);
+  by_default->append(k.view(), v.view());
+  spelled_out->append(k.view(), v.view());
+  EXPECT_EQ(by_default->stats().compressed_bytes(), spelled_out->stats().compressed_bytes());
+  const KVPair a = by_default->fetch(DType::kF32), b = spelled_out->fetch(DType::kF32);
+  EXPECT_EQ(std::memcmp(a.keys.data(), b.keys.data(), size_t(a.keys.numel()) * 4), 0);
+  EXPECT_EQ(std::memcmp(a.values.data(), b.values.data(), size_t(a.values.numel()) * 4), 0);
+  EXPECT_LE(rel_mse_f16(k, a.keys), kDefaultTargetRelMse);  // the 64 tokens are the fit tokens
+  EXPECT_LE(rel_mse_f16(v, a.values), kDefaultTargetRelMse);
 }
 
 // Keys and values can be given their own distortion targets.

@@ -235,7 +235,8 @@ void run_calibrate(const CalibrateArgs& a) {
   take_ratio("key_target_ratio", o.key_target_ratio);
   take_ratio("refine_ratio", o.refine_ratio);
   take_ratio("value_target_ratio", o.value_target_ratio);
-  const KvtcSettings ks = parse_kvtc_settings(s, probe);
+  // The cache's local-mode preset is not calibrate's: its fields keep their own defaults.
+  const KvtcSettings ks = parse_kvtc_settings(s, probe, KvtcDefaults::kPerField);
   o.codec = ks.codec;
   o.target_ratio = ks.target_ratio;
   if (o.measured_allocation && o.codec.basis_bits != 16)
