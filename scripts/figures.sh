@@ -10,12 +10,15 @@
 #           0-8 are the reported windows: 9-17 chose the shipped calibration's
 #           target (models/tinycode/CALIBRATION.md) and palu's defaults
 #           (docs/eval.md). Needs no ../shared.
+#   local   docs/data/local_kvtc_{choose,report}.tsv: local kvtc's default
+#           preset chosen on windows 9-17 (rate allocator targets, the earlier
+#           dp defaults), reported on 0-8 (docs/kvtc.md "Defaults"). No ../shared.
 #   speed   docs/data/speed.tsv: kvtc (local, default settings) against zstd -3,
 #           single thread, same run, at head_dim 64 (the shared KV dump) and
 #           128 (made from it by scripts/make_hd128_dump.py); and kvtc-calibrated
 #           (the shipped model's default: its calibration and kvtc.settings) at
 #           64. Needs ../shared.
-# Usage: scripts/figures.sh [--build DIR (build)] [main] [corpus] [speed]
+# Usage: scripts/figures.sh [--build DIR (build)] [main] [corpus] [local] [speed]
 # Other docs' figures (the KV-dump sweep, calibrated tables) come from the
 # commands written in those docs.
 # The stored-prefix table of docs/calibrated.md (issue 21): scripts/stored_prefix_figures.sh.
@@ -28,11 +31,11 @@ parts=()
 while (($#)); do
   case "$1" in
     --build) build=$2; shift 2 ;;
-    main|corpus|speed) parts+=("$1"); shift ;;
-    *) echo "figures.sh: unknown argument '$1' (parts: main corpus speed; --build DIR)" >&2; exit 2 ;;
+    main|corpus|local|speed) parts+=("$1"); shift ;;
+    *) echo "figures.sh: unknown argument '$1' (parts: main corpus local speed; --build DIR)" >&2; exit 2 ;;
   esac
 done
-((${#parts[@]})) || parts=(main corpus speed)
+((${#parts[@]})) || parts=(main corpus local speed)
 methods=fp16,int8,int4,kivi2,palu,kvtc
 out=docs/data
 tmp=$(mktemp -d)
@@ -66,6 +69,29 @@ part_corpus() {
   "$build/kvcodec" eval "${eval_flags[@]}" --first-window 0 --windows 9 > "$tmp/corpus.json"
   eval_tsv "$tmp/corpus.json" "$out/default_corpus.tsv" 9 \
     "windows 0-8 of the default corpus, context 1024, score 128, --threads 1; se: standard error of the per-window ppl change"
+}
+
+# Local kvtc's default preset (issue 17 item 3): distortion targets of the
+# rate allocator (int8 basis) and the earlier defaults (dp, 4*D bits) on the
+# choosing windows 9-17, then the preset (no rate field) and dp on the
+# reported windows 0-8. The two evals run side by side (one core each).
+part_local() {
+  local targets=(0.005 0.0075 0.01 0.015 0.02) choose=(--methods fp16,kvtc:dp256) t
+  choose+=(--set kvtc:dp256.mode=local --set kvtc:dp256.bit_budget=256)
+  for t in "${targets[@]}"; do
+    choose[1]+=",kvtc:t$t"
+    choose+=(--set "kvtc:t$t.mode=local" --set "kvtc:t$t.allocator=rate" --set "kvtc:t$t.target_rel_mse=$t"
+             --set "kvtc:t$t.basis_bits=8")
+  done
+  local flags=(--context 1024 --score 128 --threads 1 --json)
+  "$build/kvcodec" eval "${flags[@]}" --first-window 9 --windows 9 "${choose[@]}" > "$tmp/choose.json" &
+  "$build/kvcodec" eval "${flags[@]}" --first-window 0 --windows 9 --methods fp16,kvtc,kvtc:dp256 \
+    --set kvtc.mode=local --set kvtc:dp256.mode=local --set kvtc:dp256.bit_budget=256 > "$tmp/report.json"
+  wait $!
+  eval_tsv "$tmp/choose.json" "$out/local_kvtc_choose.tsv" 9 \
+    "local kvtc, windows 9-17 of the default corpus (choosing), context 1024, score 128, --threads 1; kvtc:tX = allocator=rate target_rel_mse=X basis_bits=8, kvtc:dp256 = bit_budget=256 (dp)"
+  eval_tsv "$tmp/report.json" "$out/local_kvtc_report.tsv" 9 \
+    "local kvtc, windows 0-8 of the default corpus (reported), context 1024, score 128, --threads 1; kvtc = mode=local at its defaults (the preset), kvtc:dp256 = bit_budget=256 (dp)"
 }
 
 part_speed() {

@@ -16,17 +16,27 @@ mkdir -p "$cal"
   --target-ratios 20,25,30,36 -o "$cal/xl{}.kvcal" --threads 1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-xl=()
-for t in 20 25 30 36; do xl+=(--set "xkvtc:x$t.calibration=$cal/xl$t.kvcal"); done
-for t in 30 36; do
-  xl+=(--set "xkvtc:x${t}w8.calibration=$cal/xl$t.kvcal" --set "xkvtc:x${t}w8.window=8" --set "xkvtc:x${t}w8.block=8")
-done
+# The --set arguments of the listed xkvtc variants (xT: target T, xTw8: window 8,
+# block 8), and the --methods list with fp16 first; eval refuses a --set of a
+# variant it does not run.
+variants() {
+  methods=fp16 xl=()
+  local m t
+  for m in "$@"; do
+    t=${m#x}; t=${t%w8}
+    methods+=",xkvtc:$m"
+    xl+=(--set "xkvtc:$m.calibration=$cal/xl$t.kvcal")
+    [[ $m == *w8 ]] && xl+=(--set "xkvtc:$m.window=8" --set "xkvtc:$m.block=8")
+  done
+}
 common=(--tokens "$tokens" --context 1024 --score 512 --json)
+variants x25 x30 x36 x30w8 x36w8
 "$build/kvcodec" eval "${common[@]}" --first-window 8 --windows 8 --threads 2 \
-  --methods fp16,xkvtc:x25,xkvtc:x30,xkvtc:x36,xkvtc:x30w8,xkvtc:x36w8 "${xl[@]}" > "$tmp/choose.json"
+  --methods "$methods" "${xl[@]}" > "$tmp/choose.json"
+variants x20 x25 x30 x36
 for first in 0 4; do
   "$build/kvcodec" eval "${common[@]}" --first-window $first --windows 4 --threads 1 \
-    --methods fp16,xkvtc:x20,xkvtc:x25,xkvtc:x30,xkvtc:x36 "${xl[@]}" > "$tmp/report$first.json" &
+    --methods "$methods" "${xl[@]}" > "$tmp/report$first.json" &
 done
 wait
 python3 scripts/combine_eval.py --windows-per-part 4 "$tmp/report0.json" "$tmp/report4.json" > "$tmp/report.json"

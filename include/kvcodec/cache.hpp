@@ -143,6 +143,11 @@ std::unique_ptr<KVCache> load_cache(const uint8_t* data, size_t size);
 // that is not of that form.
 Settings settings_for_method(const std::vector<std::string>& assignments, const std::string& method);
 
+// Throws Error(kConfig) naming the first "--set" whose method is not one of
+// `methods` (as given, "<method>:<label>" included), so a typo in a method
+// or label is an error, not a setting silently ignored.
+void check_set_methods(const std::vector<std::string>& assignments, const std::vector<std::string>& methods);
+
 }  // namespace kvcodec
 
 // Concurrency of KVCache methods (placed after the code, so editing it

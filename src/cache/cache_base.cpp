@@ -90,4 +90,17 @@ Settings settings_for_method(const std::vector<std::string>& assignments, const 
   return out;
 }
 
+void check_set_methods(const std::vector<std::string>& assignments, const std::vector<std::string>& methods) {
+  (void)settings_for_method(assignments, "");  // the form of every assignment first
+  for (const std::string& a : assignments) {
+    const std::string method = a.substr(0, a.find('.'));
+    if (std::find(methods.begin(), methods.end(), method) != methods.end()) continue;
+    std::string listed;
+    for (const std::string& m : methods) listed += (listed.empty() ? "" : ", ") + m;
+    throw_config_error("--set", a,
+                       "a setting of a method being run (" + listed + "); '" + method +
+                           "' is not one (labels of <method>:<label> cannot contain '.')");
+  }
+}
+
 }  // namespace kvcodec

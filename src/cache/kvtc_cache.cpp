@@ -459,7 +459,11 @@ void KvtcCache::add_mode_stats(CacheStats& st) const {
       for (const auto& h : *heads) kept_held += h.params_held_bytes() + h.derived_held_bytes();
   }
   st.resident_bytes += kept_held;  // memory, not state: not in extras (equal for equal caches)
-  st.extras["bit_budget"] = double(options_.codec.bit_budget > 0 ? options_.codec.bit_budget : 4 * config_.head_dim);
+  // The bit budget, where it drives the fit (not under a distortion target,
+  // such as the default preset's).
+  if (options_.codec.target_rel_mse <= 0.0 && options_.key_target_rel_mse <= 0.0 &&
+      options_.value_target_rel_mse <= 0.0)
+    st.extras["bit_budget"] = double(options_.codec.bit_budget > 0 ? options_.codec.bit_budget : 4 * config_.head_dim);
   st.resident_bytes += sizeof(*this);
 }
 

@@ -460,6 +460,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   if (s.model_name.empty()) s.model_name = std::filesystem::path(dir).parent_path().filename().string();
   s.model = std::make_unique<model::LlamaModel>(model::LlamaModel::load(dir));
   s.tok = std::make_unique<model::Tokenizer>(model::Tokenizer::load(dir + "/tokenizer.json"));
+  check_set_methods(opt.sets, {opt.method});
   s.settings = settings_for_method(opt.sets, opt.method);
   {
     // Validate the method and settings now, not at the first request.

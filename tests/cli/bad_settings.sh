@@ -46,6 +46,14 @@ expect_config_error kvtc.bit_choices "$kvcodec" eval --methods kvtc $bad --windo
 expect_config_error kvtc.bit_choices "$kvcodec" bench --kv "$dump" --methods kvtc $bad
 expect_config_error kvtc.bit_choices "$kvcodec" calibrate --tokens "$model/eval_tokens.u16" --windows 0-1 \
   --set kvtc.bit_choices=0,14 -o "$work/x.kvcal"
+# A --set naming a method the command does not run (a typo of a method or a
+# label; a label holding '.', which ends the method name) is refused.
+expect_config_error int4.group_size "$kvcodec" run --method kvtc --set int4.group_size=8 --max-tokens 2
+expect_config_error int4.group_size "$kvcodec" compress --kv "$dump" -o "$work/x.kvc" --method kvtc --set int4.group_size=8
+expect_config_error int4.group_size "$kvcodec" bench --kv "$dump" --methods kvtc,zstd --set int4.group_size=8
+expect_config_error int4.group_size timeout 60 "$kvcodec" serve --method kvtc --set int4.group_size=8 --port 0
+expect_config_error kvtc:b.mode "$kvcodec" eval --methods fp16,kvtc:a --set kvtc:b.mode=local --windows 1
+expect_config_error kvtc:t0.005 "$kvcodec" eval --methods fp16,kvtc:t0.005 --set kvtc:t0.005.mode=local --windows 1
 # The stream-window sensitivity: a bad count, and a window without the
 # sensitivity it changes (--cross-layer has it off unless asked for).
 for bad in kvtc.sensitivity_window=-1 kvtc.sensitivity_window=x kvtc.sensitivity_block=0; do

@@ -422,7 +422,7 @@ void register_bench(CLI::App& app) {
     for (std::string m; std::getline(ss, m, ',');)
       if (!m.empty()) methods.push_back(m);
     // Validate every --set up front (a typo fails before minutes of work).
-    (void)settings_for_method(opt->sets, "");
+    check_set_methods(opt->sets, methods);
     std::unique_ptr<ZstdRunner> zstd;
     std::vector<std::unique_ptr<CacheRunner>> runners;  // the non-zstd methods, in the order given
     for (const std::string& m : methods) {

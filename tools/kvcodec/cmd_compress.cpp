@@ -62,6 +62,7 @@ void run_compress(const CompressArgs& a) {
   const dump::KvDump kv = dump::read_kv_dump(a.kv);
   dump::CompressOptions o;
   o.method = a.method;
+  check_set_methods(a.sets, {a.method});
   o.settings = settings_for_method(a.sets, a.method);
   o.rope_theta = a.rope_theta;
   o.threads = a.threads;

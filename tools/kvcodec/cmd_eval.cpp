@@ -165,6 +165,13 @@ void run(const EvalArgs& a) {
   const std::vector<std::string> names = split_list(a.methods);
   if (names.empty()) throw_config_error("--methods", a.methods, "a comma-separated list of methods, e.g. fp16,int4,kvtc");
   std::vector<model::MethodSpec> methods;
+  {
+    // Every --set names a method run here (a listed name, its base method, or the baseline).
+    std::vector<std::string> runs = names;
+    runs.push_back(a.baseline);
+    for (const auto& n : std::vector<std::string>(runs)) runs.push_back(n.substr(0, n.find(':')));
+    check_set_methods(a.sets, runs);
+  }
   CacheConfig probe;
   probe.n_layers = m.config().n_layers;
   probe.n_kv_heads = m.config().n_kv_heads;
@@ -177,8 +184,11 @@ void run(const EvalArgs& a) {
   auto spec = [&](const std::string& name) {
     const size_t colon = name.find(':');
     const std::string base = name.substr(0, colon);
-    if (base.empty() || (colon != std::string::npos && colon + 1 == name.size()))
-      throw_config_error("--methods", name, "a method name, or <method>:<label> with a non-empty label");
+    if (base.empty() || (colon != std::string::npos && colon + 1 == name.size()) ||
+        name.find('.') != std::string::npos)
+      throw_config_error("--methods", name,
+                         "a method name, or <method>:<label> with a non-empty label without '.' "
+                         "(--set <method>:<label>.<field>=<value> ends the name at its first '.')");
     Settings settings = settings_for_method(a.sets, base);
     if (colon != std::string::npos)
       for (const auto& [field, value] : settings_for_method(a.sets, name)) settings[field] = value;
