@@ -241,9 +241,8 @@ void run_calibrate(const CalibrateArgs& a) {
   o.target_ratio = ks.target_ratio;
   if (o.measured_allocation && o.codec.basis_bits != 16)
     throw_config_error("kvtc.basis_bits", std::to_string(o.codec.basis_bits), "16 with allocator=measured");
-  const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
-  const model::CalibrationProgress progress = progress_printer(t0);
-  const model::CalibrationSamples samples = model::collect_calibration_samples(m, tokens, o, progress);
+  // Every setting is checked before the model runs (a bad one fails in
+  // milliseconds, not after the samples): the variants are built first.
   // --target-ratios R1,R2,...: one fit per ratio from the same samples (the
   // model runs once), written to the output path with "{}" replaced by R.
   std::vector<std::string> ratios = split_list(a.target_ratios);
@@ -292,6 +291,9 @@ void run_calibrate(const CalibrateArgs& a) {
                            "ratios in [1, 1000] (--cross-layer fits for a target ratio)");
       targets.push_back(t);
     }
+    const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
+    const model::CalibrationProgress progress = progress_printer(t0);
+    const model::CalibrationSamples samples = model::collect_calibration_samples(m, tokens, o, progress);
     const auto cals = model::fit_cross_layer_calibrations(m.config(), hash, samples, o, targets, progress, &m);
     for (size_t i = 0; i < cals.size(); ++i) {
       std::string path = a.output;
@@ -305,6 +307,7 @@ void run_calibrate(const CalibrateArgs& a) {
     }
     return;
   }
+  std::vector<std::pair<model::CalibrateOptions, std::string>> fits;  // options and output path of each
   for (const std::string& qf : families)
   for (const std::string& wt : weightings)
   for (const std::string& al : allocators)
@@ -340,6 +343,12 @@ void run_calibrate(const CalibrateArgs& a) {
     if (oi.sensitivity_window > 0 && !oi.sensitivity_allocation)
       throw_config_error("kvtc.sensitivity_window", std::to_string(oi.sensitivity_window),
                          "set only where the KL sensitivity allocation runs (measured allocator, a target ratio)");
+    fits.emplace_back(std::move(oi), std::move(path));
+  }
+  const std::vector<int32_t> tokens = model::load_u16_tokens(token_path);
+  const model::CalibrationProgress progress = progress_printer(t0);
+  const model::CalibrationSamples samples = model::collect_calibration_samples(m, tokens, o, progress);
+  for (const auto& [oi, path] : fits) {
     const KvtcCalibration cal = model::fit_calibration(m.config(), hash, samples, oi, progress, &m);
     cal.write_file(path);
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
