@@ -75,6 +75,23 @@ void report_ratios(benchmark::State& state, std::vector<double>& ratios) {
   state.counters["q3"] = ratios[ratios.size() * 3 / 4];
 }
 
+// A head's opening as a local-mode cache does it for every fetch: its
+// serialized parameters parsed and the decoder half built
+// (HeadParams::deserialize with KernelSet::kDecode).
+void BM_OpenHeadDecode(benchmark::State& state) {
+  std::vector<uint8_t> bytes;
+  {
+    ByteWriter w;
+    fitted(int(state.range(0))).serialize(w);
+    bytes = w.take();
+  }
+  for (auto _ : state) {
+    ByteReader in(bytes.data(), bytes.size(), "bench head");
+    kvtc::HeadParams h = kvtc::HeadParams::deserialize(in, fixture().dim, kvtc::KernelSet::kDecode);
+    benchmark::DoNotOptimize(h.mean.data());
+  }
+}
+
 void BM_Memcpy(benchmark::State& state) {
   const Fixture& f = fixture();
   std::vector<uint16_t> src(f.x.size()), dst(f.x.size());
@@ -316,6 +333,7 @@ void BM_CacheDecode(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_Memcpy);
+BENCHMARK(BM_OpenHeadDecode)->Arg(256)->Arg(-10);
 BENCHMARK(BM_Encode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Decode)->Arg(128)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_EntropyChainAB)->Arg(-10)->Arg(-50)->Arg(256);
