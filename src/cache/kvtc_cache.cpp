@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -659,6 +660,10 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
 }
 
 MethodInfo kvtc_method_info() {
+  // The preset's target as the help prints it (%g: "0.01").
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", kDefaultTargetRelMse);
+  const std::string preset = buf;
   return {"kvtc",
           "KV cache transform coding: PCA per head, DP bit allocation, uniform quantization, rANS",
           {{"mode", "local", "local: basis fitted per (layer, head) at prefill; calibrated: per-layer parameters from a calibration file"},
@@ -667,12 +672,12 @@ MethodInfo kvtc_method_info() {
            {"beta", "3.5", "distortion model d(v,b) = v * beta^-b of the dp allocator"},
            {"allocator", "rate",
             "rate (one step for all components, measured entropy) or dp (beta model); with no allocator, "
-            "bit_budget, target_ratio or *target_rel_mse set: rate at target_rel_mse=0.01 with basis_bits=8, "
-            "else dp"},
+            "bit_budget, target_ratio or *target_rel_mse set: rate at target_rel_mse=" + preset +
+                " with basis_bits=8, else dp"},
            {"target_ratio", "none", "pick the budget whose fit-token cost meets this compression ratio"},
-           {"target_rel_mse", "0.01",
-            "allocator=rate: pick the step reaching this ||x-x_hat||^2/||x||^2 on the fit tokens (0.01 only in "
-            "the default preset)"},
+           {"target_rel_mse", preset,
+            "allocator=rate: pick the step reaching this ||x-x_hat||^2/||x||^2 on the fit tokens (" + preset +
+                " only in the default preset)"},
            {"key_target_rel_mse", "none", "target_rel_mse for keys only (overrides target_rel_mse)"},
            {"value_target_rel_mse", "none", "target_rel_mse for values only (overrides target_rel_mse)"},
            {"min_fit_tokens", "", "tokens (sinks excluded) needed before the fit (default 2*head_dim)"},

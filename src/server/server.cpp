@@ -450,6 +450,7 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   if (opt.default_max_tokens < 0 || opt.max_tokens_limit < 1)
     throw_config_error("--max-tokens-limit", std::to_string(opt.max_tokens_limit), ">= 1");
   check_bind_policy(opt.host, opt.api_key, opt.insecure_no_api_key);
+  check_set_methods(opt.sets, {opt.method});  // before the model loads: a typo fails at once
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
 
   ServerState s;
@@ -460,7 +461,6 @@ int run_server(const ServeOptions& opt, std::ostream& log, const std::function<b
   if (s.model_name.empty()) s.model_name = std::filesystem::path(dir).parent_path().filename().string();
   s.model = std::make_unique<model::LlamaModel>(model::LlamaModel::load(dir));
   s.tok = std::make_unique<model::Tokenizer>(model::Tokenizer::load(dir + "/tokenizer.json"));
-  check_set_methods(opt.sets, {opt.method});
   s.settings = settings_for_method(opt.sets, opt.method);
   {
     // Validate the method and settings now, not at the first request.

@@ -61,10 +61,10 @@ void compare_with_reference(const model::LlamaModel& m, const model::CacheFactor
 }
 
 void run(const RunArgs& a) {
+  check_set_methods(a.sets, {a.method});  // before the model loads: a typo fails at once
   const std::string dir = a.model_dir.empty() ? model::default_model_dir() : a.model_dir;
   const model::LlamaModel m = model::LlamaModel::load(dir);
   const model::Tokenizer tok = model::Tokenizer::load(dir + "/tokenizer.json");
-  check_set_methods(a.sets, {a.method});
   const Settings settings = model::with_model_defaults(dir, a.method, settings_for_method(a.sets, a.method));
   model::check_method_for_model(a.method, settings, m.config(), model::model_config_hash(dir));
   const model::CacheFactory factory = model::method_cache_factory(a.method, settings);
