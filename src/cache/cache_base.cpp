@@ -77,23 +77,36 @@ KVPair KVCache::update_and_fetch(const TensorView& keys, const TensorView& value
   return fetch(keys.dtype);
 }
 
+namespace {
+
+// One "--set" assignment <method>.<field>=<value>, split; a config error
+// naming it otherwise. The method ends at the first '.'.
+struct SetAssignment {
+  std::string method, field, value;
+};
+SetAssignment parse_set(const std::string& a) {
+  const size_t eq = a.find('=');
+  const size_t dot = a.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
+    throw_config_error("--set", a, "expected <method>.<field>=<value>, e.g. kvtc.bit_budget=256");
+  return {a.substr(0, dot), a.substr(dot + 1, eq - dot - 1), a.substr(eq + 1)};
+}
+
+}  // namespace
+
 Settings settings_for_method(const std::vector<std::string>& assignments, const std::string& method) {
   Settings out;
   for (const std::string& a : assignments) {
-    const size_t eq = a.find('=');
-    const size_t dot = a.find('.');
-    if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
-      throw_config_error("--set", a, "expected <method>.<field>=<value>, e.g. kvtc.bit_budget=256");
-    if (a.substr(0, dot) != method) continue;
-    out[a.substr(dot + 1, eq - dot - 1)] = a.substr(eq + 1);
+    SetAssignment s = parse_set(a);
+    if (s.method == method) out[s.field] = std::move(s.value);
   }
   return out;
 }
 
 void check_set_methods(const std::vector<std::string>& assignments, const std::vector<std::string>& methods) {
-  (void)settings_for_method(assignments, "");  // the form of every assignment first
+  for (const std::string& a : assignments) parse_set(a);  // the form of every assignment first
   for (const std::string& a : assignments) {
-    const std::string method = a.substr(0, a.find('.'));
+    const std::string method = parse_set(a).method;
     if (std::find(methods.begin(), methods.end(), method) != methods.end()) continue;
     std::string listed;
     for (const std::string& m : methods) listed += (listed.empty() ? "" : ", ") + m;
