@@ -22,21 +22,15 @@ std::string section_name(int layer, bool is_key, int group) {
 size_t basis_bytes(int dim) { return 2 + 8 * size_t(dim) + 4 * size_t(dim) * size_t(dim); }
 
 std::vector<uint8_t> serialize_basis(const palu::Eigenbasis& e) {
-  std::vector<uint8_t> out;
-  // Sized once (GCC 12 also warned, falsely, of an overflow while growing it).
-  out.reserve(basis_bytes(e.dim));
-  cache_impl::ByteWriter w{out};
+  ByteWriter w;
   w.u16(uint16_t(e.dim));
-  w.bytes(e.lambda.data(), 8 * e.lambda.size());
-  for (double v : e.vectors) {
-    const float f = float(v);
-    w.bytes(&f, 4);
-  }
-  return out;
+  for (double v : e.lambda) w.f64(v);
+  for (double v : e.vectors) w.f32(float(v));
+  return w.take();
 }
 
 palu::Eigenbasis parse_basis(std::span<const uint8_t> bytes, int expected_dim, const std::string& where) {
-  cache_impl::ByteReader r(bytes.data(), bytes.size(), where);
+  ByteReader r(bytes, where);
   palu::Eigenbasis e;
   e.dim = r.u16();
   if (e.dim != expected_dim)
@@ -45,7 +39,7 @@ palu::Eigenbasis parse_basis(std::span<const uint8_t> bytes, int expected_dim, c
     throw Error(ErrorCode::kFormat, where + ": " + std::to_string(bytes.size()) + " bytes, expected " +
                                         std::to_string(basis_bytes(e.dim)) + " for dim " + std::to_string(e.dim));
   e.lambda.resize(size_t(e.dim));
-  std::memcpy(e.lambda.data(), r.take(8 * size_t(e.dim)), 8 * size_t(e.dim));
+  std::memcpy(e.lambda.data(), r.bytes(8 * size_t(e.dim)).data(), 8 * size_t(e.dim));
   for (int k = 0; k < e.dim; ++k) {
     const double v = e.lambda[size_t(k)];
     if (!std::isfinite(v) || v < 0 || (k > 0 && v > e.lambda[size_t(k) - 1]))
@@ -53,7 +47,7 @@ palu::Eigenbasis parse_basis(std::span<const uint8_t> bytes, int expected_dim, c
                                           " is not finite, >= 0 and <= the one before");
   }
   e.vectors.resize(size_t(e.dim) * e.dim);
-  const uint8_t* p = r.take(4 * e.vectors.size());
+  const uint8_t* p = r.bytes(4 * e.vectors.size()).data();
   for (size_t i = 0; i < e.vectors.size(); ++i) {
     float f;
     std::memcpy(&f, p + 4 * i, 4);

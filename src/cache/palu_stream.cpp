@@ -147,7 +147,11 @@ class PaluStream final : public TokenStream {
     raw_.serialize(w);
     if (!fitted_) return;
     for (const Group& g : groups_) {
-      if (!calibrated()) g.proj.serialize(w.out);
+      if (!calibrated()) {
+        std::vector<uint8_t> proj;
+        g.proj.serialize(proj);
+        w.bytes(proj.data(), proj.size());
+      }
       w.bytes(g.blobs.data(), g.blobs.size());
       w.bytes(g.tail.data(), 2 * g.tail.size());
     }
@@ -155,10 +159,10 @@ class PaluStream final : public TokenStream {
 
   void load(ByteReader& r, int64_t tokens) override {
     const uint8_t mode = r.u8();
-    if (mode > 2) throw Error(ErrorCode::kFormat, r.what() + ": PALU mode byte " + std::to_string(mode));
+    if (mode > 2) r.fail("PALU mode byte " + std::to_string(mode));
     if ((mode == 2) != calibrated())
-      throw Error(ErrorCode::kFormat, r.what() + (mode == 2 ? ": saved by a calibrated PALU cache, loaded without palu.calibration"
-                                                            : ": saved by a per-sequence PALU cache, loaded with palu.calibration"));
+      r.fail(mode == 2 ? "saved by a calibrated PALU cache, loaded without palu.calibration"
+                       : "saved by a per-sequence PALU cache, loaded with palu.calibration");
     if (mode == 0) {
       raw_.deserialize(r, tokens);
       return;
@@ -172,19 +176,20 @@ class PaluStream final : public TokenStream {
     if (calibrated() && opt_.is_key) ensure_rope(tokens);
     for (Group& g : groups_) {
       if (!calibrated()) {
-        size_t pos = r.position();
-        g.proj = palu::Projection::deserialize(r.data(), r.size(), pos, g.dim);
-        r.take(pos - r.position());
+        const std::span<const uint8_t> rest = r.rest();
+        size_t used = 0;
+        g.proj = palu::Projection::deserialize(rest.data(), rest.size(), used, g.dim);
+        r.bytes(used);
         g.blob_bytes = palu::latent_group_bytes(g.proj, g.rows, opt_.group_size);
       }
       const uint64_t nb = checked_mul(uint64_t(blocks_), g.blob_bytes, "PALU token groups");
-      const uint8_t* p = r.take(size_t(nb));
-      g.blobs.assign(p, p + nb);
+      const auto p = r.bytes(size_t(nb));
+      g.blobs.assign(p.begin(), p.end());
       const uint64_t nt = checked_mul(checked_mul(uint64_t(tail_tokens_), uint64_t(g.rows), "PALU tail"),
                                       uint64_t(g.proj.rank), "PALU tail");
-      const uint8_t* q = r.take(size_t(checked_mul(nt, 2, "PALU tail")));
+      const auto q = r.bytes(size_t(checked_mul(nt, 2, "PALU tail")));
       g.tail.resize(size_t(nt));
-      if (nt > 0) std::memcpy(g.tail.data(), q, size_t(nt) * 2);  // an empty tail may have no storage (memcpy(null) is UB)
+      if (nt > 0) std::memcpy(g.tail.data(), q.data(), size_t(nt) * 2);  // an empty tail may have no storage (memcpy(null) is UB)
     }
   }
 

@@ -135,10 +135,10 @@ class StreamCache final : public KVCache {
   }
 
   std::vector<uint8_t> stream_bytes(const TokenStream& s) const {
-    std::vector<uint8_t> out;
-    if (!shaped_) return out;
-    ByteWriter w{out};
+    if (!shaped_) return {};
+    ByteWriter w;
     s.save(w);
+    std::vector<uint8_t> out = w.take();
     if (out.size() != s.stored_bytes())
       throw Error(ErrorCode::kInternal, method_ + " cache: stream wrote " + std::to_string(out.size()) +
                                             " bytes but counts " + std::to_string(s.stored_bytes()));

@@ -60,10 +60,9 @@ void RawTokenStore::read(int64_t first, int64_t n, float* out) const {
 void RawTokenStore::deserialize(ByteReader& r, int64_t tokens) {
   const uint64_t n = checked_mul(uint64_t(tokens), token_bytes(), "raw tokens");
   if (n > r.remaining())
-    throw Error(ErrorCode::kFormat, r.what() + ": raw tokens need " + std::to_string(n) + " bytes, " +
-                                        std::to_string(r.remaining()) + " remain");
-  const uint8_t* p = r.take(size_t(n));
-  data_.assign(p, p + n);
+    r.fail("raw tokens need " + std::to_string(n) + " bytes, " + std::to_string(r.remaining()) + " remain");
+  const auto p = r.bytes(size_t(n));
+  data_.assign(p.begin(), p.end());
   tokens_ = tokens;
 }
 
@@ -139,8 +138,8 @@ class SymmetricStream final : public TokenStream {
   void load(ByteReader& r, int64_t tokens) override {
     const uint64_t n = checked_mul(checked_mul(uint64_t(tokens), uint64_t(shape_.rows()), "int tokens"), row_bytes_,
                                    "int tokens");
-    const uint8_t* p = r.take(size_t(n));
-    data_.assign(p, p + n);
+    const auto p = r.bytes(size_t(n));
+    data_.assign(p.begin(), p.end());
     tokens_ = tokens;
   }
   void add_extras(const std::string& prefix, std::map<std::string, double>& e) const override {
@@ -191,8 +190,8 @@ class KiviStream : public TokenStream {
   // load()'s common part, once the stream checked the quantized count q it
   // read and sized its coded bytes: those bytes, then the raw tail.
   void load_coded(ByteReader& r, uint64_t q, uint64_t coded_bytes, int64_t tokens) {
-    const uint8_t* p = r.take(size_t(coded_bytes));
-    coded_.assign(p, p + coded_bytes);
+    const auto p = r.bytes(size_t(coded_bytes));
+    coded_.assign(p.begin(), p.end());
     quantized_ = int64_t(q);
     raw_.deserialize(r, tokens - quantized_);
   }
@@ -270,13 +269,11 @@ class KiviKeyStream final : public KiviStream<KiviKeyStream> {
   void load(ByteReader& r, int64_t tokens) override {
     const uint64_t q = r.u64();
     if (q > uint64_t(tokens) || q % uint64_t(group_) != 0)
-      throw Error(ErrorCode::kFormat, r.what() + ": KIVI quantized key count " + std::to_string(q) +
-                                          " is not a multiple of group_size within " + std::to_string(tokens) +
-                                          " tokens");
+      r.fail("KIVI quantized key count " + std::to_string(q) + " is not a multiple of group_size within " +
+             std::to_string(tokens) + " tokens");
     // append() quantizes every full group older than the residual window.
     if (tokens - int64_t(q) >= residual_ + group_)
-      throw Error(ErrorCode::kFormat, r.what() + ": KIVI keys hold " + std::to_string(tokens - int64_t(q)) +
-                                          " raw tokens, more than residual + group_size - 1");
+      r.fail("KIVI keys hold " + std::to_string(tokens - int64_t(q)) + " raw tokens, more than residual + group_size - 1");
     load_coded(r, q, checked_mul(q / uint64_t(group_), blob_bytes_, "KIVI key groups"), tokens);
   }
 
@@ -340,11 +337,10 @@ class KiviValueStream final : public KiviStream<KiviValueStream> {
   void load(ByteReader& r, int64_t tokens) override {
     const uint64_t q = r.u64();
     if (q > uint64_t(tokens))
-      throw Error(ErrorCode::kFormat, r.what() + ": KIVI quantized value count " + std::to_string(q) + " exceeds " +
-                                          std::to_string(tokens) + " tokens");
+      r.fail("KIVI quantized value count " + std::to_string(q) + " exceeds " + std::to_string(tokens) + " tokens");
     if (uint64_t(tokens) - q > uint64_t(residual_))
-      throw Error(ErrorCode::kFormat, r.what() + ": KIVI values hold " + std::to_string(uint64_t(tokens) - q) +
-                                          " raw tokens, more than the residual " + std::to_string(residual_));
+      r.fail("KIVI values hold " + std::to_string(uint64_t(tokens) - q) + " raw tokens, more than the residual " +
+             std::to_string(residual_));
     load_coded(r, q, checked_mul(checked_mul(q, uint64_t(shape_.rows()), "KIVI values"), row_bytes_, "KIVI values"),
                tokens);
   }

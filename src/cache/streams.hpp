@@ -19,6 +19,7 @@
 
 #include "cache/saved_meta.hpp"
 #include "kvcodec/cache.hpp"
+#include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
 #include "cache/palu_calibration.hpp"
@@ -26,50 +27,9 @@
 
 namespace kvcodec::cache_impl {
 
-// Little-endian append-only writer and bounds-checked reader.
-struct ByteWriter {
-  std::vector<uint8_t>& out;
-  void bytes(const void* p, size_t n) {
-    const auto* b = static_cast<const uint8_t*>(p);
-    out.insert(out.end(), b, b + n);
-  }
-  void u8(uint8_t v) { out.push_back(v); }
-  void u16(uint16_t v) { bytes(&v, 2); }
-  void u32(uint32_t v) { bytes(&v, 4); }
-  void u64(uint64_t v) { bytes(&v, 8); }
-};
-
-class ByteReader {
- public:
-  ByteReader(const uint8_t* data, size_t size, std::string what) : data_(data), size_(size), what_(std::move(what)) {}
-  const uint8_t* take(size_t n) {
-    if (n > size_ - pos_)
-      throw Error(ErrorCode::kFormat, what_ + ": needs " + std::to_string(n) + " bytes at offset " +
-                                          std::to_string(pos_) + " but only " + std::to_string(size_ - pos_) +
-                                          " remain");
-    const uint8_t* p = data_ + pos_;
-    pos_ += n;
-    return p;
-  }
-  uint8_t u8() { return *take(1); }
-  uint16_t u16() { uint16_t v; std::memcpy(&v, take(2), 2); return v; }
-  uint64_t u64() { uint64_t v; std::memcpy(&v, take(8), 8); return v; }
-  size_t remaining() const { return size_ - pos_; }
-  size_t position() const { return pos_; }
-  const uint8_t* data() const { return data_; }
-  size_t size() const { return size_; }
-  void expect_end() const {
-    if (pos_ != size_)
-      throw Error(ErrorCode::kFormat, what_ + ": " + std::to_string(size_ - pos_) + " unexpected trailing bytes");
-  }
-  const std::string& what() const { return what_; }
-
- private:
-  const uint8_t* data_;
-  size_t size_;
-  size_t pos_ = 0;
-  std::string what_;
-};
+// Streams save through kvcodec::ByteWriter and load through kvcodec::ByteReader
+// (kvcodec/container.hpp), the one serializer: integers little-endian, the
+// 16-bit token arrays as their host-order bytes (docs/format.md).
 
 // Token-major raw storage [t, R, D] in a 16-bit or f32 dtype: pre-fit tokens,
 // raw windows and partial groups. Counted at its exact size.
