@@ -17,8 +17,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     const std::vector<float> x = fuzz::low_rank(64, dim, uint32_t(dim));
     palu::FitOptions o;
     const palu::Projection p = palu::fit_projection(x.data(), 64, dim, o);
-    std::vector<uint8_t> seed{uint8_t(dim - 1)};
-    p.serialize(seed);
+    ByteWriter w;
+    w.u8(uint8_t(dim - 1));
+    p.serialize(w);
+    std::vector<uint8_t> seed = w.take();
     std::vector<float> z(size_t(4 * 2 * p.rank), 0.5f);
     palu::encode_latent_group(p, z.data(), 2, 4, seed);
     fuzz::write_seed("projection_" + std::to_string(dim), seed);
@@ -30,9 +32,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const int dim = 1 + data[0] % 128;
   try {
-    size_t pos = 1;
-    const palu::Projection p = palu::Projection::deserialize(data, size, pos, dim);
-    if (p.serialized_size() != pos - 1) __builtin_trap();  // read exactly its stored form
+    ByteReader in(data + 1, size - 1, "fuzz projection");
+    const palu::Projection p = palu::Projection::deserialize(in, dim);
+    if (p.serialized_size() != in.offset()) __builtin_trap();  // read exactly its stored form
+    const size_t pos = 1 + in.offset();
     std::vector<float> x(static_cast<size_t>(dim), 1.0f), z(static_cast<size_t>(p.rank)), back(static_cast<size_t>(dim));
     p.project(x.data(), z.data());
     p.reconstruct(z.data(), back.data());

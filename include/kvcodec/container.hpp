@@ -192,9 +192,6 @@ class ByteReader {
 
   size_t offset() const { return pos_; }
   size_t remaining() const { return size_ - pos_; }
-  // The bytes not read yet, as a view (nothing consumed): for a parser
-  // that takes a buffer and reports how much of it it used.
-  std::span<const uint8_t> rest() const { return {data_ + pos_, size_ - pos_}; }
   bool at_end() const { return pos_ == size_; }
   // Throws unless every byte was consumed (trailing garbage is corruption).
   void expect_end() const;

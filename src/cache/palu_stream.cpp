@@ -147,11 +147,7 @@ class PaluStream final : public TokenStream {
     raw_.serialize(w);
     if (!fitted_) return;
     for (const Group& g : groups_) {
-      if (!calibrated()) {
-        std::vector<uint8_t> proj;
-        g.proj.serialize(proj);
-        w.bytes(proj.data(), proj.size());
-      }
+      if (!calibrated()) g.proj.serialize(w);
       w.bytes(g.blobs.data(), g.blobs.size());
       w.bytes(g.tail.data(), 2 * g.tail.size());
     }
@@ -176,10 +172,7 @@ class PaluStream final : public TokenStream {
     if (calibrated() && opt_.is_key) ensure_rope(tokens);
     for (Group& g : groups_) {
       if (!calibrated()) {
-        const std::span<const uint8_t> rest = r.rest();
-        size_t used = 0;
-        g.proj = palu::Projection::deserialize(rest.data(), rest.size(), used, g.dim);
-        r.bytes(used);
+        g.proj = palu::Projection::deserialize(r, g.dim);
         g.blob_bytes = palu::latent_group_bytes(g.proj, g.rows, opt_.group_size);
       }
       const uint64_t nb = checked_mul(uint64_t(blocks_), g.blob_bytes, "PALU token groups");

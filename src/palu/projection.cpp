@@ -58,45 +58,27 @@ void Projection::build_decoded() {
     }
 }
 
-void Projection::serialize(std::vector<uint8_t>& out) const {
-  auto u16 = [&](uint16_t v) {
-    out.push_back(uint8_t(v));
-    out.push_back(uint8_t(v >> 8));
-  };
-  u16(uint16_t(dim));
-  u16(uint16_t(rank));
-  out.insert(out.end(), bits.begin(), bits.end());
-  for (uint16_t v : basis_f16) u16(v);
+void Projection::serialize(ByteWriter& out) const {
+  out.u16(uint16_t(dim));
+  out.u16(uint16_t(rank));
+  out.bytes(bits.data(), bits.size());
+  out.u16s(basis_f16.data(), basis_f16.size());
 }
 
-Projection Projection::deserialize(const uint8_t* data, size_t size, size_t& pos, int expected_dim) {
-  auto need = [&](size_t n) {
-    if (size - pos < n || pos > size)
-      throw Error(ErrorCode::kFormat, "PALU projection truncated at byte " + std::to_string(pos));
-  };
-  auto u16 = [&]() {
-    need(2);
-    const uint16_t v = uint16_t(data[pos] | (data[pos + 1] << 8));
-    pos += 2;
-    return v;
-  };
+Projection Projection::deserialize(ByteReader& in, int expected_dim) {
   Projection p;
-  p.dim = u16();
-  p.rank = u16();
+  p.dim = in.u16();
+  p.rank = in.u16();
   if (p.dim != expected_dim)
-    throw Error(ErrorCode::kFormat, "PALU projection has dim " + std::to_string(p.dim) + ", expected " +
-                                        std::to_string(expected_dim));
+    in.fail("PALU projection has dim " + std::to_string(p.dim) + ", expected " + std::to_string(expected_dim));
   if (p.rank < 1 || p.rank > p.dim)
-    throw Error(ErrorCode::kFormat, "PALU projection rank " + std::to_string(p.rank) + " outside [1, " +
-                                        std::to_string(p.dim) + "]");
-  need(size_t(p.rank));
-  p.bits.assign(data + pos, data + pos + p.rank);
-  pos += size_t(p.rank);
+    in.fail("PALU projection rank " + std::to_string(p.rank) + " outside [1, " + std::to_string(p.dim) + "]");
+  const auto widths = in.bytes(size_t(p.rank));
+  p.bits.assign(widths.begin(), widths.end());
   for (uint8_t b : p.bits)
-    if (b < 1 || b > 8) throw Error(ErrorCode::kFormat, "PALU latent width " + std::to_string(b) + " outside [1, 8]");
-  need(2 * size_t(p.dim) * p.rank);
-  p.basis_f16.resize(size_t(p.dim) * p.rank);
-  for (auto& v : p.basis_f16) v = u16();
+    if (b < 1 || b > 8) in.fail("PALU latent width " + std::to_string(b) + " outside [1, 8]");
+  // Checked against the bytes left before the basis is allocated.
+  p.basis_f16 = in.u16s(size_t(p.dim) * size_t(p.rank));
   p.build_decoded();
   return p;
 }

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "kvcodec/container.hpp"
+
 #include "palu/bitpack.hpp"
 
 namespace kvcodec::palu {
@@ -55,9 +57,10 @@ struct Projection {
 
   // Stored form: u16 dim, u16 rank, rank bytes of widths, dim*rank f16.
   size_t serialized_size() const { return 4 + size_t(rank) + 2 * size_t(dim) * size_t(rank); }
-  void serialize(std::vector<uint8_t>& out) const;
-  // Reads one projection at data[pos...], advances pos; checks dim and widths.
-  static Projection deserialize(const uint8_t* data, size_t size, size_t& pos, int expected_dim);
+  void serialize(ByteWriter& out) const;
+  // Reads one projection from in (consuming exactly serialized_size()
+  // bytes); checks dim, rank and widths: Error(kFormat) naming the offset.
+  static Projection deserialize(ByteReader& in, int expected_dim);
   void build_decoded();  // fills basis/basis_t from basis_f16
 };
 

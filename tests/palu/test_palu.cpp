@@ -202,20 +202,32 @@ TEST(Palu, ProjectionSerialisesExactlyAndRejectsBadBytes) {
   palu::FitOptions opt;
   opt.rank = 3;
   const auto p = palu::fit_projection(x.data(), 100, 8, opt);
-  std::vector<uint8_t> bytes;
-  p.serialize(bytes);
+  ByteWriter w;
+  p.serialize(w);
+  const std::vector<uint8_t> bytes = w.take();
   ASSERT_EQ(bytes.size(), p.serialized_size());
-  size_t pos = 0;
-  const auto q = palu::Projection::deserialize(bytes.data(), bytes.size(), pos, 8);
-  EXPECT_EQ(pos, bytes.size());
+  // The stored form (projection.hpp): u16 dim, u16 rank, the widths, the f16 basis, little-endian.
+  ASSERT_GE(bytes.size(), 4u + 3u + 2u);
+  EXPECT_EQ(bytes[0] | bytes[1] << 8, 8);
+  EXPECT_EQ(bytes[2] | bytes[3] << 8, 3);
+  EXPECT_EQ(std::vector<uint8_t>(bytes.begin() + 4, bytes.begin() + 7), p.bits);
+  EXPECT_EQ(uint16_t(bytes[7] | bytes[8] << 8), p.basis_f16[0]);
+  ByteReader in(bytes, "projection");
+  const auto q = palu::Projection::deserialize(in, 8);
+  EXPECT_TRUE(in.at_end());
   EXPECT_EQ(q.basis, p.basis);
   EXPECT_EQ(q.bits, p.bits);
-  pos = 0;
-  EXPECT_THROW(palu::Projection::deserialize(bytes.data(), bytes.size() - 1, pos, 8), Error);
-  pos = 0;
-  EXPECT_THROW(palu::Projection::deserialize(bytes.data(), bytes.size(), pos, 16), Error);
+  ByteReader short_by_one(bytes.data(), bytes.size() - 1, "projection");
+  EXPECT_THROW(palu::Projection::deserialize(short_by_one, 8), Error);
+  ByteReader other_dim(bytes, "projection");
+  EXPECT_THROW(palu::Projection::deserialize(other_dim, 16), Error);
   auto bad = bytes;
   bad[4] = 0;  // a width of 0 bits
-  pos = 0;
-  EXPECT_THROW(palu::Projection::deserialize(bad.data(), bad.size(), pos, 8), Error);
+  ByteReader zero_width(bad, "projection");
+  try {
+    palu::Projection::deserialize(zero_width, 8);
+    ADD_FAILURE() << "a width of 0 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("PALU latent width 0"), std::string::npos) << e.what();
+  }
 }
