@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fuzz_seeds.hpp"
+#include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 #include "palu/projection.hpp"
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
 #include "palu/group_quant.hpp"

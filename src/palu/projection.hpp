@@ -18,9 +18,14 @@
 #include <utility>
 #include <vector>
 
-#include "kvcodec/container.hpp"
-
 #include "palu/bitpack.hpp"
+
+// Declared, not included: this header is also read by nvcc (src/gpu/cuda),
+// which compiles C++17, and kvcodec/container.hpp needs C++20's std::span.
+namespace kvcodec {
+class ByteReader;
+class ByteWriter;
+}  // namespace kvcodec
 
 namespace kvcodec::palu {
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 
+#include "kvcodec/container.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/tensor.hpp"
 #include "palu/bitpack.hpp"
