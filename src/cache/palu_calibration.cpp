@@ -38,8 +38,10 @@ palu::Eigenbasis parse_basis(std::span<const uint8_t> bytes, int expected_dim, c
   if (bytes.size() != basis_bytes(e.dim))
     throw Error(ErrorCode::kFormat, where + ": " + std::to_string(bytes.size()) + " bytes, expected " +
                                         std::to_string(basis_bytes(e.dim)) + " for dim " + std::to_string(e.dim));
+  // Little-endian f64 / f32 as serialize_basis writes them (the size was
+  // checked against the bytes above, so these reads cannot run short).
   e.lambda.resize(size_t(e.dim));
-  std::memcpy(e.lambda.data(), r.bytes(8 * size_t(e.dim)).data(), 8 * size_t(e.dim));
+  for (double& v : e.lambda) v = r.f64();
   for (int k = 0; k < e.dim; ++k) {
     const double v = e.lambda[size_t(k)];
     if (!std::isfinite(v) || v < 0 || (k > 0 && v > e.lambda[size_t(k) - 1]))
@@ -47,10 +49,8 @@ palu::Eigenbasis parse_basis(std::span<const uint8_t> bytes, int expected_dim, c
                                           " is not finite, >= 0 and <= the one before");
   }
   e.vectors.resize(size_t(e.dim) * e.dim);
-  const uint8_t* p = r.bytes(4 * e.vectors.size()).data();
   for (size_t i = 0; i < e.vectors.size(); ++i) {
-    float f;
-    std::memcpy(&f, p + 4 * i, 4);
+    const float f = r.f32();
     if (!std::isfinite(f)) throw Error(ErrorCode::kFormat, where + ": eigenvector entry " + std::to_string(i) + " is not finite");
     e.vectors[i] = f;
   }
