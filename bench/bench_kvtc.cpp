@@ -275,7 +275,8 @@ void BM_ReconstructAB(benchmark::State& state) {
 
 // The whole dump through the local-mode cache, as `kvcodec bench` drives it
 // (issue-2 settings: rate allocator, 1% target, int8 basis; Arg = target in
-// thousandths, 0 = default settings): steady-state append of every layer to
+// thousandths, 0 = default settings, < 0: the dp allocator at -Arg bits per
+// token, the defaults before 5a44a2f that issue 16's speed item compares at): steady-state append of every layer to
 // fitted caches, and for_each_block over them.
 struct CacheFixture {
   std::vector<Tensor> keys, values;
@@ -299,6 +300,7 @@ CacheFixture make_cache_fixture(int arg) {
   f.config.head_dim = int(f.keys[0].shape()[3]);
   if (arg > 0)
     f.settings = {{"allocator", "rate"}, {"target_rel_mse", std::to_string(arg / 1000.0)}, {"basis_bits", "8"}};
+  if (arg < 0) f.settings = {{"allocator", "dp"}, {"bit_budget", std::to_string(-arg)}};
   for (size_t i = 0; i < f.keys.size(); ++i) {
     f.config.layer = int(i);
     f.fitted.push_back(make_cache("kvtc", f.config, f.settings));
@@ -345,5 +347,5 @@ BENCHMARK(BM_Reconstruct)->ArgsProduct({{-10, -50, 256}, {0, 1, 2, 3}});
 // zero terms skipped.
 BENCHMARK(BM_ReconstructAB)->ArgsProduct({{-10, -50, 256}, {1, 2}, {3}});
 BENCHMARK(BM_CacheAppendSteady)->Arg(10)->Arg(50)->Arg(0)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_CacheDecode)->Arg(10)->Arg(50)->Arg(0)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CacheDecode)->Arg(10)->Arg(50)->Arg(0)->Arg(-256)->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();
