@@ -305,7 +305,12 @@ struct RansGroupTables {
     alignas(32) int32_t key0[8];  // freq[0] (cum[0] = 0)
     size_t first = 0;             // offset of the group's row 1 in rows
     uint32_t rows = 0;            // largest alphabet of the group - 1
-    bool scalar = false;          // a column past the search's limits: the group takes the scalar lanes
+    bool scalar = false;          // many columns past the search's limits: the group takes the scalar lanes
+    // Lanes (bit j: lane j) whose column is past the search's limits, in a
+    // vector group: their symbols come from their columns' own decode
+    // tables after the search, which ignores them.
+    uint8_t scalar_lanes = 0;
+    bool apart = false;  // scalar or scalar_lanes: stepped alone, outside the two-stream loop
     // The window search (packed keys only): per lane the wrows + 1 most
     // probable consecutive symbols a .. a + wrows. When every lane's slot
     // lies in its window (key of a <= bound < key of a + wrows + 1), the
@@ -326,7 +331,7 @@ struct RansGroupTables {
   size_t n_active = 0;        // non-skipped columns they were built for
   bool packed = false;        // keys cum << 19 | s << 13 | freq (else cum << 16 | freq)
   bool usable = false;
-  bool any_scalar = false;    // some group has scalar set
+  bool any_scalar = false;    // some group has scalar or scalar_lanes set (reads the columns' own tables)
   // The decode tables these were built (and validated) from: a decode
   // given exactly these pointers skips re-validating them per call.
   std::vector<const RansDecodeTable*> built_from;

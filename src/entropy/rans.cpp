@@ -201,13 +201,33 @@ constexpr uint32_t kPackedMaxRows = 63;
 using SimdGroup = RansGroupTables::Group;
 
 // A column the compare search cannot take (alphabet > 65 or scale > 14,
-// e.g. the dp allocator's 256-level components): its groups take the
-// scalar lanes inside the vector loop.
+// e.g. the dp allocator's 256-level components): its lane of a vector
+// group takes the column's own table after the search (scalar_lanes), and
+// a group of many such columns takes the scalar lanes inside the vector
+// loop.
 inline bool too_big(const DecCol& c) { return c.scale > kSimdMaxScale || c.last > kSimdMaxRows; }
 
+// Up to this many lanes of a group are looked up one by one after its
+// vector search (~10 instructions a lane); more, and the whole group takes
+// the scalar lanes. A group with one 256-level column among small ones was
+// a whole scalar group before: 3% of the groups of the tinycode dump at
+// the dp allocator's 256 bits per token, but 9.5% of its decode time. Both
+// kinds still leave the two-stream loop (Group::apart).
+constexpr int kMaxScalarLanes = 4;
+
+// The lanes of the group at columns c[0..7] whose column is too big, as a
+// mask (bit j: lane j).
+inline uint32_t too_big_lanes(const DecCol* c) {
+  uint32_t m = 0;
+  for (size_t j = 0; j < kRansLanes; ++j) m |= uint32_t(too_big(c[j])) << j;
+  return m;
+}
+
 // Builds the tables of every group start k0 reachable from 0 in steps of 8;
-// a group holding a column too big for the compare search is marked scalar
-// (any_scalar). False when no group is left for the vector steps.
+// a group holding more than kMaxScalarLanes columns too big for the compare
+// search is marked scalar, one holding fewer gets them as scalar_lanes
+// (either sets any_scalar). False when no group is left for the vector
+// steps.
 // Packed key of symbol s of column c (cum << 19 | s << 13 | freq).
 inline int32_t packed_key(const DecCol& c, uint32_t s) {
   return int32_t(c.syms[s].cum << 19 | s << 13 | c.syms[s].freq);
@@ -321,6 +341,14 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
   packed = true;
   for (size_t k = 0; k < n_active; ++k)
     if (!too_big(ext[k])) packed &= ext[k].scale <= kPackedMaxScale && ext[k].last <= kPackedMaxRows;
+  // The rows searched: the largest alphabet of the lanes that are not
+  // too big, less one.
+  const auto search_rows_of = [](const DecCol* c, uint32_t big) {
+    uint32_t amax = 1;
+    for (size_t j = 0; j < kRansLanes; ++j)
+      if (!(big >> j & 1)) amax = std::max(amax, c[j].last + 1);
+    return amax - 1;
+  };
   any_scalar = false;
   bool any_vector = false;
   // Sized once: the groups' rows and their windows' (the window lengths
@@ -330,15 +358,13 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
   size_t n_rows = 0;
   size_t k0 = 0;
   do {
-    bool scalar = false;
-    uint32_t amax = 1;
-    for (size_t j = 0; j < kRansLanes; ++j) {
-      scalar |= too_big(ext[k0 + j]);
-      amax = std::max(amax, ext[k0 + j].last + 1);
-    }
-    const uint32_t w = !scalar && windows && packed && amax - 1 >= 6 ? best_window(ext + k0, amax - 1, fast_windows) : 0;
+    const uint32_t big = too_big_lanes(ext + k0), g_rows = search_rows_of(ext + k0, big);
+    const bool scalar = std::popcount(big) > kMaxScalarLanes;
+    // No window where a lane is looked up apart: its key does not fit the
+    // window's bounds.
+    const uint32_t w = big == 0 && windows && packed && g_rows >= 6 ? best_window(ext + k0, g_rows, fast_windows) : 0;
     window_rows.push_back(w);
-    n_rows += scalar ? 0 : size_t(amax - 1 + w) * kRansLanes;
+    n_rows += scalar ? 0 : size_t(g_rows + w) * kRansLanes;
     k0 = (k0 + kRansLanes) % n_active;
   } while (k0 != 0);
   groups.reserve(window_rows.size());
@@ -346,18 +372,17 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
   do {
     group_at[k0] = uint32_t(groups.size());
     SimdGroup& g = groups.emplace_back();
-    uint32_t amax = 1;
-    for (size_t j = 0; j < kRansLanes; ++j) {
-      g.scalar |= too_big(ext[k0 + j]);
-      amax = std::max(amax, ext[k0 + j].last + 1);
-    }
+    const uint32_t big = too_big_lanes(ext + k0);
+    g.scalar = std::popcount(big) > kMaxScalarLanes;
+    g.apart = big != 0;
+    any_scalar |= big != 0;
     if (g.scalar) {
-      any_scalar = true;
       k0 = (k0 + kRansLanes) % n_active;
       continue;
     }
+    g.scalar_lanes = uint8_t(big);
     any_vector = true;
-    g.rows = amax - 1;
+    g.rows = search_rows_of(ext + k0, big);
     g.first = rows.size();
     for (size_t j = 0; j < kRansLanes; ++j) {
       const DecCol& c = ext[k0 + j];
@@ -370,7 +395,9 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
     for (size_t j = 0; j < kRansLanes; ++j) {
       const DecCol& c = ext[k0 + j];
       uint32_t s = 1;
-      if (packed) {
+      if (big >> j & 1) {  // rows the lane's search ignores: its symbol is looked up after
+        for (; s <= g.rows; ++s) t[(s - 1) * kRansLanes + j] = 0x7fffffff;
+      } else if (packed) {
         for (; s <= c.last; ++s) t[(s - 1) * kRansLanes + j] = int32_t(c.syms[s].cum << 19 | s << 13 | c.syms[s].freq);
         for (; s <= g.rows; ++s) t[(s - 1) * kRansLanes + j] = 0x7fffffff;  // above every bound
       } else {
@@ -382,7 +409,7 @@ bool build_simd_groups(const DecCol* ext, size_t n_active, std::vector<SimdGroup
   } while (k0 != 0);
   for (size_t i = 0; i < groups.size(); ++i) {
     const size_t start = i * kRansLanes % n_active;  // groups are in visiting order
-    if (!groups[i].scalar) add_window(ext + start, groups[i], rows, window_rows[i]);
+    if (!groups[i].scalar && groups[i].scalar_lanes == 0) add_window(ext + start, groups[i], rows, window_rows[i]);
   }
   return any_vector;
 }
@@ -466,6 +493,28 @@ __attribute__((always_inline)) inline void finish_group_at(const DecodeConsts* k
   p += uint32_t(_mm256_extract_epi32(incl, 7));
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(sym, sym), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+// The lanes of a vector group whose columns the search ignores (lanes =
+// Group::scalar_lanes, columns c[0..7]): each lane's symbol from its
+// column's own table (lookup_symbol, as the scalar lanes find it), blended
+// over the search's results. Inline: a call inside the two-stream loop
+// would make GCC keep its lane states in memory.
+__attribute__((always_inline)) inline void patch_scalar_lanes(uint32_t lanes, const DecCol* c, __m256i slot, __m256i& sym,
+                                                              __m256i& lo, __m256i& freq) {
+  alignas(32) uint32_t slots[kRansLanes];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(slots), slot);
+  const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  do {
+    const unsigned j = unsigned(std::countr_zero(lanes));
+    const uint32_t s = lookup_symbol(c[j], slots[j]);
+    const RansDecodeTable::Sym e = c[j].syms[s];
+    const __m256i at = _mm256_cmpeq_epi32(lane_ids, _mm256_set1_epi32(int32_t(j)));
+    sym = _mm256_blendv_epi8(sym, _mm256_set1_epi32(int32_t(s)), at);
+    lo = _mm256_blendv_epi8(lo, _mm256_set1_epi32(int32_t(e.cum)), at);
+    freq = _mm256_blendv_epi8(freq, _mm256_set1_epi32(int32_t(e.freq)), at);
+    lanes &= lanes - 1;
+  } while (lanes != 0);
 }
 
 // One stream's group decoder state: step() decodes one group of 8 symbols
@@ -572,6 +621,7 @@ struct SimdStream {
     lo = _mm256_srli_epi32(key, 16);
     freq = _mm256_and_si256(key, ld(k->freq16_mask));
     }
+    if (__builtin_expect(g.scalar_lanes != 0, 0)) patch_scalar_lanes(g.scalar_lanes, ext + k0, slot, sym, lo, freq);
     finish_group(sym, lo, freq, slot, _mm256_srlv_epi32(X, scale));
   }
 
@@ -1182,7 +1232,8 @@ struct PairCursor {
 // max: one vector op less per row, 1.01x the decode in the same A/B as
 // the window's). Two accumulators per stream take alternate rows; the
 // larger of the two is the answer.
-// Both groups are vector ones (run_pair_packed takes the scalar steps).
+// Both groups are vector ones without scalar lanes (run_pair_packed takes
+// the other steps one stream at a time).
 __attribute__((always_inline)) inline void step_pair_packed(const SimdStream& A, PairCursor& ca, const SimdStream& B,
                                                              PairCursor& cb) {
   const SimdGroup& ga = A.groups[A.group_at[ca.k0]];
@@ -1234,7 +1285,7 @@ __attribute__((always_inline)) inline void step_pair_packed(const SimdStream& A,
 }
 
 // The lockstep loop while both streams can step and neither's next group
-// is a scalar one, on local cursors (lane states, stream pointers, group
+// is a scalar one or has scalar lanes (Group::apart), on local cursors (lane states, stream pointers, group
 // positions) whose addresses never escape and with no call inside, so GCC
 // keeps them in registers. Stepping whole local SimdStream copies, with
 // the scalar groups' out-of-line step inside the loop, it stored both lane
@@ -1248,15 +1299,17 @@ __attribute__((noinline)) void run_pair_vector(SimdStream& A, SimdStream& B) {
   const uint8_t* const end_a = A.end;
   const uint8_t* const end_b = B.end;
   const size_t last_a = A.n_coded, last_b = B.n_coded;
-  while (group_fits(ca.i, last_a, ca.p, end_a) && group_fits(cb.i, last_b, cb.p, end_b) && !A.groups[A.group_at[ca.k0]].scalar &&
-         !B.groups[B.group_at[cb.k0]].scalar)
+  while (group_fits(ca.i, last_a, ca.p, end_a) && group_fits(cb.i, last_b, cb.p, end_b) &&
+         !A.groups[A.group_at[ca.k0]].apart && !B.groups[B.group_at[cb.k0]].apart)
     step_pair_packed(A, ca, B, cb);
   A.X = ca.X, A.p = ca.p, A.i = ca.i, A.k0 = ca.k0;
   B.X = cb.X, B.p = cb.p, B.i = cb.i, B.k0 = cb.k0;
 }
 
 // Both streams to where one can no longer step: vector runs, and one step
-// of each stream where either's next group is scalar.
+// of each stream where either's next group is apart. (Patching scalar
+// lanes inside the lockstep loop cost the defaults, which have none, 5% of
+// their decode: A/B of two CLI builds, four alternating rounds.)
 void run_pair_packed(SimdStream& A, SimdStream& B) {
   for (;;) {
     run_pair_vector(A, B);

@@ -396,17 +396,31 @@ TEST(RansFast, SimdDecoderMatchesPortable) {
 
 // Columns past the compare search's limits (alphabet > 65, as the dp
 // allocator's 256-level components, or scale > 14) no longer send the whole
-// stream to the scalar lanes: only their groups take them, inside the
-// vector loop. Same symbols and errors as the portable decoder.
+// stream to the scalar lanes: a group with a few of them searches its other
+// lanes and looks those up apart (scalar_lanes); one with more than four
+// takes the scalar lanes inside the vector loop (scalar). Both kinds, in
+// packed streams (the two-stream loop) and unpacked ones (a scale-13
+// column), give the portable decoder's symbols and errors.
 TEST(RansFast, ScalarGroupsInsideTheVectorDecoder) {
   std::mt19937_64 rng(2026);
-  for (int trial = 0; trial < 12; ++trial) {
+  size_t patched_groups = 0, scalar_groups = 0;
+  for (int trial = 0; trial < 16; ++trial) {
     const size_t rows = 40 + size_t(trial), cols = trial % 3 == 0 ? 64 : 20 + size_t(trial);
+    const bool many_big = trial % 4 == 3;  // columns 0..5 too big: a whole scalar group
     std::vector<FrequencyTable> ft;
+    std::vector<bool> big(cols, false);
     for (size_t k = 0; k < cols; ++k) {
-      if (k == 0) ft.push_back(random_freqs(rng, 256, 12, trial % 2 == 0));         // too many symbols
-      else if (k == 9) ft.push_back(random_freqs(rng, 10, 15, false));               // scale too large
-      else ft.push_back(random_freqs(rng, 2 + uint32_t(rng() % 20), trial % 2 ? 12 : 10, false));
+      if (k == 0 || (many_big && k < 6)) {
+        ft.push_back(random_freqs(rng, 256, 12, trial % 2 == 0));  // too many symbols
+        big[k] = true;
+      } else if (k == 9) {
+        ft.push_back(random_freqs(rng, 10, 15, false));  // scale too large
+        big[k] = true;
+      } else if (k == 7 && trial % 3 == 1) {
+        ft.push_back(random_freqs(rng, 12, 13, false));  // searchable, but not as packed keys
+      } else {
+        ft.push_back(random_freqs(rng, 2 + uint32_t(rng() % 20), trial % 2 ? 12 : 10, false));
+      }
     }
     std::vector<uint16_t> sym(rows * cols);
     for (size_t i = 0; i < sym.size(); ++i) sym[i] = uint16_t(rng() % ft[i % cols].alphabet_size);
@@ -418,12 +432,29 @@ TEST(RansFast, ScalarGroupsInsideTheVectorDecoder) {
     std::vector<const RansDecodeTable*> dp;
     for (const auto& t : dt) dp.push_back(&t);
     const RansGroupTables pre = rans_group_tables(dp);
-#if defined(__AVX2__)
-    EXPECT_TRUE(pre.usable) << trial;
-    EXPECT_TRUE(pre.any_scalar) << trial;
-    size_t scalar = 0;
-    for (const auto& g : pre.groups) scalar += g.scalar;
-    EXPECT_GE(scalar, 1u) << trial;
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+    if (simd_avx2()) {
+      EXPECT_TRUE(pre.usable) << trial;
+      EXPECT_TRUE(pre.any_scalar) << trial;
+      EXPECT_EQ(pre.packed, trial % 3 != 1) << trial;
+      for (size_t i = 0; i < pre.groups.size(); ++i) {  // groups in visiting order: start i * 8 mod cols
+        const size_t k0 = i * kRansLanes % cols;
+        int n_big = 0;
+        uint32_t lanes = 0;
+        for (size_t j = 0; j < kRansLanes; ++j) {
+          n_big += big[(k0 + j) % cols];
+          lanes |= uint32_t(big[(k0 + j) % cols]) << j;
+        }
+        const auto& g = pre.groups[i];
+        ASSERT_EQ(g.scalar, n_big > 4) << trial << " group " << i;
+        ASSERT_EQ(g.scalar_lanes, g.scalar ? 0u : lanes) << trial << " group " << i;
+        if (g.scalar_lanes) {
+          EXPECT_FALSE(g.windowed) << trial << " group " << i;
+        }
+        scalar_groups += g.scalar;
+        patched_groups += g.scalar_lanes != 0;
+      }
+    }
 #endif
     for (int d = -1; d < 6; ++d) {
       const std::vector<uint8_t> in = d < 0 ? bytes : damaged(bytes, d, rng);
@@ -458,6 +489,12 @@ TEST(RansFast, ScalarGroupsInsideTheVectorDecoder) {
       }
     }
   }
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  if (simd_avx2()) {
+    EXPECT_GT(scalar_groups, 0u);
+    EXPECT_GT(patched_groups, 10u);
+  }
+#endif
 }
 
 // The vector decoder's last groups run on a zero-padded copy of the final
@@ -657,8 +694,10 @@ TEST(RansFast, WindowSearchMatchesPortable) {
       }
     }
   }
-#ifdef __AVX2__
-  EXPECT_GT(windowed, 100u);  // the window search ran (AVX2 builds build group tables)
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  if (simd_avx2()) {
+    EXPECT_GT(windowed, 100u);  // the window search ran (builds with the AVX2 paths build group tables)
+  }
 #endif
 }
 
@@ -702,6 +741,7 @@ TEST(RansFast, WindowChoiceMatchesReference) {
       ASSERT_EQ(a.first, b.first) << "trial " << trial << " group " << i;
       ASSERT_EQ(a.rows, b.rows) << "trial " << trial << " group " << i;
       ASSERT_EQ(a.scalar, b.scalar) << "trial " << trial << " group " << i;
+      ASSERT_EQ(a.scalar_lanes, b.scalar_lanes) << "trial " << trial << " group " << i;
       for (size_t j = 0; j < kRansLanes; ++j) {
         ASSERT_EQ(a.wfloor[j], b.wfloor[j]) << "trial " << trial << " group " << i << " lane " << j;
         ASSERT_EQ(a.wceil[j], b.wceil[j]) << "trial " << trial << " group " << i << " lane " << j;

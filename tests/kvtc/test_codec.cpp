@@ -892,7 +892,8 @@ void expect_same_kernels(const HeadKernels& a, const HeadKernels& b, const std::
   ASSERT_EQ(g.groups.size(), h.groups.size()) << what;
   for (size_t i = 0; i < g.groups.size(); ++i) {
     const auto &x = g.groups[i], &y = h.groups[i];
-    EXPECT_TRUE(x.first == y.first && x.rows == y.rows && x.scalar == y.scalar && x.windowed == y.windowed &&
+    EXPECT_TRUE(x.first == y.first && x.rows == y.rows && x.scalar == y.scalar &&
+                x.scalar_lanes == y.scalar_lanes && x.windowed == y.windowed &&
                 x.wfirst == y.wfirst && x.wrows == y.wrows)
         << what << " group " << i;
     EXPECT_EQ(0, std::memcmp(x.scale, y.scale, sizeof x.scale) | std::memcmp(x.mask, y.mask, sizeof x.mask) |
@@ -1076,9 +1077,10 @@ namespace {
 // build_decoders() keeps a scalar lookup table only where the scalar lanes
 // decode a column throughout: in AVX2 builds the columns of the group
 // decoder's vector groups (alphabets <= 65) hold none, those of its scalar
-// groups (a 256-level component among them) the 64-byte search table when
-// their alphabet is small enough, and the too-large alphabets their slot
-// table. Whatever each holds, a block decodes to its codes' reconstruction
+// groups (more than four 256-level components among them) the 64-byte
+// search table when their alphabet is small enough, and the too-large
+// alphabets their slot table, which the vector groups read for those
+// lanes (scalar_lanes). Whatever each holds, a block decodes to its codes' reconstruction
 // (through the group decoder, the scalar groups, the bisecting tail), and
 // the stored bytes do not depend on it.
 TEST(Codec, DecodeTablesHoldLookupsOnlyWhereTheScalarLanesNeedThem) {
@@ -1102,24 +1104,33 @@ TEST(Codec, DecodeTablesHoldLookupsOnlyWhereTheScalarLanesNeedThem) {
     searched += !t.search.empty();
   }
   ASSERT_GT(big, 0u) << "the fit should give some component 256 levels";
-#ifdef __AVX2__
-  ASSERT_TRUE(p.derived().rans_groups.usable);
-  EXPECT_TRUE(p.derived().rans_groups.any_scalar);
-  // A column lies in several groups when K % 8 != 0: in a scalar one if any.
-  std::vector<bool> in_scalar(K, false);
-  for (size_t k0 = 0;;) {
-    if (p.derived().rans_groups.groups[p.derived().rans_groups.group_at[k0]].scalar)
-      for (size_t j = 0; j < entropy::kRansLanes; ++j) in_scalar[(k0 + j) % K] = true;
-    k0 = (k0 + entropy::kRansLanes) % K;
-    if (k0 == 0) break;
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  if (simd_avx2()) {
+    ASSERT_TRUE(p.derived().rans_groups.usable);
+    EXPECT_TRUE(p.derived().rans_groups.any_scalar);
+    // A column lies in several groups when K % 8 != 0: in a scalar one if any.
+    std::vector<bool> in_scalar(K, false);
+    size_t lanes_apart = 0;
+    for (size_t k0 = 0;;) {
+      const entropy::RansGroupTables::Group& g = p.derived().rans_groups.groups[p.derived().rans_groups.group_at[k0]];
+      for (size_t j = 0; j < entropy::kRansLanes; ++j) {
+        in_scalar[(k0 + j) % K] = in_scalar[(k0 + j) % K] || g.scalar;
+        const bool too_big = p.derived().rans_decode[(k0 + j) % K].alphabet_size > entropy::kRansGroupMaxAlphabet;
+        EXPECT_EQ(bool(g.scalar_lanes >> j & 1), too_big && !g.scalar) << k0 << " lane " << j;
+        lanes_apart += g.scalar_lanes >> j & 1;
+      }
+      k0 = (k0 + entropy::kRansLanes) % K;
+      if (k0 == 0) break;
+    }
+    EXPECT_GT(lanes_apart, 0u);
+    for (size_t k = 0; k < K; ++k) {
+      const entropy::RansDecodeTable& t = p.derived().rans_decode[k];
+      if (t.alphabet_size > entropy::kRansGroupMaxAlphabet) continue;
+      EXPECT_TRUE(t.slot_symbol.empty()) << k;
+      EXPECT_EQ(!t.search.empty(), in_scalar[k] && t.alphabet_size <= entropy::kRansSearchMax) << k;
+    }
+    EXPECT_GT(bare, 0u);
   }
-  for (size_t k = 0; k < K; ++k) {
-    const entropy::RansDecodeTable& t = p.derived().rans_decode[k];
-    if (t.alphabet_size > entropy::kRansGroupMaxAlphabet) continue;
-    EXPECT_TRUE(t.slot_symbol.empty()) << k;
-    EXPECT_EQ(!t.search.empty(), in_scalar[k] && t.alphabet_size <= entropy::kRansSearchMax) << k;
-  }
-  EXPECT_GT(bare, 0u);
 #endif
   (void)searched;
   for (int64_t m : {int64_t(1), int64_t(7), int64_t(64)}) {
