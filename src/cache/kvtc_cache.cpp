@@ -368,6 +368,54 @@ void KvtcCache::encode_ready_blocks(const OpenHeads* open) {
   }
 }
 
+namespace {
+
+// The openers a fetch parses its heads into (one per tensor and head):
+// per-thread scratch, not held by any cache. A fetch opened its heads with
+// HeadParams::deserialize, ~200 heap allocations a head, freed at its end:
+// 11-15% of a whole-cache decode of the tinycode dump (bench_kvtc
+// BM_CacheDecode, against heads kept between calls). The openers' storage
+// grows to the largest layer this thread fetched (a few of its heads'
+// tables; ~50 KB a head of 64 at 4.8x) and is parsed into again per fetch.
+// A fetch inside a fetch's visitor (another cache's, on the same thread)
+// finds them leased and takes openers of its own for the call.
+class FetchOpeners {
+ public:
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() {
+      if (leased_) pool().busy = false;
+    }
+    // n openers, valid until this lease ends.
+    std::vector<kvtc::HeadOpener>& get(size_t n) {
+      Pool& p = pool();
+      std::vector<kvtc::HeadOpener>& v = leased_ || !p.busy ? p.openers : own_;
+      if (&v == &p.openers) p.busy = leased_ = true;
+      if (v.size() < n) v.resize(n);
+      return v;
+    }
+
+   private:
+    bool leased_ = false;
+    std::vector<kvtc::HeadOpener> own_;
+  };
+
+ private:
+  struct Pool {
+    std::vector<kvtc::HeadOpener> openers;
+    bool busy = false;
+  };
+  static Pool& pool() {
+    thread_local Pool p;
+    return p;
+  }
+};
+
+}  // namespace
+
 void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   if (offset_ == 0) return;
   const int64_t H = config_.n_kv_heads;
@@ -386,17 +434,36 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   emit_raw(0, sinks, 0);
   const int64_t B = options_.block;
   Tensor k(DType::kF32, {batch_, H, B, D}), v(DType::kF32, {batch_, H, B, D});
-  const std::shared_ptr<const OpenHeads> kept =
-      key_.blocks.empty() ? nullptr : heads_for_call(kvtc::KernelSet::kDecode);
-  static const OpenHeads kNoHeads;  // no block to decode
-  const OpenHeads& open = kept ? *kept : kNoHeads;
+  // This call's heads: the kept ones (a decode loop), else each head's
+  // held bytes opened into this thread's scratch (FetchOpeners).
+  std::shared_ptr<const OpenHeads> kept;
+  FetchOpeners::Lease openers;
+  std::vector<const kvtc::HeadParams*> key_heads(static_cast<size_t>(heads)), value_heads(key_heads.size());
+  if (!key_.blocks.empty()) {
+    kept = kept_.keep ? heads_for_call(kvtc::KernelSet::kDecode) : kept_.get();
+    if (kept) {
+      for (int64_t h = 0; h < heads; ++h) key_heads[size_t(h)] = &kept->key[size_t(h)];
+      for (int64_t h = 0; h < heads; ++h) value_heads[size_t(h)] = &kept->value[size_t(h)];
+    } else {
+      std::vector<kvtc::HeadOpener>& op = openers.get(size_t(2 * heads));
+      parallel_heads(heads, [&](int64_t h) {
+        for (const Stream* s : {&key_, &value_}) {
+          const auto& bytes = s->params[size_t(h)];
+          ByteReader in(bytes.data(), bytes.size(), "kvtc head params");
+          const bool is_key = s == &key_;
+          (is_key ? key_heads : value_heads)[size_t(h)] =
+              &op[size_t(2 * h + (is_key ? 0 : 1))].open(in, config_.head_dim, kvtc::KernelSet::kDecode);
+        }
+      });
+    }
+  }
   for (size_t j = 0; j < key_.blocks.size(); ++j) {
     parallel_heads(heads, [&](int64_t h) {
       const auto& kp = key_.blocks[j].payload[size_t(h)];
       const auto& vp = value_.blocks[j].payload[size_t(h)];
       // Keys and values together: their two rANS streams decode interleaved.
-      kvtc::decode_block_pair(open.key[size_t(h)], kp.data(), kp.size(), k.data_as<float>() + h * B * D,
-                              open.value[size_t(h)], vp.data(), vp.size(), v.data_as<float>() + h * B * D, B);
+      kvtc::decode_block_pair(*key_heads[size_t(h)], kp.data(), kp.size(), k.data_as<float>() + h * B * D,
+                              *value_heads[size_t(h)], vp.data(), vp.size(), v.data_as<float>() + h * B * D, B);
     });
     visit(sinks + int64_t(j) * B, k.view(), v.view());
   }

@@ -245,3 +245,66 @@ TEST(KvtcLocal, ResidentBytesHoldWhatIsStoredAndCountTheKeptHeads) {
               ss.resident_bytes - ss.compressed_bytes()) << coder;
   }
 }
+
+// A fetch opens its heads into this thread's scratch openers; a fetch of
+// another cache from inside the first one's visitor (the same thread, the
+// openers leased) must take openers of its own, not parse over the heads
+// the outer fetch is still decoding from. Two caches of different
+// parameters (other data, other head count), the inner one fetched at every
+// outer block: both equal their plain fetches.
+TEST(KvtcLocal, FetchInsideAnotherFetchDecodesBoth) {
+  CacheConfig cfg;
+  cfg.head_dim = 32;
+  cfg.n_kv_heads = 2;
+  auto outer = make_cache("kvtc", cfg, {{"block", "16"}, {"min_fit_tokens", "64"}});
+  const Tensor ko = correlated(2, 200, 32, 11), vo = correlated(2, 200, 32, 12);
+  outer->append(ko.view(), vo.view());
+  cfg.n_kv_heads = 3;
+  auto inner = make_cache("kvtc", cfg, {{"block", "16"}, {"min_fit_tokens", "64"}});
+  const Tensor ki = correlated(3, 150, 32, 13), vi = correlated(3, 150, 32, 14);
+  inner->append(ki.view(), vi.view());
+  // The views are contiguous [B, H, count, D] pieces.
+  const auto elems = [](const TensorView& t) { return t.shape[0] * t.shape[1] * t.shape[2] * t.shape[3]; };
+  const KVPair plain_outer = outer->fetch(DType::kF32), plain_inner = inner->fetch(DType::kF32);
+
+  const auto collect = [&](const KVCache& c, std::vector<float>& keys, std::vector<float>& values) {
+    c.for_each_block([&](int64_t, const TensorView& k, const TensorView& v) {
+      keys.insert(keys.end(), static_cast<const float*>(k.data), static_cast<const float*>(k.data) + elems(k));
+      values.insert(values.end(), static_cast<const float*>(v.data), static_cast<const float*>(v.data) + elems(v));
+    });
+  };
+  std::vector<float> ok, ov, first_k, first_v;
+  collect(*inner, first_k, first_v);
+  int visits = 0;
+  outer->for_each_block([&](int64_t, const TensorView& k, const TensorView& v) {
+    ok.insert(ok.end(), static_cast<const float*>(k.data), static_cast<const float*>(k.data) + elems(k));
+    ov.insert(ov.end(), static_cast<const float*>(v.data), static_cast<const float*>(v.data) + elems(v));
+    std::vector<float> ik, iv;
+    collect(*inner, ik, iv);
+    EXPECT_EQ(ik, first_k) << "visit " << visits;
+    EXPECT_EQ(iv, first_v) << "visit " << visits;
+    ++visits;
+  });
+  EXPECT_GT(visits, 8);
+  // for_each_block emits [B, H, count, D] pieces; fetch lays them out as
+  // [B, H, S, D]: compare head by head.
+  const auto same_as_fetch = [](const std::vector<float>& pieces, const Tensor& fetched, const KVCache& c) {
+    std::vector<int64_t> counts;
+    c.for_each_block([&](int64_t, const TensorView& k, const TensorView&) { counts.push_back(k.shape[2]); });
+    const int64_t H = fetched.shape()[1], S = fetched.shape()[2], D = fetched.shape()[3];
+    size_t at = 0;
+    int64_t t0 = 0;
+    for (const int64_t n : counts) {
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t d = 0; d < D; ++d, ++at)
+            if (pieces[at] != fetched.data_as<float>()[(h * S + t0 + t) * D + d]) return false;
+      t0 += n;
+    }
+    return at == pieces.size() && t0 == S;
+  };
+  EXPECT_TRUE(same_as_fetch(ok, plain_outer.keys, *outer));
+  EXPECT_TRUE(same_as_fetch(ov, plain_outer.values, *outer));
+  EXPECT_TRUE(same_as_fetch(first_k, plain_inner.keys, *inner));
+  EXPECT_TRUE(same_as_fetch(first_v, plain_inner.values, *inner));
+}
