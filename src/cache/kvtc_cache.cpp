@@ -95,6 +95,10 @@ class KvtcCache final : public cache_impl::KvtcCacheBase {
   // this thread's kvtc::HeadOpener (valid until its next head: a head's
   // blocks are coded before the thread takes another).
   const kvtc::HeadParams& encoder_head(const OpenHeads* open, const Stream& s, int64_t h) const;
+  // Head h of s parsed from its held bytes into `opener` (valid until its
+  // next open) with the `kernels` half built.
+  const kvtc::HeadParams& open_held(const Stream& s, int64_t h, kvtc::HeadOpener& opener,
+                                    kvtc::KernelSet kernels) const;
   void raw_to_f32(const std::vector<uint16_t>& raw, int64_t first, int64_t count, float* out) const;
   void reset() override;
   TensorBytes tensor_bytes(bool is_key) const override;
@@ -186,9 +190,14 @@ const kvtc::HeadParams& KvtcCache::encoder_head(const OpenHeads* open, const Str
   // without the allocation and freeing of ~200 vectors a head
   // (HeadParams::deserialize) that were most of a bulk append's opening.
   thread_local kvtc::HeadOpener opener;
+  return open_held(s, h, opener, kvtc::KernelSet::kEncode);
+}
+
+const kvtc::HeadParams& KvtcCache::open_held(const Stream& s, int64_t h, kvtc::HeadOpener& opener,
+                                             kvtc::KernelSet kernels) const {
   const auto& bytes = s.params[size_t(h)];
   ByteReader in(bytes.data(), bytes.size(), "kvtc head params");
-  return opener.open(in, config_.head_dim, kvtc::KernelSet::kEncode);
+  return opener.open(in, config_.head_dim, kernels);
 }
 
 void KvtcCache::hold_params(Stream& s, const std::vector<kvtc::HeadParams>& heads) {
@@ -372,13 +381,13 @@ namespace {
 
 // The openers a fetch parses its heads into (one per tensor and head):
 // per-thread scratch, not held by any cache. A fetch opened its heads with
-// HeadParams::deserialize, ~200 heap allocations a head, freed at its end:
-// 11-15% of a whole-cache decode of the tinycode dump (bench_kvtc
-// BM_CacheDecode, against heads kept between calls). The openers' storage
-// grows to the largest layer this thread fetched (a few of its heads'
-// tables; ~50 KB a head of 64 at 4.8x) and is parsed into again per fetch.
-// A fetch inside a fetch's visitor (another cache's, on the same thread)
-// finds them leased and takes openers of its own for the call.
+// HeadParams::deserialize, ~200 heap allocations a head freed at its end;
+// reusing the openers' storage moved the defaults' decode from 0.500 to
+// 0.510 of zstd's (docs/kvtc.md "Fetch openers"; the rest of the opening is
+// computation). The storage grows to the largest layer this thread fetched
+// (~50 KB a head of 64 at 4.8x) and is parsed into again per fetch. A fetch
+// inside a fetch's visitor (another cache's, on the same thread) finds them
+// leased and takes openers of its own for the call.
 class FetchOpeners {
  public:
   class Lease {
@@ -392,8 +401,8 @@ class FetchOpeners {
     // n openers, valid until this lease ends.
     std::vector<kvtc::HeadOpener>& get(size_t n) {
       Pool& p = pool();
-      std::vector<kvtc::HeadOpener>& v = leased_ || !p.busy ? p.openers : own_;
-      if (&v == &p.openers) p.busy = leased_ = true;
+      if (!leased_ && !p.busy) p.busy = leased_ = true;
+      std::vector<kvtc::HeadOpener>& v = leased_ ? p.openers : own_;
       if (v.size() < n) v.resize(n);
       return v;
     }
@@ -447,13 +456,8 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
     } else {
       std::vector<kvtc::HeadOpener>& op = openers.get(size_t(2 * heads));
       parallel_heads(heads, [&](int64_t h) {
-        for (const Stream* s : {&key_, &value_}) {
-          const auto& bytes = s->params[size_t(h)];
-          ByteReader in(bytes.data(), bytes.size(), "kvtc head params");
-          const bool is_key = s == &key_;
-          (is_key ? key_heads : value_heads)[size_t(h)] =
-              &op[size_t(2 * h + (is_key ? 0 : 1))].open(in, config_.head_dim, kvtc::KernelSet::kDecode);
-        }
+        key_heads[size_t(h)] = &open_held(key_, h, op[size_t(2 * h)], kvtc::KernelSet::kDecode);
+        value_heads[size_t(h)] = &open_held(value_, h, op[size_t(2 * h + 1)], kvtc::KernelSet::kDecode);
       });
     }
   }
