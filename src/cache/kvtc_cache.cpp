@@ -461,15 +461,38 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
       });
     }
   }
-  for (size_t j = 0; j < key_.blocks.size(); ++j) {
-    parallel_heads(heads, [&](int64_t h) {
-      const auto& kp = key_.blocks[j].payload[size_t(h)];
-      const auto& vp = value_.blocks[j].payload[size_t(h)];
-      // Keys and values together: their two rANS streams decode interleaved.
-      kvtc::decode_block_pair(*key_heads[size_t(h)], kp.data(), kp.size(), k.data_as<float>() + h * B * D,
-                              *value_heads[size_t(h)], vp.data(), vp.size(), v.data_as<float>() + h * B * D, B);
-    });
-    visit(sinks + int64_t(j) * B, k.view(), v.view());
+  // Keys and values of two heads per call, their four rANS streams decoded
+  // in lockstep (kvtc::decode_blocks); with one head, of two blocks.
+  struct Batch {
+    kvtc::BlockDecode blocks[kvtc::kMaxBlocksTogether];
+    size_t n = 0;
+  };
+  const auto add_blocks = [&](size_t j, int64_t h, Tensor& kt, Tensor& vt, Batch& out) {
+    const auto& kp = key_.blocks[j].payload[size_t(h)];
+    const auto& vp = value_.blocks[j].payload[size_t(h)];
+    out.blocks[out.n++] = {key_heads[size_t(h)], kp.data(), kp.size(), kt.data_as<float>() + h * B * D};
+    out.blocks[out.n++] = {value_heads[size_t(h)], vp.data(), vp.size(), vt.data_as<float>() + h * B * D};
+  };
+  const size_t n_blocks = key_.blocks.size();
+  if (heads >= 2) {
+    for (size_t j = 0; j < n_blocks; ++j) {
+      parallel_heads((heads + 1) / 2, [&](int64_t pair) {
+        Batch batch;
+        for (int64_t h = 2 * pair; h < std::min(heads, 2 * pair + 2); ++h) add_blocks(j, h, k, v, batch);
+        kvtc::decode_blocks(batch.blocks, batch.n, B);
+      });
+      visit(sinks + int64_t(j) * B, k.view(), v.view());
+    }
+  } else if (n_blocks > 0) {
+    Tensor k2(DType::kF32, {batch_, H, B, D}), v2(DType::kF32, {batch_, H, B, D});
+    for (size_t j = 0; j < n_blocks; j += 2) {
+      Batch batch;
+      add_blocks(j, 0, k, v, batch);
+      if (j + 1 < n_blocks) add_blocks(j + 1, 0, k2, v2, batch);
+      kvtc::decode_blocks(batch.blocks, batch.n, B);
+      visit(sinks + int64_t(j) * B, k.view(), v.view());
+      if (j + 1 < n_blocks) visit(sinks + int64_t(j + 1) * B, k2.view(), v2.view());
+    }
   }
   emit_raw(sinks, raw_tokens() - sinks, sinks + encoded_tokens());
 }

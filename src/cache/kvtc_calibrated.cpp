@@ -135,10 +135,10 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
   }
   // first_coded: coded-token index of blk's first token (its position - sinks).
   void decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
-  // decode() of two consecutive blocks of one tensor and batch row (first
-  // starting at coded-token index first_coded).
-  void decode_pair(bool is_key, const Block& first, const Block& second, int64_t first_coded, int64_t b,
-                   float* first_out, float* second_out) const;
+  // decode() of `count` (<= kvtc::kMaxBlocksTogether) consecutive blocks
+  // of one tensor and batch row, the first (blocks[0]) at coded-token index
+  // first_coded, into out [their tokens, V].
+  void decode_run(bool is_key, const Block* blocks, size_t count, int64_t first_coded, int64_t b, float* out) const;
   // What decode() does after the base codes: refinement, weights, RoPE.
   void finish_decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b, float* out) const;
   void cover_positions(int64_t positions) {
@@ -366,23 +366,31 @@ void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_co
   finish_decode(is_key, blk, first_coded, b, out);
 }
 
-void CalibratedKvtcCache::decode_pair(bool is_key, const Block& first, const Block& second, int64_t first_coded,
-                                      int64_t b, float* first_out, float* second_out) const {
-  const int64_t second_coded = first_coded + first.tokens;
-  if (first.open || second.open || first.tokens != second.tokens) {
-    decode(is_key, first, first_coded, b, first_out);
-    decode(is_key, second, second_coded, b, second_out);
+void CalibratedKvtcCache::decode_run(bool is_key, const Block* blocks, size_t count, int64_t first_coded, int64_t b,
+                                     float* out) const {
+  // Closed blocks of one length decode together (kvtc::decode_blocks:
+  // their rANS streams, of one tensor's parameters and about the same
+  // length, stay in lockstep to their ends; keys and values may keep very
+  // different numbers of components, so they are not mixed).
+  bool together = count > 1;
+  for (size_t j = 0; j < count; ++j) together &= !blocks[j].open && blocks[j].tokens == blocks[0].tokens;
+  if (!together) {
+    for (size_t j = 0; j < count; ++j) {
+      decode(is_key, blocks[j], first_coded, b, out);
+      first_coded += blocks[j].tokens;
+      out += blocks[j].tokens * vdim();
+    }
     return;
   }
-  const auto& pa = first.payload[size_t(b)];
-  const auto& pb = second.payload[size_t(b)];
-  // Two rANS streams of one tensor's parameters (about the same length, so
-  // they stay paired to their ends; keys and values may keep very different
-  // numbers of components), decoded interleaved.
   const kvtc::HeadParams& p = params(is_key);
-  kvtc::decode_block_pair(p, pa.data(), pa.size(), first_out, p, pb.data(), pb.size(), second_out, first.tokens);
-  finish_decode(is_key, first, first_coded, b, first_out);
-  finish_decode(is_key, second, second_coded, b, second_out);
+  const int64_t n = blocks[0].tokens;
+  kvtc::BlockDecode jobs[kvtc::kMaxBlocksTogether];
+  for (size_t j = 0; j < count; ++j) {
+    const auto& payload = blocks[j].payload[size_t(b)];
+    jobs[j] = {&p, payload.data(), payload.size(), out + int64_t(j) * n * vdim()};
+  }
+  kvtc::decode_blocks(jobs, count, n);
+  for (size_t j = 0; j < count; ++j) finish_decode(is_key, blocks[j], first_coded + int64_t(j) * n, b, jobs[j].out);
 }
 
 namespace {
@@ -502,23 +510,20 @@ void CalibratedKvtcCache::for_each_block(const BlockVisitor& visit) const {
     // at token j * n of it.
     const int64_t tokens = (m - 1) * n + key_.blocks[size_t(j0 + m - 1)].tokens;
     scratch(tokens);
-    // One task per (pair of blocks, batch row, tensor); an odd last block
-    // alone. decode_block throws on bad bytes; an exception must not leave
-    // an OpenMP region, so it is carried out.
-    const int64_t pairs = (m + 1) / 2, tasks = pairs * batch_ * 2;
+    // One task per (run of up to four blocks, batch row, tensor).
+    // decode_block throws on bad bytes; an exception must not leave an
+    // OpenMP region, so it is carried out.
+    constexpr int64_t kRun = int64_t(kvtc::kMaxBlocksTogether);
+    const int64_t runs = (m + kRun - 1) / kRun, tasks = runs * batch_ * 2;
     FirstException failure;
 #pragma omp parallel for num_threads(options_.threads) schedule(dynamic, 1) if (options_.threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const bool is_key = t % 2 == 0;
-      const int64_t j = 2 * (t / 2 / batch_), b = t / 2 % batch_;
+      const int64_t j = kRun * (t / 2 / batch_), b = t / 2 % batch_;
       const Stream& stream = is_key ? key_ : value_;
       float* out = (is_key ? key_scratch : value_scratch).data() + (b * tokens + j * n) * V;
       failure.capture([&] {
-        if (j + 1 < m)
-          decode_pair(is_key, stream.blocks[size_t(j0 + j)], stream.blocks[size_t(j0 + j + 1)], (j0 + j) * n, b, out,
-                      out + n * V);
-        else
-          decode(is_key, stream.blocks[size_t(j0 + j)], (j0 + j) * n, b, out);
+        decode_run(is_key, stream.blocks.data() + (j0 + j), size_t(std::min(kRun, m - j)), (j0 + j) * n, b, out);
       });
     }
     failure.rethrow();

@@ -375,10 +375,11 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
 void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
                  const std::vector<const RansDecodeTable*>& tables, uint16_t* out, const RansGroupTables& groups);
 
-// Two independent streams decoded together (e.g. a block's keys and values):
-// the same results and errors as two rans_decode calls (the first failing
-// stream's error is thrown), faster where the vectorised decoder is
-// latency-bound, since the two streams' steps overlap.
+// Independent streams decoded together (a block's keys and values, of one
+// or two heads): the same results and errors as rans_decode of each in
+// order (the first failing stream's error is thrown), faster where the
+// vectorised decoder is latency-bound, since the streams' steps overlap
+// (four in lockstep where four can step, else two).
 struct RansDecodeJob {
   const uint8_t* data = nullptr;
   size_t size = 0;
@@ -387,6 +388,9 @@ struct RansDecodeJob {
   uint16_t* out = nullptr;
   const RansGroupTables* groups = nullptr;  // rans_group_tables(*tables), or null: built per call
 };
+inline constexpr size_t kRansMaxStreams = 4;
+// jobs[0, n), n <= kRansMaxStreams (more: Error(kInvalidArgument)).
+void rans_decode_streams(const RansDecodeJob* jobs, size_t n);
 void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b);
 // rans_decode without the AVX2 group decoder (scalar lanes only): the plain
 // path the vectorised one is tested against; same results and errors.

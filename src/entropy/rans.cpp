@@ -468,7 +468,7 @@ __attribute__((always_inline)) inline SearchRows search_rows(const SimdGroup& g,
 
 // The update, renormalisation and output (to out[0, 8)) of one group whose
 // symbols are found, on the caller's lane states X and stream pointer p
-// (the paired loop keeps them in local variables, see run_pair_vector).
+// (the lockstep loop keeps them in local variables, see run_lockstep_vector).
 // q = X >> scale, taken before the search: X itself is then dead during
 // it, one vector register less per stream.
 __attribute__((always_inline)) inline void finish_group_at(const DecodeConsts* k, __m256i sym, __m256i lo, __m256i freq,
@@ -1224,98 +1224,106 @@ struct PairCursor {
   size_t i, k0;
 };
 
-// One group of each of two packed streams in lockstep: their row loops share
-// one loop body and their updates one straight-line block, so the two
-// independent dependency chains interleave in program order. A lane's keys
+// One group of each of N packed streams in lockstep: their row loops share
+// one loop body and their updates one straight-line block, so the N
+// independent dependency chains interleave in program order. The decoder
+// is latency-bound (a group is one long chain: search, update,
+// renormalisation, next search), so more streams in flight decode faster
+// (docs/kvtc.md, "Four streams in lockstep"). A lane's keys
 // ascend row by row, so the last key <= bound is the largest: each row
 // replaces the accumulator where it is <= bound (a blend instead of and +
 // max: one vector op less per row, 1.01x the decode in the same A/B as
 // the window's). Two accumulators per stream take alternate rows; the
-// larger of the two is the answer.
-// Both groups are vector ones without scalar lanes (run_pair_packed takes
-// the other steps one stream at a time).
-__attribute__((always_inline)) inline void step_pair_packed(const SimdStream& A, PairCursor& ca, const SimdStream& B,
-                                                             PairCursor& cb) {
-  const SimdGroup& ga = A.groups[A.group_at[ca.k0]];
-  const SimdGroup& gb = B.groups[B.group_at[cb.k0]];
-  const __m256i q_a = _mm256_srlv_epi32(ca.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.scale)));
-  const __m256i q_b = _mm256_srlv_epi32(cb.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.scale)));
-  const __m256i slot_a = _mm256_and_si256(ca.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(ga.mask)));
-  const __m256i slot_b = _mm256_and_si256(cb.X, _mm256_load_si256(reinterpret_cast<const __m256i*>(gb.mask)));
-  const DecodeConsts* k = A.k;
-  const __m256i low = ld(k->key_low);
-  const __m256i bound_a = _mm256_or_si256(_mm256_slli_epi32(slot_a, 19), low);
-  const __m256i bound_b = _mm256_or_si256(_mm256_slli_epi32(slot_b, 19), low);
-  const SearchRows sa = search_rows(ga, A.rows, bound_a, k), sb = search_rows(gb, B.rows, bound_b, k);
-  __m256i a0 = sa.init, a1 = a0;
-  __m256i b0 = sb.init, b1 = b0;
-  const int32_t* ta = sa.t;
-  const int32_t* tb = sb.t;
-  // Per row: keep the key where key <= bound, i.e. bound + 1 > key, so
-  // that both the compare and the blend take the row as their memory
-  // operand (no separate loads).
-  const __m256i above_a = _mm256_add_epi32(bound_a, ld(k->one)), above_b = _mm256_add_epi32(bound_b, ld(k->one));
-#define KVTC_ROW(acc, row, bound)                                                                \
-  {                                                                                              \
-    const __m256i c_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));               \
-    acc = _mm256_blendv_epi8(acc, c_, _mm256_cmpgt_epi32(above_##bound, c_));                  \
+// larger of the two is the answer. Every group is a vector one without
+// scalar lanes (run_lockstep takes the other steps one stream at a time).
+template <int N>
+__attribute__((always_inline)) inline void step_lockstep(SimdStream* const* S, PairCursor* c) {
+  const DecodeConsts* k = S[0]->k;
+  __m256i q[N], slot[N], above[N], a0[N], a1[N];
+  const int32_t* row[N];
+  const int32_t* end[N];
+  uint32_t common = ~0u;
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j) {
+    const SimdGroup& g = S[j]->groups[S[j]->group_at[c[j].k0]];
+    q[j] = _mm256_srlv_epi32(c[j].X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.scale)));
+    slot[j] = _mm256_and_si256(c[j].X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.mask)));
+    const __m256i bound = _mm256_or_si256(_mm256_slli_epi32(slot[j], 19), ld(k->key_low));
+    const SearchRows sr = search_rows(g, S[j]->rows, bound, k);
+    a0[j] = a1[j] = sr.init;
+    row[j] = sr.t;
+    end[j] = sr.t + size_t(sr.n) * kRansLanes;
+    common = std::min(common, sr.n);
+    above[j] = _mm256_add_epi32(bound, ld(k->one));
   }
-  // Row pointers stepped by whole rows (an index times 8 lanes cost ~3
-  // scalar instructions per pair of rows more).
-  const uint32_t common = std::min(sa.n, sb.n);
-  const int32_t* ra = ta;
-  const int32_t* rb = tb;
-  for (uint32_t pairs = common / 2; pairs > 0; --pairs, ra += 2 * kRansLanes, rb += 2 * kRansLanes) {
-    KVTC_ROW(a0, ra, a)
-    KVTC_ROW(b0, rb, b)
-    KVTC_ROW(a1, ra + kRansLanes, a)
-    KVTC_ROW(b1, rb + kRansLanes, b)
+#define KVTC_ROW(acc, at, j)                                                     \
+  {                                                                              \
+    const __m256i c_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)); \
+    acc = _mm256_blendv_epi8(acc, c_, _mm256_cmpgt_epi32(above[j], c_));         \
   }
-  for (const int32_t* const end_a = ta + size_t(sa.n) * kRansLanes; ra < end_a; ra += kRansLanes) KVTC_ROW(a0, ra, a)
-  for (const int32_t* const end_b = tb + size_t(sb.n) * kRansLanes; rb < end_b; rb += kRansLanes) KVTC_ROW(b0, rb, b)
+  for (uint32_t pairs = common / 2; pairs > 0; --pairs) {
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j) KVTC_ROW(a0[j], row[j], j)
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j) {
+      KVTC_ROW(a1[j], row[j] + kRansLanes, j)
+      row[j] += 2 * kRansLanes;
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j)
+    for (; row[j] < end[j]; row[j] += kRansLanes) KVTC_ROW(a0[j], row[j], j)
 #undef KVTC_ROW
-  const __m256i ka = _mm256_max_epi32(a0, a1), kb = _mm256_max_epi32(b0, b1);
-  const __m256i m63 = ld(k->sym_mask), m13 = ld(k->freq13_mask);
-  finish_group_at(k, _mm256_and_si256(_mm256_srli_epi32(ka, 13), m63), _mm256_srli_epi32(ka, 19),
-                  _mm256_and_si256(ka, m13), slot_a, q_a, ca.X, ca.p, A.dst + ca.i);
-  finish_group_at(k, _mm256_and_si256(_mm256_srli_epi32(kb, 13), m63), _mm256_srli_epi32(kb, 19),
-                  _mm256_and_si256(kb, m13), slot_b, q_b, cb.X, cb.p, B.dst + cb.i);
-  next_group(ca.i, ca.k0, A.n_active);
-  next_group(cb.i, cb.k0, B.n_active);
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j) {
+    const __m256i key = _mm256_max_epi32(a0[j], a1[j]);
+    finish_group_at(k, _mm256_and_si256(_mm256_srli_epi32(key, 13), ld(k->sym_mask)), _mm256_srli_epi32(key, 19),
+                    _mm256_and_si256(key, ld(k->freq13_mask)), slot[j], q[j], c[j].X, c[j].p, S[j]->dst + c[j].i);
+    next_group(c[j].i, c[j].k0, S[j]->n_active);
+  }
 }
 
-// The lockstep loop while both streams can step and neither's next group
-// is a scalar one or has scalar lanes (Group::apart), on local cursors (lane states, stream pointers, group
-// positions) whose addresses never escape and with no call inside, so GCC
-// keeps them in registers. Stepping whole local SimdStream copies, with
-// the scalar groups' out-of-line step inside the loop, it stored both lane
-// states to the stack after every group and loaded them back before the
-// next: a store-to-load round trip in each stream's dependency chain.
-// In-process A/B of the two loops (alternating whole-cache decodes of the
-// tinycode dump, bench_kvtc, median of the ratios): 1.057x the decode at
-// the 1% target (inter-quartile 1.036-1.074), 1.050x at 5%.
-__attribute__((noinline)) void run_pair_vector(SimdStream& A, SimdStream& B) {
-  PairCursor ca{A.X, A.p, A.i, A.k0}, cb{B.X, B.p, B.i, B.k0};
-  const uint8_t* const end_a = A.end;
-  const uint8_t* const end_b = B.end;
-  const size_t last_a = A.n_coded, last_b = B.n_coded;
-  while (group_fits(ca.i, last_a, ca.p, end_a) && group_fits(cb.i, last_b, cb.p, end_b) &&
-         !A.groups[A.group_at[ca.k0]].apart && !B.groups[B.group_at[cb.k0]].apart)
-    step_pair_packed(A, ca, B, cb);
-  A.X = ca.X, A.p = ca.p, A.i = ca.i, A.k0 = ca.k0;
-  B.X = cb.X, B.p = cb.p, B.i = cb.i, B.k0 = cb.k0;
-}
-
-// Both streams to where one can no longer step: vector runs, and one step
-// of each stream where either's next group is apart. (Patching scalar
-// lanes inside the lockstep loop cost the defaults, which have none, 5% of
-// their decode: A/B of two CLI builds, four alternating rounds.)
-void run_pair_packed(SimdStream& A, SimdStream& B) {
+// The lockstep loop while every stream can step and none's next group is
+// a scalar one or has scalar lanes (Group::apart), on local cursors (lane
+// states, stream pointers, group positions) whose addresses never escape
+// and with no call inside, so GCC keeps them in registers. Stepping whole
+// local SimdStream copies, with the scalar groups' out-of-line step inside
+// the loop, it stored the lane states to the stack after every group and
+// loaded them back before the next: a store-to-load round trip in each
+// stream's dependency chain. In-process A/B of the two loops (alternating
+// whole-cache decodes of the tinycode dump, bench_kvtc, median of the
+// ratios): 1.057x the decode at the 1% target (inter-quartile
+// 1.036-1.074), 1.050x at 5%.
+template <int N>
+__attribute__((noinline)) void run_lockstep_vector(SimdStream* const* S) {
+  PairCursor c[N];
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j) c[j] = PairCursor{S[j]->X, S[j]->p, S[j]->i, S[j]->k0};
   for (;;) {
-    run_pair_vector(A, B);
-    if (!A.can_step() || !B.can_step()) return;
-    A.step();
-    B.step();
+    bool go = true;
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j)
+      go &= group_fits(c[j].i, S[j]->n_coded, c[j].p, S[j]->end) & !S[j]->groups[S[j]->group_at[c[j].k0]].apart;
+    if (!go) break;
+    step_lockstep<N>(S, c);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j) S[j]->X = c[j].X, S[j]->p = c[j].p, S[j]->i = c[j].i, S[j]->k0 = c[j].k0;
+}
+
+// N packed streams to where one can no longer step: lockstep runs, and
+// between them one step alone of each stream whose next group is apart
+// (the others wait for it). (Patching scalar lanes inside the lockstep
+// loop cost the defaults, which have none, 5% of their decode: A/B of two
+// CLI builds, four alternating rounds.)
+template <int N>
+void run_lockstep(SimdStream* const* S) {
+  for (;;) {
+    run_lockstep_vector<N>(S);
+    for (int j = 0; j < N; ++j)
+      if (!S[j]->can_step()) return;
+    for (int j = 0; j < N; ++j)
+      if (S[j]->groups[S[j]->group_at[S[j]->k0]].apart) S[j]->step();
   }
 }
 KVCODEC_AVX2_END
@@ -1500,35 +1508,45 @@ class Decoder {
   bool dense_ = true, simd_ = false, packed_ = false, any_scalar_ = false;
 };
 
-Decoder& decoder(int which) {
-  thread_local Decoder d[2];
+Decoder& decoder(size_t which) {
+  thread_local Decoder d[kRansMaxStreams];
   return d[which];
 }
 
 #ifdef KVCODEC_RANS_AVX2
-// rans_decode_pair's group decoders (each stream's simd() says whether it has one).
-KVCODEC_TARGET_AVX2 void run_simd_pair(Decoder& da, Decoder& db, bool ra, bool rb) {
-  if (ra && rb && da.simd() && db.simd()) {
-    // The two streams' groups alternate: independent chains the core overlaps.
-    SimdStream sa = da.simd_stream(), sb = db.simd_stream();
-    if (sa.packed && sb.packed) {
-      run_pair_packed(sa, sb);
-    } else {
-      while (sa.can_step() && sb.can_step()) {
-        sa.step();
-        sb.step();
+// rans_decode_streams' group decoders over the started streams that have
+// one (simd()): packed streams in lockstep, four while four can step, then
+// in pairs; what is left (unpacked streams, a packed one without a
+// partner, the ends) one group of each stream in turn, then each alone.
+KVCODEC_TARGET_AVX2 void run_simd_streams(Decoder* const* d, const bool* started, size_t n) {
+  SimdStream st[kRansMaxStreams];
+  SimdStream* all[kRansMaxStreams];
+  SimdStream* packed[kRansMaxStreams];
+  size_t n_all = 0, n_packed = 0;
+  for (size_t j = 0; j < n; ++j) {
+    if (!started[j] || !d[j]->simd()) continue;
+    st[j] = d[j]->simd_stream();
+    all[n_all++] = &st[j];
+    if (st[j].packed) packed[n_packed++] = &st[j];
+  }
+  if (n_packed == 4) run_lockstep<4>(packed);
+  if (n_packed >= 2) run_lockstep<2>(packed);
+  if (n_packed == 4) run_lockstep<2>(packed + 2);
+  // Independent chains still alternate while two or more can step.
+  for (size_t stepping = n_all; stepping >= 2;) {
+    stepping = 0;
+    for (size_t j = 0; j < n_all; ++j)
+      if (all[j]->can_step()) {
+        all[j]->step();
+        ++stepping;
       }
-    }
-    while (sa.can_step()) sa.step();
-    while (sb.can_step()) sb.step();
-    step_padded_tail(sa);
-    step_padded_tail(sb);
-    da.take(sa);
-    db.take(sb);
-  } else {
-    if (ra) da.run_simd();
-    if (rb) db.run_simd();
-}
+  }
+  for (size_t j = 0; j < n; ++j) {
+    if (!started[j] || !d[j]->simd()) continue;
+    while (st[j].can_step()) st[j].step();
+    step_padded_tail(st[j]);
+    d[j]->take(st[j]);
+  }
 }
 #endif
 
@@ -1550,28 +1568,40 @@ void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,
   rans_decode_impl(data, size, n_rows, n_cols, tables, out, /*allow_simd=*/true);
 }
 
-void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
-  Decoder& da = decoder(0);
-  Decoder& db = decoder(1);
-  const bool ra = da.start(a.data, a.size, a.n_rows, a.n_cols, *a.tables, a.out, true, a.groups);
-  bool rb = false;
-  try {
-    rb = db.start(b.data, b.size, b.n_rows, b.n_cols, *b.tables, b.out, true, b.groups);
-  } catch (const Error&) {
-    // As two calls would: stream a decoded (and its error, if any, first).
-    if (ra) {
+void rans_decode_streams(const RansDecodeJob* jobs, size_t n) {
+  if (n > kRansMaxStreams)
+    throw Error(ErrorCode::kInvalidArgument, "rans_decode_streams: " + std::to_string(n) + " streams, at most " +
+                                                 std::to_string(kRansMaxStreams));
+  Decoder* d[kRansMaxStreams] = {};
+  bool started[kRansMaxStreams] = {};
+  for (size_t j = 0; j < n; ++j) {
+    d[j] = &decoder(j);
+    try {
+      started[j] = d[j]->start(jobs[j].data, jobs[j].size, jobs[j].n_rows, jobs[j].n_cols, *jobs[j].tables,
+                               jobs[j].out, true, jobs[j].groups);
+    } catch (const Error&) {
+      // As calls one by one would: the streams before it decoded (and the
+      // first error among them thrown first).
+      for (size_t i = 0; i < j; ++i) {
+        if (!started[i]) continue;
 #ifdef KVCODEC_RANS_AVX2
-      da.run_simd();
+        d[i]->run_simd();
 #endif
-      da.finish();
+        d[i]->finish();
+      }
+      throw;
     }
-    throw;
   }
 #ifdef KVCODEC_RANS_AVX2
-  run_simd_pair(da, db, ra, rb);
+  run_simd_streams(d, started, n);
 #endif
-  if (ra) da.finish();
-  if (rb) db.finish();
+  for (size_t j = 0; j < n; ++j)
+    if (started[j]) d[j]->finish();
+}
+
+void rans_decode_pair(const RansDecodeJob& a, const RansDecodeJob& b) {
+  const RansDecodeJob jobs[2] = {a, b};
+  rans_decode_streams(jobs, 2);
 }
 
 void rans_decode(const uint8_t* data, size_t size, size_t n_rows, size_t n_cols,

@@ -1971,30 +1971,43 @@ void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t
   finish_block(p, codes, n, out);
 }
 
-void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_a, float* out_a,
-                       const HeadParams& pb, const uint8_t* data_b, size_t size_b, float* out_b, int64_t n) {
-  require_kernels(pa, KernelSet::kDecode, "kvtc decode_block_pair");
-  require_kernels(pb, KernelSet::kDecode, "kvtc decode_block_pair");
-  if (pa.coder != CoderChoice::kRans || pb.coder != CoderChoice::kRans) {
-    decode_block(pa, data_a, size_a, n, out_a);
-    decode_block(pb, data_b, size_b, n, out_b);
+void decode_blocks(const BlockDecode* blocks, size_t count, int64_t n) {
+  if (count > kMaxBlocksTogether)
+    throw Error(ErrorCode::kInvalidArgument, "kvtc decode_blocks: " + std::to_string(count) + " blocks, at most " +
+                                                 std::to_string(kMaxBlocksTogether));
+  bool all_rans = true;
+  for (size_t j = 0; j < count; ++j) {
+    require_kernels(*blocks[j].params, KernelSet::kDecode, "kvtc decode_blocks");
+    all_rans &= blocks[j].params->coder == CoderChoice::kRans;
+  }
+  if (!all_rans) {
+    for (size_t j = 0; j < count; ++j) decode_block(*blocks[j].params, blocks[j].data, blocks[j].size, n, blocks[j].out);
     return;
   }
-  thread_local std::vector<uint16_t> codes_a, codes_b;
-  thread_local std::vector<const entropy::RansDecodeTable*> tables_a, tables_b;
-  thread_local std::vector<entropy::RansDecodeTable> built_a, built_b;
-  codes_a.resize(size_t(n) * size_t(pa.n_kept()));
-  codes_b.resize(size_t(n) * size_t(pb.n_kept()));
-  entropy::RansDecodeJob ja, jb;
-  ja.data = data_a, ja.size = size_a, ja.n_rows = size_t(n), ja.n_cols = size_t(pa.n_kept());
-  ja.tables = &rans_decode_tables(pa, built_a, tables_a), ja.out = codes_a.data();
-  jb.data = data_b, jb.size = size_b, jb.n_rows = size_t(n), jb.n_cols = size_t(pb.n_kept());
-  jb.tables = &rans_decode_tables(pb, built_b, tables_b), jb.out = codes_b.data();
-  if (built_a.empty()) ja.groups = &pa.derived().rans_groups;
-  if (built_b.empty()) jb.groups = &pb.derived().rans_groups;
-  entropy::rans_decode_pair(ja, jb);
-  finish_block(pa, codes_a.data(), n, out_a);
-  finish_block(pb, codes_b.data(), n, out_b);
+  struct Scratch {
+    std::vector<uint16_t> codes;
+    std::vector<const entropy::RansDecodeTable*> tables;
+    std::vector<entropy::RansDecodeTable> built;
+  };
+  thread_local Scratch scratch[kMaxBlocksTogether];
+  entropy::RansDecodeJob jobs[kMaxBlocksTogether];
+  for (size_t j = 0; j < count; ++j) {
+    const HeadParams& p = *blocks[j].params;
+    Scratch& s = scratch[j];
+    s.codes.resize(size_t(n) * size_t(p.n_kept()));
+    entropy::RansDecodeJob& job = jobs[j];
+    job.data = blocks[j].data, job.size = blocks[j].size, job.n_rows = size_t(n), job.n_cols = size_t(p.n_kept());
+    job.tables = &rans_decode_tables(p, s.built, s.tables), job.out = s.codes.data();
+    if (s.built.empty()) job.groups = &p.derived().rans_groups;
+  }
+  entropy::rans_decode_streams(jobs, count);
+  for (size_t j = 0; j < count; ++j) finish_block(*blocks[j].params, scratch[j].codes.data(), n, blocks[j].out);
+}
+
+void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_a, float* out_a,
+                       const HeadParams& pb, const uint8_t* data_b, size_t size_b, float* out_b, int64_t n) {
+  const BlockDecode blocks[2] = {{&pa, data_a, size_a, out_a}, {&pb, data_b, size_b, out_b}};
+  decode_blocks(blocks, 2, n);
 }
 
 // --- side information --------------------------------------------------------

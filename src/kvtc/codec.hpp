@@ -286,10 +286,21 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
 // Decodes bytes of n tokens into out [n, D]. Throws Error(kFormat) on bad bytes.
 void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out);
 
-// Two blocks of n tokens each (e.g. one head's keys and values) decoded
-// together: the same outputs and errors as decode_block(pa, ...) then
-// decode_block(pb, ...); with rANS on both the two streams are decoded in
-// one interleaved loop, whose dependency chains the core overlaps.
+// Up to kMaxBlocksTogether blocks of n tokens each decoded together (a
+// block's keys and values, of one or two heads): the same outputs and
+// errors as decode_block of each in order; with rANS on all of them their
+// streams are decoded in one interleaved loop, whose dependency chains the
+// core overlaps (entropy::rans_decode_streams). More blocks:
+// Error(kInvalidArgument).
+struct BlockDecode {
+  const HeadParams* params = nullptr;
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  float* out = nullptr;  // [n, D]
+};
+inline constexpr size_t kMaxBlocksTogether = entropy::kRansMaxStreams;
+void decode_blocks(const BlockDecode* blocks, size_t count, int64_t n);
+// decode_blocks of {pa, ...} and {pb, ...}.
 void decode_block_pair(const HeadParams& pa, const uint8_t* data_a, size_t size_a, float* out_a,
                        const HeadParams& pb, const uint8_t* data_b, size_t size_b, float* out_b, int64_t n);
 

@@ -308,3 +308,52 @@ TEST(KvtcLocal, FetchInsideAnotherFetchDecodesBoth) {
   EXPECT_TRUE(same_as_fetch(first_k, plain_inner.keys, *inner));
   EXPECT_TRUE(same_as_fetch(first_v, plain_inner.values, *inner));
 }
+
+namespace {
+
+// A fetch decodes the keys and values of two heads per call (four rANS
+// streams in lockstep, kvtc::decode_blocks), or of two blocks when the
+// cache has one head: a cache of 3 heads x batch 2 (pairs and a head
+// alone) and of 2 heads gives, head by head, exactly what caches of one of
+// its heads give (blocks paired; the fit of a head does not depend on the
+// others), for an odd and an even number of blocks; at defaults and at the
+// dp allocator's wide alphabets.
+TEST(KvtcLocal, HeadsDecodeTogetherAsAlone) {
+  for (const Settings& extra : std::vector<Settings>{{}, {{"allocator", "dp"}, {"bit_budget", "96"}}})
+    for (const int64_t heads : {int64_t(2), int64_t(3)})
+      for (const int64_t tokens : {int64_t(64 + 5 * 16 + 3), int64_t(64 + 6 * 16)}) {
+        CacheConfig cfg;
+        cfg.head_dim = 16;
+        cfg.n_kv_heads = heads;
+        Settings settings{{"block", "16"}, {"min_fit_tokens", "64"}};
+        settings.insert(extra.begin(), extra.end());
+        const int64_t B = 2;
+        Tensor k(DType::kF32, {B, heads, tokens, 16}), v(DType::kF32, {B, heads, tokens, 16});
+        for (int64_t b = 0; b < B; ++b) {
+          const Tensor kb = correlated(heads, tokens, 16, uint32_t(20 + b)), vb = correlated(heads, tokens, 16, uint32_t(30 + b));
+          std::memcpy(k.data_as<float>() + b * heads * tokens * 16, kb.data_as<float>(), size_t(kb.numel()) * 4);
+          std::memcpy(v.data_as<float>() + b * heads * tokens * 16, vb.data_as<float>(), size_t(vb.numel()) * 4);
+        }
+        auto all = make_cache("kvtc", cfg, settings);
+        all->append(k.view(), v.view());
+        const KVPair together = all->fetch(DType::kF32);
+        cfg.n_kv_heads = 1;
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < heads; ++h) {
+            const int64_t at = (b * heads + h) * tokens * 16;
+            const TensorView kh = TensorView::contiguous(k.data_as<float>() + at, DType::kF32, {1, 1, tokens, 16});
+            const TensorView vh = TensorView::contiguous(v.data_as<float>() + at, DType::kF32, {1, 1, tokens, 16});
+            auto one = make_cache("kvtc", cfg, settings);
+            one->append(kh, vh);
+            const KVPair alone = one->fetch(DType::kF32);
+            for (int64_t i = 0; i < tokens * 16; ++i) {
+              ASSERT_EQ(together.keys.data_as<float>()[at + i], alone.keys.data_as<float>()[i])
+                  << "heads " << heads << " row " << b << "," << h << " at " << i;
+              ASSERT_EQ(together.values.data_as<float>()[at + i], alone.values.data_as<float>()[i])
+                  << "heads " << heads << " row " << b << "," << h << " at " << i;
+            }
+          }
+      }
+}
+
+}  // namespace

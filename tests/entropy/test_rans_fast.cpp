@@ -617,6 +617,81 @@ TEST(RansFast, PairMatchesTwoDecodes) {
   }
 }
 
+// rans_decode_streams of 1 to 4 streams (four in lockstep where all are
+// packed, pairs, streams stepping alone at groups with looked-up lanes or
+// past the group decoder's limits) against portable decodes one by one:
+// same symbols, and on damaged input the first failing stream's error.
+// Most streams share one of a few packed column sets (a cache's keys and
+// values of two heads), so the four-stream lockstep runs long.
+TEST(RansFast, StreamsMatchDecodesOneByOne) {
+  std::mt19937_64 rng(2026);
+  size_t lockstep_trials = 0;
+  for (int trial = 0; trial < 240; ++trial) {
+    const size_t n = 1 + size_t(trial % 4);
+    std::vector<StreamCase> cases;
+    for (size_t j = 0; j < n; ++j) cases.push_back(make_stream_case(rng, trial % 3 == 0 ? 6 * (trial + int(j)) : trial + int(j)));
+    bool all_packed = n == 4;
+    std::vector<std::vector<const RansDecodeTable*>> dps;
+    std::vector<RansGroupTables> pre;
+    for (const StreamCase& c : cases) {
+      dps.push_back(c.dp());
+      pre.push_back(rans_group_tables(dps.back()));
+      all_packed &= pre.back().usable && pre.back().packed;
+    }
+    lockstep_trials += all_packed;
+    for (int d = -1; d < 6; ++d) {
+      // Damage in one stream, or (d odd) in two: the earlier one's error wins.
+      const size_t hit = size_t(rng() % n), hit2 = size_t(rng() % n);
+      std::vector<std::vector<uint8_t>> bytes;
+      for (size_t j = 0; j < n; ++j)
+        bytes.push_back(d >= 0 && (j == hit || (d % 2 == 1 && j == hit2)) ? damaged(cases[j].bytes, d, rng)
+                                                                           : cases[j].bytes);
+      std::vector<std::vector<uint16_t>> got, want;
+      std::string e_got = "ok", e_want = "ok";
+      for (size_t j = 0; j < n; ++j) {
+        got.emplace_back(cases[j].rows * cases[j].cols, 1);
+        want.emplace_back(cases[j].rows * cases[j].cols, 2);
+      }
+      try {
+        for (size_t j = 0; j < n; ++j)
+          rans_decode_portable(bytes[j].data(), bytes[j].size(), cases[j].rows, cases[j].cols, dps[j], want[j].data());
+      } catch (const Error& e) {
+        e_want = e.what();
+      }
+      try {
+        RansDecodeJob jobs[kRansMaxStreams];
+        for (size_t j = 0; j < n; ++j) {
+          jobs[j].data = bytes[j].data(), jobs[j].size = bytes[j].size();
+          jobs[j].n_rows = cases[j].rows, jobs[j].n_cols = cases[j].cols, jobs[j].tables = &dps[j];
+          jobs[j].out = got[j].data();
+          if (trial % 2) jobs[j].groups = &pre[j];  // prebuilt tables (with windows) every other trial
+        }
+        rans_decode_streams(jobs, n);
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kFormat);
+        e_got = e.what();
+      }
+      ASSERT_EQ(e_got, e_want) << "trial " << trial << " damage " << d;
+      if (e_want == "ok")
+        for (size_t j = 0; j < n; ++j) {
+          ASSERT_EQ(got[j], want[j]) << "trial " << trial << " damage " << d << " stream " << j;
+          if (d < 0) ASSERT_EQ(got[j], cases[j].sym) << "trial " << trial << " stream " << j;
+        }
+    }
+  }
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  if (simd_avx2()) EXPECT_GE(lockstep_trials, 10u);  // four packed streams: the four-stream lockstep ran
+#endif
+  RansDecodeJob five[kRansMaxStreams + 1];
+  try {
+    rans_decode_streams(five, kRansMaxStreams + 1);
+    FAIL() << "five streams were accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("at most 4"), std::string::npos) << e.what();
+  }
+}
+
 // The window search (RansGroupTables::Group::windowed): peaked tables of
 // up to 64 symbols (as a KV head's leading components have) get windows;
 // symbols inside every lane's window, and symbols far in the tails (every

@@ -756,6 +756,61 @@ TEST(Codec, DecodePairMatchesTwoDecodes) {
     }
 }
 
+// decode_blocks of 3 and 4 blocks (four rANS streams in lockstep, a fixed
+// coder among them falling back) == decode_block of each: bit-identical
+// outputs, and the error of the first bad block; more than four refused.
+TEST(Codec, DecodeBlocksMatchesDecodesOneByOne) {
+  const int dim = 32;
+  const int64_t n = 192;
+  const CodecOptions defaults;
+  std::vector<std::vector<float>> x;
+  std::vector<HeadParams> params;
+  for (int j = 0; j < 4; ++j) {
+    x.push_back(correlated(n, dim, 60 + uint64_t(j)));
+    CodecOptions o = defaults;
+    o.allocator = Allocator::kRate;
+    o.target_rel_mse = 0.01 * (j + 1);
+    params.push_back(fit(x.back(), n, dim, o));
+  }
+  CodecOptions fixed = defaults;
+  fixed.coder = CoderChoice::kFixed;
+  const HeadParams pf = fit(x[3], n, dim, fixed);
+  for (int64_t m : {int64_t(5), int64_t(64), int64_t(192)})
+    for (size_t count : {size_t(3), size_t(4)})
+      for (int variant = 0; variant < 2; ++variant) {
+        std::vector<const HeadParams*> ps;
+        std::vector<std::vector<uint8_t>> enc;
+        for (size_t j = 0; j < count; ++j) {
+          ps.push_back(variant == 1 && j == 2 ? &pf : &params[j]);
+          enc.push_back(encode_block(*ps[j], x[j].data(), m));
+        }
+        std::vector<std::vector<float>> want(count, std::vector<float>(size_t(m * dim), 1.0f));
+        std::vector<std::vector<float>> got(count, std::vector<float>(size_t(m * dim), 2.0f));
+        for (size_t j = 0; j < count; ++j) decode_block(*ps[j], enc[j].data(), enc[j].size(), m, want[j].data());
+        BlockDecode blocks[kMaxBlocksTogether];
+        for (size_t j = 0; j < count; ++j) blocks[j] = {ps[j], enc[j].data(), enc[j].size(), got[j].data()};
+        decode_blocks(blocks, count, m);
+        for (size_t j = 0; j < count; ++j) ASSERT_EQ(got[j], want[j]) << "m " << m << " block " << j;
+        // The third block truncated: its error, as decode_block gives it.
+        std::string e_want, e_got;
+        try {
+          decode_block(*ps[2], enc[2].data(), enc[2].size() - 1, m, want[2].data());
+        } catch (const Error& e) {
+          e_want = e.what();
+        }
+        blocks[2].size -= 1;
+        try {
+          decode_blocks(blocks, count, m);
+        } catch (const Error& e) {
+          e_got = e.what();
+        }
+        EXPECT_FALSE(e_want.empty());
+        EXPECT_EQ(e_got, e_want) << "m " << m << " count " << count;
+      }
+  BlockDecode five[kMaxBlocksTogether + 1];
+  EXPECT_THROW(decode_blocks(five, kMaxBlocksTogether + 1, 1), Error);
+}
+
 // A head opened with one kernel set (HeadParams::deserialize(.., kernels),
 // as the local kvtc cache opens its held bytes per call) codes exactly as
 // the fitted head with both: the same bytes from the encoder set, the same
