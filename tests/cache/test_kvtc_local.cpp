@@ -316,10 +316,12 @@ namespace {
 // cache has one head: a cache of 3 heads x batch 2 (pairs and a head
 // alone) and of 2 heads gives, head by head, exactly what caches of one of
 // its heads give (blocks paired; the fit of a head does not depend on the
-// others), for an odd and an even number of blocks; at defaults and at the
-// dp allocator's wide alphabets.
+// others), for an odd and an even number of blocks; at defaults, at the
+// dp allocator's wide alphabets, and with 2 threads (head pairs decoded
+// by an OpenMP team).
 TEST(KvtcLocal, HeadsDecodeTogetherAsAlone) {
-  for (const Settings& extra : std::vector<Settings>{{}, {{"allocator", "dp"}, {"bit_budget", "96"}}})
+  for (const Settings& extra :
+       std::vector<Settings>{{}, {{"allocator", "dp"}, {"bit_budget", "96"}}, {{"threads", "2"}}})
     for (const int64_t heads : {int64_t(2), int64_t(3)})
       for (const int64_t tokens : {int64_t(64 + 5 * 16 + 3), int64_t(64 + 6 * 16)}) {
         CacheConfig cfg;
