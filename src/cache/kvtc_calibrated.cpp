@@ -368,29 +368,34 @@ void CalibratedKvtcCache::decode(bool is_key, const Block& blk, int64_t first_co
 
 void CalibratedKvtcCache::decode_run(bool is_key, const Block* blocks, size_t count, int64_t first_coded, int64_t b,
                                      float* out) const {
-  // Closed blocks of one length decode together (kvtc::decode_blocks:
-  // their rANS streams, of one tensor's parameters and about the same
-  // length, stay in lockstep to their ends; keys and values may keep very
-  // different numbers of components, so they are not mixed).
-  bool together = count > 1;
-  for (size_t j = 0; j < count; ++j) together &= !blocks[j].open && blocks[j].tokens == blocks[0].tokens;
-  if (!together) {
-    for (size_t j = 0; j < count; ++j) {
-      decode(is_key, blocks[j], first_coded, b, out);
-      first_coded += blocks[j].tokens;
-      out += blocks[j].tokens * vdim();
+  // The leading closed blocks of one length decode together
+  // (kvtc::decode_blocks: their rANS streams, of one tensor's parameters
+  // and about the same length, stay in lockstep to their ends; keys and
+  // values may keep very different numbers of components, so they are not
+  // mixed); the rest (the open block, the only one that may be partial)
+  // one by one.
+  size_t together = 0;
+  while (together < count && !blocks[together].open && blocks[together].tokens == blocks[0].tokens) ++together;
+  if (together >= 2) {
+    const kvtc::HeadParams& p = params(is_key);
+    const int64_t n = blocks[0].tokens;
+    kvtc::BlockDecode jobs[kvtc::kMaxBlocksTogether];
+    for (size_t j = 0; j < together; ++j) {
+      const auto& payload = blocks[j].payload[size_t(b)];
+      jobs[j] = {&p, payload.data(), payload.size(), out + int64_t(j) * n * vdim()};
     }
-    return;
+    kvtc::decode_blocks(jobs, together, n);
+    for (size_t j = 0; j < together; ++j) finish_decode(is_key, blocks[j], first_coded + int64_t(j) * n, b, jobs[j].out);
+    first_coded += int64_t(together) * n;
+    out += int64_t(together) * n * vdim();
+  } else {
+    together = 0;
   }
-  const kvtc::HeadParams& p = params(is_key);
-  const int64_t n = blocks[0].tokens;
-  kvtc::BlockDecode jobs[kvtc::kMaxBlocksTogether];
-  for (size_t j = 0; j < count; ++j) {
-    const auto& payload = blocks[j].payload[size_t(b)];
-    jobs[j] = {&p, payload.data(), payload.size(), out + int64_t(j) * n * vdim()};
+  for (size_t j = together; j < count; ++j) {
+    decode(is_key, blocks[j], first_coded, b, out);
+    first_coded += blocks[j].tokens;
+    out += blocks[j].tokens * vdim();
   }
-  kvtc::decode_blocks(jobs, count, n);
-  for (size_t j = 0; j < count; ++j) finish_decode(is_key, blocks[j], first_coded + int64_t(j) * n, b, jobs[j].out);
 }
 
 namespace {
