@@ -376,7 +376,8 @@ void CalibratedKvtcCache::decode_run(bool is_key, const Block* blocks, size_t co
   // one by one.
   size_t together = 0;
   while (together < count && !blocks[together].open && blocks[together].tokens == blocks[0].tokens) ++together;
-  if (together >= 2) {
+  if (together < 2) together = 0;  // one block alone: decode() below
+  if (together > 0) {
     const kvtc::HeadParams& p = params(is_key);
     const int64_t n = blocks[0].tokens;
     kvtc::BlockDecode jobs[kvtc::kMaxBlocksTogether];
@@ -388,8 +389,6 @@ void CalibratedKvtcCache::decode_run(bool is_key, const Block* blocks, size_t co
     for (size_t j = 0; j < together; ++j) finish_decode(is_key, blocks[j], first_coded + int64_t(j) * n, b, jobs[j].out);
     first_coded += int64_t(together) * n;
     out += int64_t(together) * n * vdim();
-  } else {
-    together = 0;
   }
   for (size_t j = together; j < count; ++j) {
     decode(is_key, blocks[j], first_coded, b, out);

@@ -536,6 +536,8 @@ struct SimdStream {
   __m256i X;
 
   bool can_step() const { return group_fits(i, n_coded, p, end); }
+  // The group that starts at column k0 of the cycle (k0 itself: the next one).
+  const SimdGroup& group(size_t at) const { return groups[group_at[at]]; }
 
   // A group marked scalar: the 8 lanes through scalar_group, out of line
   // and by value, so that no address of the stream escapes the loops that
@@ -558,7 +560,7 @@ struct SimdStream {
 
   __attribute__((always_inline)) inline void step() {
     const __m256i one = ld(k->one);
-    const SimdGroup& g = groups[group_at[k0]];
+    const SimdGroup& g = group(k0);
     if (g.scalar) {
       step_scalar();
       return;
@@ -1245,7 +1247,7 @@ __attribute__((always_inline)) inline void step_lockstep(SimdStream* const* S, P
   uint32_t common = ~0u;
 #pragma GCC unroll 4
   for (int j = 0; j < N; ++j) {
-    const SimdGroup& g = S[j]->groups[S[j]->group_at[c[j].k0]];
+    const SimdGroup& g = S[j]->group(c[j].k0);
     q[j] = _mm256_srlv_epi32(c[j].X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.scale)));
     slot[j] = _mm256_and_si256(c[j].X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.mask)));
     const __m256i bound = _mm256_or_si256(_mm256_slli_epi32(slot[j], 19), ld(k->key_low));
@@ -1303,7 +1305,7 @@ __attribute__((noinline)) void run_lockstep_vector(SimdStream* const* S) {
     bool go = true;
 #pragma GCC unroll 4
     for (int j = 0; j < N; ++j)
-      go &= group_fits(c[j].i, S[j]->n_coded, c[j].p, S[j]->end) & !S[j]->groups[S[j]->group_at[c[j].k0]].apart;
+      go &= group_fits(c[j].i, S[j]->n_coded, c[j].p, S[j]->end) & !S[j]->group(c[j].k0).apart;
     if (!go) break;
     step_lockstep<N>(S, c);
   }
@@ -1323,7 +1325,7 @@ void run_lockstep(SimdStream* const* S) {
     for (int j = 0; j < N; ++j)
       if (!S[j]->can_step()) return;
     for (int j = 0; j < N; ++j)
-      if (S[j]->groups[S[j]->group_at[S[j]->k0]].apart) S[j]->step();
+      if (S[j]->group(S[j]->k0).apart) S[j]->step();
   }
 }
 KVCODEC_AVX2_END
@@ -1427,6 +1429,14 @@ class Decoder {
     take(st);
   }
 #endif
+
+  // A started stream decoded on its own: its group decoder, then finish().
+  void run_alone() {
+#ifdef KVCODEC_RANS_AVX2
+    run_simd();
+#endif
+    finish();
+  }
 
   void finish() {
     if (i_ < n_coded_) build_ext();
@@ -1554,11 +1564,7 @@ void rans_decode_impl(const uint8_t* data, size_t size, size_t n_rows, size_t n_
                       const std::vector<const RansDecodeTable*>& tables, uint16_t* out, bool allow_simd,
                       const RansGroupTables* pre = nullptr) {
   Decoder& d = decoder(0);
-  if (!d.start(data, size, n_rows, n_cols, tables, out, allow_simd, pre)) return;
-#ifdef KVCODEC_RANS_AVX2
-  d.run_simd();
-#endif
-  d.finish();
+  if (d.start(data, size, n_rows, n_cols, tables, out, allow_simd, pre)) d.run_alone();
 }
 
 }  // namespace
@@ -1582,13 +1588,8 @@ void rans_decode_streams(const RansDecodeJob* jobs, size_t n) {
     } catch (const Error&) {
       // As calls one by one would: the streams before it decoded (and the
       // first error among them thrown first).
-      for (size_t i = 0; i < j; ++i) {
-        if (!started[i]) continue;
-#ifdef KVCODEC_RANS_AVX2
-        d[i]->run_simd();
-#endif
-        d[i]->finish();
-      }
+      for (size_t i = 0; i < j; ++i)
+        if (started[i]) d[i]->run_alone();
       throw;
     }
   }
