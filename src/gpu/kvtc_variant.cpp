@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
 #include <string>
 
 #include "kvcodec/error.hpp"
@@ -38,6 +41,29 @@ float bf16_bits_to_f32(uint16_t b) {
   std::memcpy(&v, &u, 4);
   return v;
 }
+
+namespace {
+// Head h's integer projection tables, as the CPU codec builds them for p
+// (none when it builds none: the head keeps the float projection); built
+// once per parameter set (the calibrated format repeats a layer's per
+// batch row).
+void flatten_integer_projection(const kvtc::HeadParams& p, int h, FlatKvtcTables& t,
+                                std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>>& built) {
+  std::shared_ptr<const kvtc::HeadKernels>& kern = built[&p];
+  if (!kern) kern = kvtc::HeadKernels::build(p, kvtc::KernelSet::kEncode);
+  if (!kern->proj_int) return;
+  const size_t D = size_t(t.dim), KP = size_t(t.k_pad), K = size_t(p.n_kept()), dp2 = (D + 1) / 2;
+  for (size_t k = 0; k < K; ++k) {
+    t.proj_qscale[t.idx(h, int(k))] = kern->proj_qscale[k];
+    for (size_t d = 0; d < D; ++d)
+      t.proj_w[(size_t(h) * KP + k) * D + d] = kern->proj_w[kvtc::proj_w_index(k, d, dp2)];
+  }
+  t.proj_scale[size_t(h)] = kern->proj_scale;
+  t.proj_max_abs[size_t(h)] = kern->proj_max_abs;
+  t.proj_max_sq[size_t(h)] = kern->proj_max_sq;
+  t.proj_int[size_t(h)] = 1;
+}
+}  // namespace
 
 FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) {
   FlatKvtcTables t;
@@ -78,6 +104,13 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
   t.inv_scale.assign(NH * D, 1.0f);
   t.rope.assign(NH, 0);
   t.rope_dim = t.dim;
+  t.proj_int.assign(NH, 0);
+  t.proj_w.assign(NH * KP * D, 0);
+  t.proj_qscale.assign(NH * KP, 0.0f);
+  t.proj_scale.assign(NH, 0.0f);
+  t.proj_max_abs.assign(NH, 0.0f);
+  t.proj_max_sq.assign(NH, 0.0f);
+  std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>> built;
   for (size_t h = 0; h < NH; ++h) {
     const kvtc::HeadParams& p = *heads[h];
     const int K = p.n_kept();
@@ -117,6 +150,7 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
       t.slot_base[i] = t.slot_symbol.size();
       for (uint32_t s = 0; s < q.levels; ++s) t.slot_symbol.insert(t.slot_symbol.end(), ft.freq[s], uint16_t(s));
     }
+    if (K > 0) flatten_integer_projection(p, int(h), t, built);
   }
   return t;
 }
@@ -199,17 +233,59 @@ void rope_token(const FlatKvtcTables& t, float* v, int64_t position, bool remove
 
 }  // namespace
 
+void weighted_rows_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, float* out,
+                             int64_t position0) {
+  check_head(t, h);
+  const int D = t.dim;
+  const float* scale = t.scale.data() + size_t(h) * size_t(D);
+  for (int64_t i = 0; i < n; ++i) {
+    float* xr = out + i * D;
+    for (int d = 0; d < D; ++d) xr[d] = bf16_bits_to_f32(x[i * D + d]);
+    if (t.rope[size_t(h)]) rope_token(t, xr, position0 + i, /*remove=*/true);
+    for (int d = 0; d < D; ++d) xr[d] = xr[d] * scale[d];
+  }
+}
+
+namespace {
+// The integer projection's codes [K] of one centred row xc [D]
+// (kvtc_variant.hpp); false, writing nothing, when the row does not fit.
+bool integer_codes(const FlatKvtcTables& t, int h, const float* xc, uint16_t* codes) {
+  const int D = t.dim, K = t.kept[size_t(h)];
+  const float ps = t.proj_scale[size_t(h)];
+  float m = 0.0f, lane[8] = {};
+  for (int d = 0; d < D; ++d) {
+    m = std::max(m, std::fabs(xc[d]));
+    lane[d % 8] = std::fma(xc[d], xc[d], lane[d % 8]);
+  }
+  const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  if (!(std::fabs(ss) < std::numeric_limits<float>::infinity() && m * ps <= t.proj_max_abs[size_t(h)] &&
+        ss * (ps * ps) <= t.proj_max_sq[size_t(h)]))
+    return false;
+  std::vector<int32_t> xi(static_cast<size_t>(D));
+  for (int d = 0; d < D; ++d) xi[size_t(d)] = int32_t(std::nearbyint(xc[d] * ps));
+  for (int k = 0; k < K; ++k) {
+    const int16_t* w = t.proj_w.data() + (size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D);
+    int32_t acc = 0;  // a fitting row keeps every partial sum below 2^31
+    for (int d = 0; d < D; ++d) acc += xi[size_t(d)] * int32_t(w[d]);
+    const size_t q = t.idx(h, k);
+    const float y = std::fma(float(acc), t.proj_qscale[q], t.code_offset[q]);
+    const float v = t.max_code[q] < y ? t.max_code[q] : y;
+    codes[k] = v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
+  }
+  return true;
+}
+}  // namespace
+
 void quantize_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, uint16_t* codes,
                         int64_t position0) {
   check_head(t, h);
   const int D = t.dim, K = t.kept[size_t(h)];
   const float* mean = t.mean.data() + size_t(h) * size_t(D);
-  const float* scale = t.scale.data() + size_t(h) * size_t(D);
   std::vector<float> xc(static_cast<size_t>(D));
   for (int64_t i = 0; i < n; ++i) {
-    for (int d = 0; d < D; ++d) xc[size_t(d)] = bf16_bits_to_f32(x[i * D + d]);
-    if (t.rope[size_t(h)]) rope_token(t, xc.data(), position0 + i, /*remove=*/true);
-    for (int d = 0; d < D; ++d) xc[size_t(d)] = xc[size_t(d)] * scale[d] - mean[d];
+    weighted_rows_reference(t, h, x + i * D, 1, xc.data(), position0 + i);
+    for (int d = 0; d < D; ++d) xc[size_t(d)] = xc[size_t(d)] - mean[d];
+    if (t.proj_int[size_t(h)] && integer_codes(t, h, xc.data(), codes + i * K)) continue;
     for (int k = 0; k < K; ++k) {
       const float* b = t.basis.data() + (size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D);
       float acc = 0.0f;

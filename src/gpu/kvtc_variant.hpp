@@ -4,8 +4,10 @@
 //
 // Why a variant: the CPU codec's rANS stream has 8 interleaved lanes, so a
 // block decodes on at most 8 threads. Here one stream is one (head, block of
-// T tokens) and has 32 lanes, one per thread of a warp, and the projection
-// runs in a fixed fp32 order so codes are bit-identical on CPU and GPU.
+// T tokens) and has 32 lanes, one per thread of a warp. The projection is
+// the CPU codec's integer one (exact int32 sums of int16 products, so any
+// order gives the same codes: CPU and GPU, and the CPU codec's own), with a
+// fixed fp32 order where a head or a row cannot take it.
 //
 // Input/output KV is bf16, laid out [NH, S, D] (NH = layers x batch x kv
 // heads flattened, each head's tokens contiguous). Stream i = h * n_blocks + b
@@ -14,8 +16,21 @@
 // Arithmetic (identical on both sides, no contraction):
 //   xr      = x[t] as f32 (bf16_to_f32), RoPE removed when rope[h] (below)
 //   xc[d]   = xr[d] * scale[d] - mean[d]          (scale = 1: kvtc-gpu/2 as before)
-//   c[t][k] = acc over d = 0..D-1 of acc = fmaf(xc[d], basis[k][d], acc), acc0 = 0
-//   code    = clamp(floorf(fmaf(c, inv_step[k], code_offset[k])), 0, levels-1)
+//   code    = the integer projection's code when the head has one
+//             (proj_int[h]) and the token's row fits it, else the float one:
+//   integer (the CPU codec's default projection, HeadKernels::proj_int, the
+//   same tables and arithmetic, so the same codes as kvtc::quantize_block
+//   on the rows xr * scale):
+//     fits    = |ss| < inf && m * ps <= proj_max_abs && ss * (ps * ps) <= proj_max_sq,
+//               m = max |xc[d]|, ss = ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)),
+//               l_e = fmaf chain of xc[d]^2 over d = e, e + 8, ... (ps = proj_scale[h])
+//     xi[d]   = int16 rintf(xc[d] * ps) (round to nearest even)
+//     acc[k]  = sum over d of xi[d] * proj_w[k][d] (exact int32)
+//     code    = y = fmaf(float(acc), proj_qscale[k], code_offset[k]);
+//               min(levels-1, y) truncated, 0 when negative
+//   float (a head without the integer tables, or a row that does not fit):
+//     c[t][k] = acc over d = 0..D-1 of acc = fmaf(xc[d], basis[k][d], acc), acc0 = 0
+//     code    = clamp(floorf(fmaf(c, inv_step[k], code_offset[k])), 0, levels-1)
 //   v[k]    = (float(code) - recon_offset[k]) * step[k]
 //   yw[d]   = (acc + mean[d]) * inv_scale[d], acc over k = 0..K-1 of fmaf(v[k], basis[k][d], acc)
 //   y[t][d] = bf16_rne(yw[d]), RoPE re-applied first when rope[h]
@@ -93,6 +108,12 @@ struct FlatKvtcTables {
   int64_t rope_positions = 0;        // rows of rope_cos / rope_sin
   std::vector<float> rope_cos, rope_sin;  // [rope_positions, rope_dim / 2]
   int sinks = 0, window = 0;         // raw tokens at each head's start / end (calibrated format)
+  // The integer projection (HeadKernels::proj_int of each head's parameters;
+  // heads without it keep proj_int 0 and take the float projection).
+  std::vector<uint8_t> proj_int;     // [NH]
+  std::vector<int16_t> proj_w;       // [NH, k_pad, D] W[k][d], rows >= kept are 0
+  std::vector<float> proj_qscale;    // [NH, k_pad]
+  std::vector<float> proj_scale, proj_max_abs, proj_max_sq;  // [NH]
 
   size_t idx(int h, int k) const { return size_t(h) * size_t(k_pad) + size_t(k); }
 };
@@ -115,6 +136,11 @@ int64_t coded_tokens(const FlatKvtcTables& t, int64_t seq);
 uint16_t f32_to_bf16_rne(float v);
 float bf16_bits_to_f32(uint16_t b);
 
+// One head h: the rows the projection centres, xr * scale [n, D] (RoPE
+// removed at position0 + i): what kvtc::quantize_block takes for the same
+// codes (tested).
+void weighted_rows_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, float* out,
+                             int64_t position0 = 0);
 // One head h: x [n, D] bf16 -> codes [n, K]; codes -> y [n, D] bf16; token
 // i at position position0 + i (used by RoPE heads only).
 void quantize_reference(const FlatKvtcTables& t, int h, const uint16_t* x, int64_t n, uint16_t* codes,

@@ -577,9 +577,6 @@ KVCODEC_TARGET_AVX2 __attribute__((flatten)) bool build_recon_int_avx2(const Hea
 }
 #endif
 
-// Index of W[k][d] in HeadKernels::proj_w ([ceil(K/8)][Dp/2][8][2]).
-inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
-
 // The integer projection's tables (HeadKernels::proj_int); false, with the
 // tables cleared, when the basis or a quantizer does not allow them.
 // Row k of the projection's weights into proj_w's layout: pairs of

@@ -94,6 +94,9 @@ struct HeadParams;
 // the integer kernels' weights. Immutable once built (rans_groups points into
 // rans_decode, so it is never copied or moved), held by shared_ptr: every
 // copy of the parameters, and every cache using them, shares one.
+// Index of W[k][d] in HeadKernels::proj_w ([ceil(K/8)][Dp/2][8][2]; dp2 = Dp / 2).
+inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
+
 struct HeadKernels {
   KernelSet set = KernelSet::kNone;
   // The decoder's slot tables and the encoder's division-free constants.
@@ -168,7 +171,7 @@ struct HeadKernels {
   // proj_w is laid out [ceil(K/8)][Dp/2][8][2] (Dp = D rounded up to even).
   // Set by build() when the basis and the steps are finite and the
   // steps nonzero; false otherwise (the float kernel runs).
-  std::vector<int16_t> proj_w;       // [ceil(K/8)][Dp/2][8][2]
+  std::vector<int16_t> proj_w;       // [ceil(K/8)][Dp/2][8][2]: W[k][d] at proj_w_index(k, d, Dp / 2)
   std::vector<float> proj_qscale;    // [K8]
   // The basis transposed [D][K8] (K8 = K rounded up to 8, padded with 0),
   // the float projection's operand; only in kHeld sets (empty: transposed

@@ -59,23 +59,41 @@ TEST(KvtcVariant, Bf16RoundingIsNearestEven) {
   EXPECT_TRUE(std::isnan(bf16_bits_to_f32(f32_to_bf16_rne(NAN))));
 }
 
-TEST(KvtcVariant, CodesAgreeWithTheCpuCodecUpToBoundaryTies) {
+TEST(KvtcVariant, CodesAreTheCpuCodecs) {
   const int dim = 64;
   const int64_t n = 512;
   const std::vector<uint16_t> x = synth_bf16(n, dim, 11);
   const kvtc::HeadParams p = fit(x.data(), n, dim);
+  ASSERT_TRUE(p.derived().proj_int);
   const FlatKvtcTables t = flatten_heads({&p});
+  ASSERT_EQ(t.proj_int[0], 1);
   const int K = p.n_kept();
   ASSERT_GT(K, 8);
+  // Row 7 times 2^20 (exact in bf16): longer than the quantizers' cells
+  // reach, so too long for the integer projection on both sides.
+  std::vector<uint16_t> xw = x;
+  for (int d = 0; d < dim; ++d) xw[size_t(7 * dim + d)] = uint16_t(xw[size_t(7 * dim + d)] + (20u << 7));
   std::vector<uint16_t> mine(size_t(n * K)), cpu(size_t(n * K));
-  quantize_reference(t, 0, x.data(), n, mine.data());
+  quantize_reference(t, 0, xw.data(), n, mine.data());
+  const std::vector<float> xwf = to_f32(xw.data(), xw.size());
+  // The integer projection: the CPU codec's default path, code for code
+  // (row 7 included: both take a float projection there, and it clamps).
+  kvtc::quantize_block_path(p, xwf.data(), n, cpu.data(), kvtc::QuantPath::kInteger);
+  for (size_t i = 0; i < mine.size(); ++i) ASSERT_EQ(mine[i], cpu[i]) << "token " << i / size_t(K);
+  // Row 7 did take the float projection: the same codes with the integer tables gone.
+  FlatKvtcTables tf = t;
+  tf.proj_int[0] = 0;
+  std::vector<uint16_t> row7(static_cast<size_t>(K));
+  quantize_reference(tf, 0, xw.data() + 7 * dim, 1, row7.data());
+  EXPECT_TRUE(std::equal(row7.begin(), row7.end(), mine.begin() + 7 * K));
   const std::vector<float> xf = to_f32(x.data(), x.size());
-  // The variant's float projection against the CPU codec's float kernel
-  // (the CPU default, the integer projection, is tested against its own
-  // rounding bound in test_codec).
+
+  // A head without the integer tables: the variant's float projection
+  // against the CPU codec's float kernel. Different summation orders may
+  // put a coefficient on the other side of a quantizer boundary: never
+  // more than one step, and rarely.
+  quantize_reference(tf, 0, x.data(), n, mine.data());
   kvtc::quantize_block_path(p, xf.data(), n, cpu.data(), kvtc::QuantPath::kFloat);
-  // Different summation orders may put a coefficient on the other side of a
-  // quantizer boundary: never more than one step, and rarely.
   size_t differ = 0;
   for (size_t i = 0; i < mine.size(); ++i) {
     ASSERT_LE(std::abs(int(mine[i]) - int(cpu[i])), 1) << "at " << i;

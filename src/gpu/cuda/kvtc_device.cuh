@@ -54,6 +54,13 @@ struct DeviceTables {
   const float* rope_cos;       // [positions, rope_dim / 2]
   const float* rope_sin;
   int rope_dim;
+  // The integer projection (kvtc_project_int.cuh; heads with proj_int).
+  const uint8_t* proj_int;     // [NH]
+  const uint4* proj_frag;      // [NH, k_pad / 8, D / 32, 32 lanes] {high bytes b0, b1, low bytes b0, b1}
+  const float* proj_qscale;    // [NH, k_pad]
+  const float* proj_scale;     // [NH]
+  const float* proj_max_abs;   // [NH]
+  const float* proj_max_sq;    // [NH]
   // Per call: each head's rows are seq tokens apart; the coded ones start at
   // row tok0, the sinks before them stay raw. Row r is at position pos0 + r
   // (pos0 = the sequence's first position: 0 for a whole prefix, a block's
@@ -203,6 +210,20 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + lo), pack_bf16x8(a));
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + hi), pack_bf16x8(b));
   }
+}
+
+// Code slot of token t, component k in a tile's staging (component-major per stream).
+__device__ __forceinline__ int code_slot(int t, int k, int KP) { return (t / kT) * (kT * KP) + k * kT + (t % kT); }
+
+// A tile's streams are consecutive code slots of kT * KP codes each (a
+// multiple of 16 bytes): both copied out as 16-byte words.
+template <typename CodeT>
+__device__ __forceinline__ void store_code_slots(const CodeT* cs, int n, int KP, CodeT* __restrict__ dst_codes) {
+  const int n_streams = n > kT ? 2 : 1;
+  const int words = int((size_t(n_streams) * kT * KP * sizeof(CodeT)) / 16);
+  uint4* dst = reinterpret_cast<uint4*>(dst_codes);
+  const uint4* src = reinterpret_cast<const uint4*>(cs);
+  for (int v = threadIdx.x; v < words; v += blockDim.x) dst[v] = src[v];
 }
 
 // Thread g of a tiled [128 tokens, 8*C columns] product: warp g/32 covers

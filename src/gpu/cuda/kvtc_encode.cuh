@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
   const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
-  if (K == 0) return;
+  if (K == 0 || tb.proj_int[h]) return;  // project_int_kernel codes the latter
   const float* mean = tb.mean + size_t(h) * D;
   const float* scl = tb.scale + size_t(h) * D;
   const bool rope = tb.rope[h] != 0;
@@ -79,20 +79,13 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
         const int t = tg * 8 + i;
         if (t < n) {
           const float v = floorf(__fmaf_rn(acc[i][j], inv, off));
-          cs[(t / kT) * (kT * KP) + k * kT + (t % kT)] = CodeT(fminf(fmaxf(v, 0.0f), mx));
+          cs[code_slot(t, k, KP)] = CodeT(fminf(fmaxf(v, 0.0f), mx));
         }
       }
     }
   }
   __syncthreads();
-  // The tile's streams are consecutive code slots of kT * KP codes each (a
-  // multiple of 16 bytes): copy both as 16-byte words.
-  const int64_t stream0 = int64_t(h) * nb + tile * 2;
-  const int n_streams = n > kT ? 2 : 1;
-  const int words = int((size_t(n_streams) * kT * KP * sizeof(CodeT)) / 16);
-  uint4* dst = reinterpret_cast<uint4*>(codes + size_t(stream0) * kT * KP);
-  const uint4* src = reinterpret_cast<const uint4*>(cs);
-  for (int v = threadIdx.x; v < words; v += kProjThreads) dst[v] = src[v];
+  store_code_slots(cs, n, KP, codes + size_t(int64_t(h) * nb + tile * 2) * kT * KP);
 }
 
 template <typename CodeT>
@@ -118,18 +111,24 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_encode_kernel(DeviceTabl
   uint8_t* slot_end = scratch + size_t(stream) * cap + cap;
   uint8_t* p = slot_end;
   uint32_t st = kVariantRansLow;
-  const int passes = (n + 31) / 32;  // steps per component
-  const int steps = K * passes;
+  // Steps in reverse: components K-1..0, each its passes over the tokens
+  // (at most two: kT = 64), pass 1 first. Component k - 1's table entries
+  // are loaded while component k codes: they do not depend on the state,
+  // and the chain code -> entry was each step's latency (one step at a
+  // time, with a division by the pass count to find its component).
+  static_assert(kT == 64, "two passes of 32 lanes per component");
+  const bool live0 = lane < n, live1 = 32 + lane < n;
   const uint4* comp = tb.comp + size_t(h) * KP;
-  for (int s = steps - 1; s >= 0; --s) {
-    const int k = s / passes;
-    const int t = (s - k * passes) * 32 + lane;
-    int ne = 0;
-    uint4 e = make_uint4(0, 0, 1, 0);
+  const uint4 idle = make_uint4(0, 0, 1, 0);
+  const auto entries = [&](int k, uint4& e0, uint4& e1, uint32_t& scale) {
     const uint4 c = __ldg(comp + k);  // the same for every lane
-    const uint32_t scale = c.w & 0xffu;  // bits 8+: the decoder's guide shift
-    if (t < n) {
-      e = __ldg(tb.sym_enc + c.z + uint32_t(cs[k * kT + t]));
+    scale = c.w & 0xffu;              // bits 8+: the decoder's guide shift
+    e0 = live0 ? __ldg(tb.sym_enc + c.z + uint32_t(cs[k * kT + lane])) : idle;
+    e1 = live1 ? __ldg(tb.sym_enc + c.z + uint32_t(cs[k * kT + 32 + lane])) : idle;
+  };
+  const auto step = [&](const uint4& e, bool live, uint32_t scale) {
+    int ne = 0;
+    if (live) {
       const uint32_t x_max = (1u << (31 - scale)) * e.z;
       ne = st >= x_max ? ((st >> 8) >= x_max ? 2 : 1) : 0;
     }
@@ -146,11 +145,23 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_encode_kernel(DeviceTabl
       st >>= 16;
     }
     p -= total;
-    if (t < n) {
+    if (live) {
       // x / f and x % f through the reciprocal: q = floor(x / f) for x < 2^31.
       const uint32_t q = __umulhi(st, e.x) >> (e.w & 0xffu);
       st = st + e.y + q * (e.w >> 8);
     }
+  };
+  const bool two_passes = n > 32;
+  uint4 e0, e1;
+  uint32_t scale;
+  entries(K - 1, e0, e1, scale);
+  for (int k = K - 1; k >= 0; --k) {
+    uint4 next0 = idle, next1 = idle;
+    uint32_t next_scale = 0;
+    if (k > 0) entries(k - 1, next0, next1, next_scale);
+    if (two_passes) step(e1, live1, scale);
+    step(e0, live0, scale);
+    e0 = next0, e1 = next1, scale = next_scale;
   }
   p -= kStateBytes;
   p[4 * lane] = uint8_t(st);

@@ -14,6 +14,10 @@
 //                   component-major [K][64] per stream, then stored with
 //                   16-byte writes into the stream's code slot (u8 when every
 //                   alphabet has <= 256 symbols, else u16).
+//   project_int_kernel  the same tiles for heads with the integer
+//                   projection (kvtc_project_int.cuh: the CPU codec's int16
+//                   products, exact on the tensor cores); project_kernel
+//                   then codes only the heads without it.
 //   rans_encode_kernel  one warp per stream: 32 lanes, steps in reverse; at
 //                   each step every lane codes the same component (one table),
 //                   reciprocal multiply instead of division (exact for states
@@ -54,6 +58,7 @@
 
 #include "gpu/cuda/kvtc_decode.cuh"
 #include "gpu/cuda/kvtc_encode.cuh"
+#include "gpu/cuda/kvtc_project_int.cuh"
 
 namespace kvcodec::gpu {
 namespace {
@@ -114,6 +119,8 @@ struct KvtcGpuCodec::Impl {
   bool wide_codes = false;  // some alphabet has > 256 symbols: u16 code slots
   Reconstruction recon = Reconstruction::kExactFp32;
   size_t cum_smem = 0;      // bytes of shared memory per decode CTA for guide + cum tables (0: global)
+  // Which projection kernels have heads to code (FlatKvtcTables::proj_int).
+  bool any_int_projection = false, any_float_projection = false;
   uint64_t cap = 0;         // scratch bytes per stream: states + at most 2 bytes per symbol
   uint8_t* scratch = nullptr;
   void* codes = nullptr;    // [n_streams, kT * k_pad] code slots
@@ -168,11 +175,22 @@ struct KvtcGpuCodec::Impl {
     const unsigned grid = unsigned(int64_t(h1 - h0) * tiles);
     const size_t smem = size_t(flat.dim) * kTilePad * 4 + 2 * size_t(kT) * flat.k_pad * sizeof(CodeT);
     CodeT* c = static_cast<CodeT*>(codes);
-    if (flat.dim == 64)
-      project_kernel<64, CodeT><<<grid, kProjThreads, smem, s>>>(dev, x, tokens, nb, tiles, h0, c);
-    else
-      project_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, x, tokens, nb, tiles, h0, c);
-    check_cuda(cudaGetLastError(), "project_kernel launch");
+    // Each kernel codes its heads and returns at once for the others.
+    if (any_float_projection) {
+      if (flat.dim == 64)
+        project_kernel<64, CodeT><<<grid, kProjThreads, smem, s>>>(dev, x, tokens, nb, tiles, h0, c);
+      else
+        project_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, x, tokens, nb, tiles, h0, c);
+      check_cuda(cudaGetLastError(), "project_kernel launch");
+    }
+    if (any_int_projection) {
+      const size_t ismem = project_int_smem(flat.dim, flat.k_pad, sizeof(CodeT));
+      if (flat.dim == 64)
+        project_int_kernel<64, CodeT><<<grid, kProjThreads, ismem, s>>>(dev, x, tokens, nb, tiles, h0, c);
+      else
+        project_int_kernel<128, CodeT><<<grid, kProjThreads, ismem, s>>>(dev, x, tokens, nb, tiles, h0, c);
+      check_cuda(cudaGetLastError(), "project_int_kernel launch");
+    }
   }
   template <typename CodeT>
   void launch_rans_encode(int64_t tokens, int h0, int h1, cudaStream_t s) {
@@ -350,6 +368,42 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
             }
     m.dev.basis_frag = upload(frag, m.owned);
   }
+  {
+    // The integer projection's weights, each int16 split into its high
+    // (signed) and low (unsigned) byte, in m16n8k32 B-fragment order: per
+    // (head, component group of 8, k-step of 32 dims), lane l (n = l / 4,
+    // dims 4 (l % 4) + i and 16 + 4 (l % 4) + i in byte i) holds {high
+    // bytes of b0, b1, low bytes of b0, b1}: one 16-byte load, a warp's 512
+    // contiguous bytes.
+    const int D = f.dim, KP = f.k_pad;
+    std::vector<uint4> frag(size_t(f.n_heads) * size_t(KP / 8) * size_t(D / 32) * 32);
+    for (int h = 0; h < f.n_heads; ++h)
+      for (int ng = 0; ng < KP / 8; ++ng)
+        for (int ks = 0; ks < D / 32; ++ks)
+          for (int l = 0; l < 32; ++l) {
+            const int k = ng * 8 + l / 4;
+            uint32_t w[4] = {0, 0, 0, 0};
+            for (int half = 0; half < 2; ++half)
+              for (int i = 0; i < 4; ++i) {
+                const int d = ks * 32 + half * 16 + (l % 4) * 4 + i;
+                const uint16_t v = uint16_t(f.proj_w[(size_t(h) * KP + size_t(k)) * D + size_t(d)]);
+                w[half] |= uint32_t(v >> 8) << (8 * i);
+                w[2 + half] |= uint32_t(v & 0xffu) << (8 * i);
+              }
+            frag[((size_t(h) * (KP / 8) + size_t(ng)) * (D / 32) + size_t(ks)) * 32 + size_t(l)] =
+                make_uint4(w[0], w[1], w[2], w[3]);
+          }
+    m.dev.proj_frag = upload(frag, m.owned);
+    m.dev.proj_int = upload(f.proj_int, m.owned);
+    m.dev.proj_qscale = upload(f.proj_qscale, m.owned);
+    m.dev.proj_scale = upload(f.proj_scale, m.owned);
+    m.dev.proj_max_abs = upload(f.proj_max_abs, m.owned);
+    m.dev.proj_max_sq = upload(f.proj_max_sq, m.owned);
+    for (int h = 0; h < f.n_heads; ++h) {
+      if (f.kept[size_t(h)] == 0) continue;
+      (f.proj_int[size_t(h)] ? m.any_int_projection : m.any_float_projection) = true;
+    }
+  }
   m.dev.inv_step = upload(f.inv_step, m.owned);
   m.dev.code_offset = upload(f.code_offset, m.owned);
   m.dev.max_code = upload(f.max_code, m.owned);
@@ -441,6 +495,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   check_cuda(cudaMallocHost(&p, 8), "cudaMallocHost");
   m.total_host = static_cast<uint64_t*>(p);
   const int proj_smem = int(size_t(f.dim) * kTilePad * 4 + 2 * size_t(kT) * f.k_pad * code_bytes);
+  const int int8_smem = int(project_int_smem(f.dim, f.k_pad, 1)), int16_smem = int(project_int_smem(f.dim, f.k_pad, 2));
   const int rec_smem = int(rec_smem_bytes(f.k_pad, f.dim));
   const int tc_smem = int(tc_smem_bytes(f.k_pad, f.dim));
   const int fused8 = int(m.fused_smem(1)), fused16 = int(m.fused_smem(2));
@@ -448,6 +503,8 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   if (f.dim == 64) {
     attr(reinterpret_cast<const void*>(project_kernel<64, uint8_t>), proj_smem);
     attr(reinterpret_cast<const void*>(project_kernel<64, uint16_t>), proj_smem);
+    attr(reinterpret_cast<const void*>(project_int_kernel<64, uint8_t>), int8_smem);
+    attr(reinterpret_cast<const void*>(project_int_kernel<64, uint16_t>), int16_smem);
     attr(reinterpret_cast<const void*>(reconstruct_kernel<64, uint8_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_kernel<64, uint16_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint8_t>), tc_smem);
@@ -457,6 +514,8 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   } else {
     attr(reinterpret_cast<const void*>(project_kernel<128, uint8_t>), proj_smem);
     attr(reinterpret_cast<const void*>(project_kernel<128, uint16_t>), proj_smem);
+    attr(reinterpret_cast<const void*>(project_int_kernel<128, uint8_t>), int8_smem);
+    attr(reinterpret_cast<const void*>(project_int_kernel<128, uint16_t>), int16_smem);
     attr(reinterpret_cast<const void*>(reconstruct_kernel<128, uint8_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_kernel<128, uint16_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint8_t>), tc_smem);
