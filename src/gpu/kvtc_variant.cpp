@@ -261,12 +261,12 @@ bool integer_codes(const FlatKvtcTables& t, int h, const float* xc, uint16_t* co
   if (!(std::fabs(ss) < std::numeric_limits<float>::infinity() && m * ps <= t.proj_max_abs[size_t(h)] &&
         ss * (ps * ps) <= t.proj_max_sq[size_t(h)]))
     return false;
-  std::vector<int32_t> xi(static_cast<size_t>(D));
-  for (int d = 0; d < D; ++d) xi[size_t(d)] = int32_t(std::nearbyint(xc[d] * ps));
+  int32_t xi[128];  // D is 64 or 128 (flatten_heads); no allocation per row
+  for (int d = 0; d < D; ++d) xi[d] = int32_t(std::nearbyint(xc[d] * ps));
   for (int k = 0; k < K; ++k) {
     const int16_t* w = t.proj_w.data() + (size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D);
     int32_t acc = 0;  // a fitting row keeps every partial sum below 2^31
-    for (int d = 0; d < D; ++d) acc += xi[size_t(d)] * int32_t(w[d]);
+    for (int d = 0; d < D; ++d) acc += xi[d] * int32_t(w[d]);
     const size_t q = t.idx(h, k);
     const float y = std::fma(float(acc), t.proj_qscale[q], t.code_offset[q]);
     const float v = t.max_code[q] < y ? t.max_code[q] : y;
