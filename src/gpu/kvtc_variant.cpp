@@ -257,10 +257,7 @@ bool integer_codes(const FlatKvtcTables& t, int h, const float* xc, uint16_t* co
     m = std::max(m, std::fabs(xc[d]));
     lane[d % 8] = std::fma(xc[d], xc[d], lane[d % 8]);
   }
-  const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-  if (!(std::fabs(ss) < std::numeric_limits<float>::infinity() && m * ps <= t.proj_max_abs[size_t(h)] &&
-        ss * (ps * ps) <= t.proj_max_sq[size_t(h)]))
-    return false;
+  if (!kvtc::scaled_row_fits(m, lane, ps, t.proj_max_abs[size_t(h)], t.proj_max_sq[size_t(h)])) return false;
   int32_t xi[128];  // D is 64 or 128 (flatten_heads); no allocation per row
   for (int d = 0; d < D; ++d) xi[d] = int32_t(std::nearbyint(xc[d] * ps));
   for (int k = 0; k < K; ++k) {
@@ -268,9 +265,7 @@ bool integer_codes(const FlatKvtcTables& t, int h, const float* xc, uint16_t* co
     int32_t acc = 0;  // a fitting row keeps every partial sum below 2^31
     for (int d = 0; d < D; ++d) acc += xi[d] * int32_t(w[d]);
     const size_t q = t.idx(h, k);
-    const float y = std::fma(float(acc), t.proj_qscale[q], t.code_offset[q]);
-    const float v = t.max_code[q] < y ? t.max_code[q] : y;
-    codes[k] = v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
+    codes[k] = kvtc::proj_code(acc, t.proj_qscale[q], t.code_offset[q], t.max_code[q]);
   }
   return true;
 }

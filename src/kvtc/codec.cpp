@@ -1406,10 +1406,7 @@ KVCODEC_AVX2_END
 // does not gets zeros in o [Dp].
 bool finish_scaled_row(const HeadParams& p, float m, const float* lane, int16_t* o) {
   const size_t D = size_t(p.dim), Dp = (D + 1) / 2 * 2;
-  const float sc = p.derived().proj_scale;
-  const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-  const bool fits = std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.derived().proj_max_abs &&
-                    ss * (sc * sc) <= p.derived().proj_max_sq;
+  const bool fits = scaled_row_fits(m, lane, p.derived().proj_scale, p.derived().proj_max_abs, p.derived().proj_max_sq);
   if (!fits) std::fill(o, o + Dp, int16_t(0));
   if (Dp > D) o[D] = 0;
   return fits;
@@ -1447,15 +1444,6 @@ void scale_rows(const HeadParams& p, const float* c, int64_t n, int16_t* x, uint
     }
     fits[t] = uint8_t(finish_scaled_row(p, m, lane, o));
   }
-}
-
-// One code from the integer projection's sum: quantize's floor and clamp
-// as the AVX2 epilogue computes them (min(max_code, y); truncation, which
-// is the floor for y >= 0; negative and NaN y give 0).
-inline uint16_t proj_code(int32_t acc, float qscale, float offset, float max_code) {
-  const float y = std::fma(float(acc), qscale, offset);
-  const float v = max_code < y ? max_code : y;
-  return v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
 }
 
 // codes [n, K] of the scaled rows x [n, Dp] by plain loops (exact int32

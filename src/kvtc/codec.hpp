@@ -11,7 +11,9 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,6 +98,24 @@ struct HeadParams;
 // copy of the parameters, and every cache using them, shares one.
 // Index of W[k][d] in HeadKernels::proj_w ([ceil(K/8)][Dp/2][8][2]; dp2 = Dp / 2).
 inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
+
+// The integer projection's two scalar steps, shared by the codec's kernels
+// and the kvtc-gpu reference (src/gpu), so the two cannot drift:
+// Whether a centred row times sc fits the integer projection, from its
+// largest |c| m and its square-sum lanes [8] (lane l: the c[d]^2 of
+// d = l mod 8, summed in order by fmas; a fixed tree adds the lanes).
+inline bool scaled_row_fits(float m, const float* lane, float sc, float max_abs, float max_sq) {
+  const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  return std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= max_abs && ss * (sc * sc) <= max_sq;
+}
+// One code from the integer projection's exact sum: quantize's floor and
+// clamp as the AVX2 epilogue computes them (min(max_code, y); truncation,
+// which is the floor for y >= 0; negative and NaN y give 0).
+inline uint16_t proj_code(int32_t acc, float qscale, float offset, float max_code) {
+  const float y = std::fma(float(acc), qscale, offset);
+  const float v = max_code < y ? max_code : y;
+  return v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
+}
 
 struct HeadKernels {
   KernelSet set = KernelSet::kNone;

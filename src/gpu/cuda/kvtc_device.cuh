@@ -212,6 +212,14 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
   }
 }
 
+// The float projection's code of coefficient acc of component q: the
+// reference's floor(fma) and clamp (fmax first: a NaN lands on code 0).
+template <typename CodeT>
+__device__ __forceinline__ CodeT float_code(const DeviceTables& tb, float acc, size_t q) {
+  const float v = floorf(__fmaf_rn(acc, tb.inv_step[q], tb.code_offset[q]));
+  return CodeT(fminf(fmaxf(v, 0.0f), tb.max_code[q]));
+}
+
 // Code slot of token t, component k in a tile's staging (component-major per stream).
 __device__ __forceinline__ int code_slot(int t, int k, int KP) { return (t / kT) * (kT * KP) + k * kT + (t % kT); }
 

@@ -73,14 +73,10 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
       const int k = kg * 8 + j;
       if (k >= K) continue;
       const size_t q = size_t(h) * KP + k;
-      const float inv = tb.inv_step[q], off = tb.code_offset[q], mx = tb.max_code[q];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int t = tg * 8 + i;
-        if (t < n) {
-          const float v = floorf(__fmaf_rn(acc[i][j], inv, off));
-          cs[code_slot(t, k, KP)] = CodeT(fminf(fmaxf(v, 0.0f), mx));
-        }
+        if (t < n) cs[code_slot(t, k, KP)] = float_code<CodeT>(tb, acc[i][j], q);
       }
     }
   }

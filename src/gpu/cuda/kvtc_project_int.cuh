@@ -176,9 +176,7 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
         for (int d = 0; d < D; ++d)
           acc = __fmaf_rn(__shfl_sync(0xffffffffu, c[d % 2][d / 8], base + (d % 8) / 2), __ldg(b + d), acc);
         if (t < n && !fits && k < K) {
-          const size_t q = size_t(h) * KP + k;
-          const float v = floorf(__fmaf_rn(acc, tb.inv_step[q], tb.code_offset[q]));
-          cs[code_slot(t, k, KP)] = CodeT(fminf(fmaxf(v, 0.0f), tb.max_code[q]));
+          cs[code_slot(t, k, KP)] = float_code<CodeT>(tb, acc, size_t(h) * KP + k);
         }
       }
     }
