@@ -90,7 +90,16 @@ int main(int argc, char** argv) {
     piped_json += (piped_json.empty() ? "" : ", ") + std::to_string(chunks) + ", " + std::to_string(ms);
   }
   codec.set_pipeline_chunks(1);
+  // The integer reconstruction (the CPU codec's dequantize_block on tensor cores).
+  codec.set_reconstruction(Recon::kInteger);
+  const double dec_int_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+  codec.check_errors();
+  std::vector<uint16_t> y_int(elems);
+  CK(cudaMemcpy(y_int.data(), dy, bytes, cudaMemcpyDeviceToHost));
   codec.set_phase_timing(true);
+  codec.decode(dout, total, doff, S, dy);
+  const std::vector<double> int_ph = codec.last_phase_ms();
+  codec.set_reconstruction(Recon::kTf32TensorCores);
   codec.decode(dout, total, doff, S, dy);
   const std::vector<double> split_ph = codec.last_phase_ms();
   codec.set_reconstruction(Recon::kExactFp32);
@@ -127,6 +136,12 @@ int main(int argc, char** argv) {
   std::copy_n(y_tc.data(), head, y2_tc.data());
   std::copy_n(y_tc.data() + size_t(B) * head, head, y2_tc.data() + head);
   const bool recon_equal = y2 == y_ref;
+  std::vector<uint16_t> y_int_ref(x2.size()), y2_int(x2.size());
+  gpu::decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), S, 64, y_int_ref.data(), 0,
+                              /*integer_reconstruction=*/true);
+  std::copy_n(y_int.data(), head, y2_int.data());
+  std::copy_n(y_int.data() + size_t(B) * head, head, y2_int.data() + head);
+  const bool int_equal = y2_int == y_int_ref && t.recon_int[0] && t.recon_int[1];
   size_t tc_diff = 0;
   const size_t tc_viol = gpu::tf32_bound_violations(t, 2, x2.data(), S, y2_tc.data(), y_ref.data(), &tc_diff);
   const bool fused_equals_split = y_tc == y_split;
@@ -141,7 +156,8 @@ int main(int argc, char** argv) {
       "\"decode_tc_split_pipelined_chunks_ms\": [%s], \"pipelined_equals_split\": %s, "
       "\"encode_phases_ms\": [%.3f, %.3f, %.3f], \"bytes_equal_cpu\": %s, \"recon_equal_cpu\": %s, "
       "\"fused_equals_split\": %s, \"tc_checked_outputs\": %zu, \"tc_outputs_differ\": %zu, "
-      "\"tc_bound_violations\": %zu}\n",
+      "\"tc_bound_violations\": %zu, \"decode_int_ms\": %.3f, \"decode_int_gb_s\": %.1f, \"decode_int_frac_copy\": %.3f, "
+      "\"decode_int_phases_ms\": [%.3f, %.3f], \"int_equal_cpu\": %s, \"rel_mse_int\": %.3g}\n",
       argv[1], L, B, (long long)S, D, sinks, window, bytes, (unsigned long long)total, double(bytes) / double(total),
       bench::rel_mse(x.data(), y.data(), elems), copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms,
       bytes * gbs / dec_ms, copy_ms / dec_ms, dec_tc_ms, bytes * gbs / dec_tc_ms, copy_ms / dec_tc_ms, dec_split_ms,
@@ -149,6 +165,8 @@ int main(int argc, char** argv) {
       piped_equal ? "true" : "false",
       enc_ph.size() > 2 ? enc_ph[0] : -1.0, enc_ph.size() > 2 ? enc_ph[1] : -1.0, enc_ph.size() > 2 ? enc_ph[2] : -1.0,
       bytes_equal ? "true" : "false", recon_equal ? "true" : "false", fused_equals_split ? "true" : "false",
-      y2_tc.size(), tc_diff, tc_viol);
-  return bytes_equal && recon_equal && fused_equals_split && piped_equal && tc_viol == 0 ? 0 : 2;
+      y2_tc.size(), tc_diff, tc_viol, dec_int_ms, bytes * gbs / dec_int_ms, copy_ms / dec_int_ms,
+      int_ph.size() > 1 ? int_ph[0] : -1.0, int_ph.size() > 1 ? int_ph[1] : -1.0, int_equal ? "true" : "false",
+      bench::rel_mse(x.data(), y_int.data(), elems));
+  return bytes_equal && recon_equal && fused_equals_split && piped_equal && tc_viol == 0 && int_equal ? 0 : 2;
 }

@@ -116,7 +116,13 @@ class KvtcGpuCodec {
   // calibrated format the bound holds before the weights and RoPE, which
   // carry it through: x 1/scale[d], then |cos| e_a + |sin| e_b for each
   // rotated pair (src/gpu/kvtc_variant.hpp, tf32_bound_violations).
-  enum class Reconstruction { kExactFp32 = 0, kTf32TensorCores = 1 };
+  // kInteger: the CPU codec's integer reconstruction (kvtc::dequantize_block
+  // by default), its int32 sums exact on the tensor cores: before the
+  // weights and RoPE every output equals the CPU codec's for the same codes
+  // (tested; gpu::reconstruct_int_f32_reference). Heads without the
+  // integer tables, and batches with 16-bit codes, take the TF32 path;
+  // always two kernels (set_fused_decode is for TF32).
+  enum class Reconstruction { kExactFp32 = 0, kTf32TensorCores = 1, kInteger = 2 };
   void set_reconstruction(Reconstruction r);
   void set_fused_decode(bool on);
 

@@ -255,8 +255,16 @@ KVCODEC_API void kvcodec_prefix_codec_free(kvcodec_prefix_codec* codec);
  * KVCODEC_RECON_TF32 (GPU only; the CPU refuses it with
  * KVCODEC_ERROR_UNSUPPORTED): the same product on tensor cores with TF32
  * operands, each output within 2^-9 * sum_k |v_k * basis[k][d]| of the exact
- * value before the bf16 rounding (docs/gpu.md); payloads are unchanged. */
-typedef enum kvcodec_reconstruction { KVCODEC_RECON_EXACT = 0, KVCODEC_RECON_TF32 = 1 } kvcodec_reconstruction;
+ * value before the bf16 rounding (docs/gpu.md); payloads are unchanged.
+ * KVCODEC_RECON_INTEGER (CPU and GPU): the CPU KVTC codec's integer
+ * reconstruction (int16 weights, exact int32 sums; on the GPU on integer
+ * tensor cores), bit-identical on CPU and GPU; within the weights' 15-bit
+ * rounding of the exact value. */
+typedef enum kvcodec_reconstruction {
+  KVCODEC_RECON_EXACT = 0,
+  KVCODEC_RECON_TF32 = 1,
+  KVCODEC_RECON_INTEGER = 2
+} kvcodec_reconstruction;
 KVCODEC_API kvcodec_status kvcodec_prefix_codec_set_reconstruction(kvcodec_prefix_codec* codec, int32_t mode);
 /* For a sequence of `tokens` tokens: the largest payload encode can write
  * (the capacity to give it) and the entries of its offsets array (streams +

@@ -68,8 +68,10 @@ class PrefixCodec:
     calibration (`kvcodec calibrate`); layer: its layer index; batch: rows B;
     max_tokens: the longest sequence S (sizes the RoPE tables and, on the
     GPU, the scratch); device: "cpu", "cuda" or "cuda:N" (a torch device);
-    reconstruction: "exact" (bit-identical on CPU and GPU) or "tf32" (GPU
-    tensor cores, within the bound of docs/gpu.md; the payload is the same)."""
+    reconstruction: "exact" (bit-identical on CPU and GPU), "tf32" (GPU
+    tensor cores, within the bound of docs/gpu.md) or "integer" (the CPU
+    KVTC codec's integer reconstruction, bit-identical on CPU and GPU, on
+    integer tensor cores there); the payload is the same for all three."""
 
     def __init__(self, calibration, layer, *, max_tokens, batch=1, sinks=4, window=128, device="cpu",
                  reconstruction="exact"):
@@ -97,9 +99,9 @@ class PrefixCodec:
                                                             self.sinks, self.window, 1 if on_gpu else 0,
                                                             ctypes.byref(h)))
         self._h = h
-        modes = {"exact": 0, "tf32": 1}
+        modes = {"exact": 0, "tf32": 1, "integer": 2}
         if reconstruction not in modes:
-            raise _invalid(f"reconstruction {reconstruction!r} is not 'exact' or 'tf32'")
+            raise _invalid(f"reconstruction {reconstruction!r} is not 'exact', 'tf32' or 'integer'")
         _lib.check(_lib.lib.kvcodec_prefix_codec_set_reconstruction(h, modes[reconstruction]))
         self.reconstruction = reconstruction
 

@@ -27,6 +27,7 @@ struct kvcodec_prefix_codec {
   // own device copy of the same tables.
   std::optional<kvcodec::gpu::FlatKvtcTables> host;
   std::unique_ptr<kvcodec::gpu::KvtcGpuCodec> cuda;
+  bool integer_reconstruction = false;  // the CPU reference's mode (KVCODEC_RECON_INTEGER)
 
   int64_t n_streams(int64_t tokens) const {
     if (cuda) return cuda->n_streams(tokens);
@@ -124,16 +125,20 @@ KVCODEC_API void kvcodec_prefix_codec_free(kvcodec_prefix_codec* codec) { delete
 KVCODEC_API kvcodec_status kvcodec_prefix_codec_set_reconstruction(kvcodec_prefix_codec* codec, int32_t mode) {
   return guarded("kvcodec_prefix_codec_set_reconstruction", [&] {
     require(codec, "codec");
-    if (mode != KVCODEC_RECON_EXACT && mode != KVCODEC_RECON_TF32)
+    if (mode != KVCODEC_RECON_EXACT && mode != KVCODEC_RECON_TF32 && mode != KVCODEC_RECON_INTEGER)
       throw Error(ErrorCode::kInvalidArgument, "mode " + std::to_string(mode) +
-                                                   " is not KVCODEC_RECON_EXACT (0) or KVCODEC_RECON_TF32 (1)");
+                                                   " is not KVCODEC_RECON_EXACT (0), KVCODEC_RECON_TF32 (1) or "
+                                                   "KVCODEC_RECON_INTEGER (2)");
     if (!codec->cuda) {
       if (mode == KVCODEC_RECON_TF32)
         throw Error(ErrorCode::kUnsupported, "KVCODEC_RECON_TF32 on the CPU: the CPU reference reconstructs exactly");
+      codec->integer_reconstruction = mode == KVCODEC_RECON_INTEGER;
       return;
     }
-    codec->cuda->set_reconstruction(mode == KVCODEC_RECON_TF32 ? kvcodec::gpu::KvtcGpuCodec::Reconstruction::kTf32TensorCores
-                                                               : kvcodec::gpu::KvtcGpuCodec::Reconstruction::kExactFp32);
+    using Recon = kvcodec::gpu::KvtcGpuCodec::Reconstruction;
+    codec->cuda->set_reconstruction(mode == KVCODEC_RECON_TF32      ? Recon::kTf32TensorCores
+                                    : mode == KVCODEC_RECON_INTEGER ? Recon::kInteger
+                                                                    : Recon::kExactFp32);
   });
 }
 
@@ -196,7 +201,8 @@ KVCODEC_API kvcodec_status kvcodec_prefix_decode(kvcodec_prefix_codec* codec, co
       return;
     }
     kvcodec::gpu::decode_batch_reference(*codec->host, static_cast<const uint8_t*>(payload), payload_size, offsets,
-                                         tokens, kvcodec::gpu::KvtcGpuCodec::kBlockTokens, y, first_position);
+                                         tokens, kvcodec::gpu::KvtcGpuCodec::kBlockTokens, y, first_position,
+                                         codec->integer_reconstruction);
   });
 }
 

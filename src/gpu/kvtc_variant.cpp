@@ -43,14 +43,36 @@ float bf16_bits_to_f32(uint16_t b) {
 }
 
 namespace {
-// Head h's integer projection tables, as the CPU codec builds them for p
-// (none when it builds none: the head keeps the float projection); built
-// once per parameter set (the calibrated format repeats a layer's per
-// batch row).
-void flatten_integer_projection(const kvtc::HeadParams& p, int h, FlatKvtcTables& t,
-                                std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>>& built) {
+// Head h's integer reconstruction tables, as the CPU codec builds them
+// (none when it builds none, or uses a centroid table: the head keeps the
+// float reconstruction).
+void flatten_integer_reconstruction(const kvtc::HeadParams& p, const kvtc::HeadKernels& kern, int h,
+                                    FlatKvtcTables& t) {
+  if (!kern.recon_int || !kern.recon_lut.empty()) return;
+  const size_t D = size_t(t.dim), KP = size_t(t.k_pad), K = size_t(p.n_kept()), kp2 = (K + 1) / 2;
+  for (size_t d = 0; d < D; ++d) {
+    int64_t z = 0;
+    for (size_t k = 0; k < K; ++k) {
+      const int16_t w = kern.recon_w[kvtc::recon_w_index(k, d, kp2)];
+      t.recon_w[(size_t(h) * KP + k) * D + d] = w;
+      z += int64_t(kern.recon_zero2[k]) * w;
+    }
+    t.recon_z[size_t(h) * D + d] = int32_t(uint32_t(uint64_t(z)));  // mod 2^32
+    t.recon_scale[size_t(h) * D + d] = kern.recon_scale[d];
+  }
+  for (size_t k = 0; k < K; ++k) t.recon_zero2[t.idx(h, int(k))] = kern.recon_zero2[k];
+  t.recon_int[size_t(h)] = 1;
+}
+
+// Head h's integer projection and reconstruction tables, as the CPU codec
+// builds them for p (none when it builds none: the head keeps the float
+// projection / reconstruction); built once per parameter set (the
+// calibrated format repeats a layer's per batch row).
+void flatten_integer_kernels(const kvtc::HeadParams& p, int h, FlatKvtcTables& t,
+                             std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>>& built) {
   std::shared_ptr<const kvtc::HeadKernels>& kern = built[&p];
-  if (!kern) kern = kvtc::HeadKernels::build(p, kvtc::KernelSet::kEncode);
+  if (!kern) kern = kvtc::HeadKernels::build(p, kvtc::KernelSet::kBoth);
+  flatten_integer_reconstruction(p, *kern, h, t);
   if (!kern->proj_int) return;
   const size_t D = size_t(t.dim), KP = size_t(t.k_pad), K = size_t(p.n_kept()), dp2 = (D + 1) / 2;
   for (size_t k = 0; k < K; ++k) {
@@ -110,6 +132,11 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
   t.proj_scale.assign(NH, 0.0f);
   t.proj_max_abs.assign(NH, 0.0f);
   t.proj_max_sq.assign(NH, 0.0f);
+  t.recon_int.assign(NH, 0);
+  t.recon_w.assign(NH * KP * D, 0);
+  t.recon_zero2.assign(NH * KP, 0);
+  t.recon_z.assign(NH * D, 0);
+  t.recon_scale.assign(NH * D, 0.0f);
   std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>> built;
   for (size_t h = 0; h < NH; ++h) {
     const kvtc::HeadParams& p = *heads[h];
@@ -150,7 +177,7 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
       t.slot_base[i] = t.slot_symbol.size();
       for (uint32_t s = 0; s < q.levels; ++s) t.slot_symbol.insert(t.slot_symbol.end(), ft.freq[s], uint16_t(s));
     }
-    if (K > 0) flatten_integer_projection(p, int(h), t, built);
+    if (K > 0) flatten_integer_kernels(p, int(h), t, built);
   }
   return t;
 }
@@ -323,6 +350,36 @@ void dequantize_reference(const FlatKvtcTables& t, int h, const uint16_t* codes,
   for (size_t i = 0; i < f.size(); ++i) y[i] = f32_to_bf16_rne(f[i]);
 }
 
+void reconstruct_int_f32_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, float* y,
+                                   int64_t position0) {
+  check_head(t, h);
+  if (!t.recon_int[size_t(h)])
+    throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: head " + std::to_string(h) + " has no integer reconstruction");
+  const int D = t.dim, K = t.kept[size_t(h)];
+  const size_t hd = size_t(h) * size_t(D);
+  for (int64_t i = 0; i < n; ++i) {
+    float* yi = y + i * D;
+    for (int d = 0; d < D; ++d) {
+      uint32_t acc = 0;  // int32 sums modulo 2^32, as the madd and the MMA accumulate them
+      for (int k = 0; k < K; ++k) {
+        const size_t q = t.idx(h, k);
+        const int16_t c = int16_t(uint16_t(2u * codes[i * K + k] - uint16_t(t.recon_zero2[q])));
+        acc += uint32_t(int32_t(c) * int32_t(t.recon_w[q * size_t(D) + size_t(d)]));
+      }
+      const float x = std::fma(float(int32_t(acc)), t.recon_scale[hd + size_t(d)], t.mean[hd + size_t(d)]);
+      yi[d] = x * t.inv_scale[hd + size_t(d)];
+    }
+    if (t.rope[size_t(h)]) rope_token(t, yi, position0 + i, /*remove=*/false);
+  }
+}
+
+void dequantize_int_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y,
+                              int64_t position0) {
+  std::vector<float> f(size_t(std::max<int64_t>(n, 0)) * size_t(t.dim));
+  reconstruct_int_f32_reference(t, h, codes, n, f.data(), position0);
+  for (size_t i = 0; i < f.size(); ++i) y[i] = f32_to_bf16_rne(f[i]);
+}
+
 std::vector<uint8_t> rans_warp_encode(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n) {
   check_head(t, h);
   const int K = t.kept[size_t(h)];
@@ -465,7 +522,7 @@ EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, 
 
 void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, size_t payload_size,
                             const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y,
-                            int64_t first_position) {
+                            int64_t first_position, bool integer_reconstruction) {
   const int64_t coded = coded_tokens(t, tokens), nb = n_blocks(coded, block_tokens);
   const RawRanges rr = raw_ranges(t, tokens);
   const size_t D = size_t(t.dim);
@@ -478,8 +535,11 @@ void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, siz
         throw Error(ErrorCode::kFormat, "kvtc-gpu batch: stream " + std::to_string(i) + " has bad offsets");
       const int64_t t0 = rr.sink_end + b * block_tokens, n = std::min<int64_t>(block_tokens, rr.tail_begin - t0);
       rans_warp_decode(t, h, payload + offsets[i], size_t(offsets[i + 1] - offsets[i]), n, codes.data());
-      dequantize_reference(t, h, codes.data(), n, y + (size_t(h) * size_t(tokens) + size_t(t0)) * D,
-                           first_position + t0);
+      uint16_t* yb = y + (size_t(h) * size_t(tokens) + size_t(t0)) * D;
+      if (integer_reconstruction && t.recon_int[size_t(h)])
+        dequantize_int_reference(t, h, codes.data(), n, yb, first_position + t0);
+      else
+        dequantize_reference(t, h, codes.data(), n, yb, first_position + t0);
     }
   if (rr.n == 0) return;
   const uint64_t raw0 = raw_offset(offsets[size_t(t.n_heads) * size_t(nb)]);

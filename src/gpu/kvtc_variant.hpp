@@ -114,6 +114,18 @@ struct FlatKvtcTables {
   std::vector<int16_t> proj_w;       // [NH, k_pad, D] W[k][d], rows >= kept are 0
   std::vector<float> proj_qscale;    // [NH, k_pad]
   std::vector<float> proj_scale, proj_max_abs, proj_max_sq;  // [NH]
+  // The integer reconstruction (HeadKernels::recon_int, the CPU codec's
+  // default dequantize_block; heads without it keep recon_int 0):
+  //   acc[d]  = sum over k of int16(2 code[k] - recon_zero2[k]) * recon_w[k][d] (exact int32)
+  //   x[d]    = fmaf(float(acc[d]), recon_scale[d], mean[d])
+  //   yw[d]   = x[d] * inv_scale[d], then RoPE re-applied as above
+  // recon_z[d] = sum over k of recon_zero2[k] * recon_w[k][d] (mod 2^32):
+  // the kernel's acc = 2 sum_k code[k] W[k][d] - recon_z[d], the same sum.
+  std::vector<uint8_t> recon_int;    // [NH]
+  std::vector<int16_t> recon_w;      // [NH, k_pad, D] W[k][d], rows >= kept are 0
+  std::vector<int16_t> recon_zero2;  // [NH, k_pad]
+  std::vector<int32_t> recon_z;      // [NH, D]
+  std::vector<float> recon_scale;    // [NH, D]
 
   size_t idx(int h, int k) const { return size_t(h) * size_t(k_pad) + size_t(k); }
 };
@@ -151,6 +163,15 @@ void dequantize_reference(const FlatKvtcTables& t, int h, const uint16_t* codes,
 void reconstruct_f32_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, float* y,
                                int64_t position0);
 
+// The integer reconstruction of head h (recon_int[h], see FlatKvtcTables):
+// before the weights and RoPE it is kvtc::dequantize_block's result for the
+// same codes, bit for bit (tested). Throws Error(kInvalidArgument) for a
+// head without it.
+void reconstruct_int_f32_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, float* y,
+                                   int64_t position0);
+void dequantize_int_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y,
+                              int64_t position0 = 0);
+
 // One stream: codes [n, K] <-> bytes. Decode throws Error(kFormat) on
 // truncated, trailing or inconsistent bytes.
 std::vector<uint8_t> rans_warp_encode(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n);
@@ -170,9 +191,12 @@ int64_t n_blocks(int64_t tokens, int block_tokens);
 // KvtcGpuCodec::encode / decode take it.
 EncodedBatch encode_batch_reference(const FlatKvtcTables& t, const uint16_t* x, int64_t tokens, int block_tokens,
                                     int64_t first_position = 0);
+// integer_reconstruction: heads with recon_int take the integer
+// reconstruction (what KvtcGpuCodec's kInteger decode computes), the others
+// the float one.
 void decode_batch_reference(const FlatKvtcTables& t, const uint8_t* payload, size_t payload_size,
                             const uint64_t* offsets, int64_t tokens, int block_tokens, uint16_t* y,
-                            int64_t first_position = 0);
+                            int64_t first_position = 0, bool integer_reconstruction = false);
 // Where the raw tokens start in a batch payload whose streams end at
 // streams_end, and how many bytes they take.
 inline uint64_t raw_offset(uint64_t streams_end) { return (streams_end + 15) / 16 * 16; }

@@ -428,9 +428,6 @@ ValueScan scan_values_plain(const std::vector<float>& v) {
   return out;
 }
 
-// Index of W[k][d] in HeadKernels::recon_w ([ceil(D/8)][Kp/2][8][2]).
-inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
-
 // The integer reconstruction's tables (HeadKernels::recon_int); false, with
 // the tables cleared, when some level count or value does not allow them.
 // Whether some weight of a row lies outside int16's symmetric range

@@ -98,6 +98,8 @@ struct HeadParams;
 // copy of the parameters, and every cache using them, shares one.
 // Index of W[k][d] in HeadKernels::proj_w ([ceil(K/8)][Dp/2][8][2]; dp2 = Dp / 2).
 inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
+// Index of W[k][d] in HeadKernels::recon_w ([ceil(D/8)][Kp/2][8][2]; kp2 = Kp / 2).
+inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
 
 // The integer projection's two scalar steps, shared by the codec's kernels
 // and the kvtc-gpu reference (src/gpu), so the two cannot drift:

@@ -6,6 +6,7 @@
 // GPU machine for this API on device memory.)
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cstring>
 #include <filesystem>
 
@@ -158,7 +159,7 @@ TEST(CapiPrefix, RefusesBadArgumentsAndDamagedBytesWithTheirNames) {
   KVC_OK(kvcodec_prefix_codec_set_reconstruction(codec.get(), KVCODEC_RECON_EXACT));
   fails(kvcodec_prefix_codec_set_reconstruction(codec.get(), KVCODEC_RECON_TF32), KVCODEC_ERROR_UNSUPPORTED,
         "the CPU reference reconstructs exactly");
-  fails(kvcodec_prefix_codec_set_reconstruction(codec.get(), 2), KVCODEC_ERROR_INVALID_ARGUMENT, "mode 2");
+  fails(kvcodec_prefix_codec_set_reconstruction(codec.get(), 3), KVCODEC_ERROR_INVALID_ARGUMENT, "mode 3");
   const int64_t tokens = 200;
   const std::vector<uint16_t> kv = dump_layer_bf16(0, tokens);
   uint64_t bound = 0;
@@ -196,6 +197,21 @@ TEST(CapiPrefix, RefusesBadArgumentsAndDamagedBytesWithTheirNames) {
   fails(kvcodec_prefix_decode(codec.get(), payload.data(), written, bad.data(), tokens, 0, y.data(), nullptr),
         KVCODEC_ERROR_FORMAT, "");
   KVC_OK(kvcodec_prefix_decode(codec.get(), payload.data(), written, offsets.data(), tokens, 0, y.data(), nullptr));
+  // The integer reconstruction of the same payload: the CPU codec's (its
+  // equality with kvtc::dequantize_block is tests/gpu's
+  // KvtcVariant.IntegerReconstructionIsTheCpuCodecs), near the exact one.
+  KVC_OK(kvcodec_prefix_codec_set_reconstruction(codec.get(), KVCODEC_RECON_INTEGER));
+  std::vector<uint16_t> y_int(kv.size());
+  KVC_OK(kvcodec_prefix_decode(codec.get(), payload.data(), written, offsets.data(), tokens, 0, y_int.data(), nullptr));
+  double err = 0.0, norm = 0.0;
+  size_t differ = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    const double a = std::bit_cast<float>(uint32_t(y[i]) << 16), b = std::bit_cast<float>(uint32_t(y_int[i]) << 16);
+    err += (a - b) * (a - b), norm += a * a, differ += y[i] != y_int[i];
+  }
+  EXPECT_GT(differ, 0u);
+  EXPECT_LT(err / norm, 1e-5);
+  KVC_OK(kvcodec_prefix_codec_set_reconstruction(codec.get(), KVCODEC_RECON_EXACT));
   kvcodec_prefix_codec_free(nullptr);
 }
 

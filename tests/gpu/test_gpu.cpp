@@ -110,6 +110,48 @@ TEST(KvtcVariant, CodesAreTheCpuCodecs) {
     ASSERT_NEAR(bf16_bits_to_f32(y[i]), yc[i], 1e-4f + std::abs(yc[i]) * (1.0f / 128)) << "at " << i;
 }
 
+// The integer reconstruction of the variant (what set_reconstruction(
+// kInteger) computes on the GPU) is the CPU codec's default decode, float
+// for float, on every code of every component's range.
+TEST(KvtcVariant, IntegerReconstructionIsTheCpuCodecs) {
+  for (int dim : {64, 128}) {
+    const int64_t n = 300;
+    const std::vector<uint16_t> x = synth_bf16(n, dim, 17 + dim);
+    const kvtc::HeadParams p = fit(x.data(), n, dim);
+    ASSERT_TRUE(p.derived().recon_int);
+    const FlatKvtcTables t = flatten_heads({&p});
+    ASSERT_EQ(t.recon_int[0], 1);
+    const int K = p.n_kept();
+    // Codes of real rows, then the ends of every range and random codes.
+    std::vector<uint16_t> codes(size_t(n * K));
+    quantize_reference(t, 0, x.data(), n, codes.data());
+    std::mt19937 rng(5);
+    for (int64_t i = n / 2; i < n; ++i)
+      for (int k = 0; k < K; ++k) {
+        const uint32_t levels = p.quant[size_t(k)].levels;
+        codes[size_t(i * K + k)] = uint16_t(i == n / 2 ? 0 : i == n / 2 + 1 ? levels - 1 : rng() % levels);
+      }
+    std::vector<float> mine(size_t(n * dim)), cpu(size_t(n * dim)), cpu_int(size_t(n * dim));
+    reconstruct_int_f32_reference(t, 0, codes.data(), n, mine.data(), 0);
+    kvtc::dequantize_block(p, codes.data(), n, cpu.data());
+    kvtc::dequantize_block_path(p, codes.data(), n, cpu_int.data(), kvtc::ReconPath::kInteger);
+    for (size_t i = 0; i < mine.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(mine[i]), std::bit_cast<uint32_t>(cpu[i])) << "dim " << dim << " at " << i;
+      ASSERT_EQ(std::bit_cast<uint32_t>(mine[i]), std::bit_cast<uint32_t>(cpu_int[i])) << "dim " << dim << " at " << i;
+    }
+    // And it is the reconstruction: within the float path's reach.
+    std::vector<float> exact(size_t(n * dim));
+    reconstruct_f32_reference(t, 0, codes.data(), n, exact.data(), 0);
+    float peak = 0.0f;
+    for (float v : exact) peak = std::max(peak, std::abs(v));
+    for (size_t i = 0; i < mine.size(); ++i) ASSERT_NEAR(mine[i], exact[i], 1e-3f * peak) << "at " << i;
+    // A head without the tables says so.
+    FlatKvtcTables none = t;
+    none.recon_int[0] = 0;
+    EXPECT_THROW(reconstruct_int_f32_reference(none, 0, codes.data(), 1, mine.data(), 0), Error);
+  }
+}
+
 TEST(KvtcVariant, StreamRoundTripIsExactForEveryBlockLength) {
   const int dim = 64;
   const std::vector<uint16_t> x = synth_bf16(600, dim, 5);
@@ -294,6 +336,29 @@ void gpu_matches_cpu(const Batch& b, int chunks_for_decode = 8) {
   EXPECT_EQ(tf32_bound_violations(t, t.n_heads, b.x.data(), b.tokens, y_tc.data(), y_ref.data(), &n_diff), 0u) << "of " << y_tc.size() << " tensor-core outputs";
   std::printf("tensor-core reconstruction: %zu of %zu bf16 outputs differ from the exact path\n",
               n_diff, y_tc.size());
+
+  // Integer reconstruction: a head with the integer tables gives the
+  // reference's integer path bit for bit; a head without them, and every
+  // head when the codes are 16-bit, the TF32 path's outputs, bit for bit.
+  std::vector<uint16_t> y_int_ref(b.x.size()), y_int(b.x.size());
+  decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), b.tokens, 64, y_int_ref.data(),
+                         0, /*integer_reconstruction=*/true);
+  codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kInteger);
+  ASSERT_EQ(cudaMemset(dy.p, 0xff, y.size() * 2), cudaSuccess);
+  codec.decode(dout.p, ref.payload.size(), doff.p, b.tokens, dy.p);
+  codec.check_errors();
+  ASSERT_EQ(cudaMemcpy(y_int.data(), dy.p, y_int.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  const bool wide = *std::max_element(t.max_code.begin(), t.max_code.end()) > 255.0f;
+  const size_t per_head = size_t(b.tokens) * size_t(t.dim);
+  size_t int_heads = 0, int_bad = 0;
+  for (int h = 0; h < t.n_heads; ++h) {
+    const bool integer = !wide && t.recon_int[size_t(h)];
+    int_heads += integer;
+    const std::vector<uint16_t>& want = integer ? y_int_ref : y_tc;
+    for (size_t i = size_t(h) * per_head; i < size_t(h + 1) * per_head; ++i) int_bad += y_int[i] != want[i];
+  }
+  EXPECT_EQ(int_bad, 0u) << "of " << y_int.size() << " integer-path outputs (" << int_heads << " integer heads)";
+  std::printf("integer reconstruction: %zu of %d heads on the integer path\n", int_heads, t.n_heads);
   codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kExactFp32);
   EXPECT_THROW(codec.set_reconstruction(KvtcGpuCodec::Reconstruction(7)), Error);
 

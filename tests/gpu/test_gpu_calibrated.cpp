@@ -226,6 +226,21 @@ void calibrated_gpu_matches_cpu(const KvtcCalibration& cal, const std::vector<ui
       << "of " << y_tc.size() << " tensor-core outputs";
   std::printf("calibrated TF32 decode: %zu of %zu bf16 outputs differ from the exact path\n", n_diff, y_tc.size());
 
+  // The integer reconstruction: the reference's, bit for bit (the CPU
+  // codec's dequantize_block before the weights and RoPE).
+  for (int h = 0; h < t.n_heads; ++h) ASSERT_EQ(t.recon_int[size_t(h)], 1) << "head " << h;
+  std::vector<uint16_t> y_int(x.size()), y_int_ref(x.size());
+  decode_batch_reference(t, ref.payload.data(), ref.payload.size(), ref.offsets.data(), S, 64, y_int_ref.data(), 0,
+                         /*integer_reconstruction=*/true);
+  codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kInteger);
+  decode_into(y_int);
+  size_t int_bad = 0, int_diff = 0;
+  for (size_t i = 0; i < y_int.size(); ++i) int_bad += y_int[i] != y_int_ref[i], int_diff += y_int[i] != y_ref[i];
+  EXPECT_EQ(int_bad, 0u) << "of " << y_int.size() << " integer-path outputs differ from the reference";
+  std::printf("calibrated integer decode: %zu of %zu bf16 outputs differ from the exact fp32 path\n", int_diff,
+              y_int.size());
+  codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kTf32TensorCores);
+
   expect_truncation_flagged(codec, ref.offsets, doff.p, dout.p, total, S, dy.p);
 }
 #endif

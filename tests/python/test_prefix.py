@@ -31,6 +31,12 @@ def test_cpu_round_trip_keeps_raw_tokens_and_counts_every_byte(dump):
     # Deterministic: the same input, the same bytes.
     again = codec.encode(k, v)
     assert torch.equal(again.payload, enc.payload) and torch.equal(again.offsets, enc.offsets)
+    # The integer reconstruction of the same payload: near the exact one.
+    ki, vi = kvcodec.PrefixCodec(SHIPPED, layer=2, max_tokens=1024, sinks=4, window=32,
+                                 reconstruction="integer").decode(enc)
+    for a, b in ((k2, ki), (v2, vi)):
+        assert not torch.equal(a, b)
+        assert ((a.float() - b.float()) ** 2).sum() < 1e-5 * (a.float() ** 2).sum()
 
 
 def test_bad_input_raises_errors_that_name_it(dump):
@@ -63,7 +69,7 @@ def test_bad_input_raises_errors_that_name_it(dump):
         codec.decode(b"bytes")
     with pytest.raises(kvcodec.KVCodecError, match="reconstructs exactly"):
         kvcodec.PrefixCodec(SHIPPED, layer=0, max_tokens=256, reconstruction="tf32")
-    with pytest.raises(kvcodec.KVCodecError, match="'exact' or 'tf32'"):
+    with pytest.raises(kvcodec.KVCodecError, match="'exact', 'tf32' or 'integer'"):
         kvcodec.PrefixCodec(SHIPPED, layer=0, max_tokens=256, reconstruction="fast")
     if not CUDA_BUILT:
         with pytest.raises(kvcodec.KVCodecError, match="built without CUDA") as e:
@@ -148,3 +154,14 @@ def test_gpu_reports_damaged_streams_and_wrong_devices(dump):
     k3, v3 = tf32.decode(e32)
     assert (k3.float() - k2.float()).abs().max() <= 0.02 * k2.float().abs().max()
     assert (v3.float() - v2.float()).abs().max() <= 0.02 * v2.float().abs().max()
+    # Integer reconstruction: the same payload; GPU == CPU bit for bit, and
+    # near the exact outputs.
+    gi = kvcodec.PrefixCodec(SHIPPED, layer=1, max_tokens=512, device="cuda", reconstruction="integer")
+    ci = kvcodec.PrefixCodec(SHIPPED, layer=1, max_tokens=512, reconstruction="integer")
+    ei = gi.encode(k.cuda(), v.cuda())
+    assert torch.equal(ei.payload, enc.payload)
+    k4, v4 = gi.decode(ei)
+    k5, v5 = ci.decode(ci.encode(k, v))
+    assert torch.equal(k4.cpu(), k5) and torch.equal(v4.cpu(), v5)
+    assert (k4.float() - k2.float()).abs().max() <= 0.02 * k2.float().abs().max()
+    assert (v4.float() - v2.float()).abs().max() <= 0.02 * v2.float().abs().max()

@@ -61,6 +61,11 @@ struct DeviceTables {
   const float* proj_scale;     // [NH]
   const float* proj_max_abs;   // [NH]
   const float* proj_max_sq;    // [NH]
+  // The integer reconstruction (kvtc_recon_int.cuh; heads with recon_int).
+  const uint8_t* recon_int;    // [NH]
+  const uint4* recon_frag;     // [NH, ceil(k_pad / 32), D / 8, 32 lanes] {high bytes b0, b1, low bytes b0, b1}
+  const int32_t* recon_z;      // [NH, D]
+  const float* recon_scale;    // [NH, D]
   // Per call: each head's rows are seq tokens apart; the coded ones start at
   // row tok0, the sinks before them stay raw. Row r is at position pos0 + r
   // (pos0 = the sequence's first position: 0 for a whole prefix, a block's
@@ -171,7 +176,8 @@ __device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a,
 }
 
 // Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
-// before the mean; pad = D + 4 or D + 8) as bf16: + mean, * inv_scale, RoPE
+// before the mean unless kMeanAdded; pad = D + 4 or D + 8) as bf16: + mean
+// (unless kMeanAdded), * inv_scale, RoPE
 // re-applied on keys of the calibrated format at position pos0 + tok0 +
 // t_first + t, 16-byte stores. Tokens with skip(t) are left untouched. Item v is one
 // pair group q of token t, ordered so that the 8 lanes of each quarter warp
@@ -179,7 +185,7 @@ __device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a,
 // of two consecutive tokens: 8 distinct 4-bank groups, no conflict (one
 // token's q and q + 4 hit the same banks). With pad = D + 8 (rows 8 banks
 // apart) odd tokens load the upper half of their 8 floats first for that.
-template <int D, typename Skip>
+template <int D, bool kMeanAdded = false, typename Skip>
 __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, const float* os, int pad, int n,
                                              int64_t t_first, uint16_t* __restrict__ yh, Skip skip) {
   const float* mean = tb.mean + size_t(h) * D;
@@ -203,13 +209,28 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
     ldg_f32x8(isc + hi, sh);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      a[e] = __fmul_rn(__fadd_rn(a[e], ml[e]), sl[e]);
-      b[e] = __fmul_rn(__fadd_rn(b[e], mh[e]), sh[e]);
+      a[e] = __fmul_rn(kMeanAdded ? a[e] : __fadd_rn(a[e], ml[e]), sl[e]);
+      b[e] = __fmul_rn(kMeanAdded ? b[e] : __fadd_rn(b[e], mh[e]), sh[e]);
     }
     if (rope) rope_pairs(tb, tb.pos0 + tb.tok0 + t_first + t, lo % tb.rope_dim, /*remove=*/false, a, b);
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + lo), pack_bf16x8(a));
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + hi), pack_bf16x8(b));
   }
+}
+
+// c += a . b over one m16n8k32 tile, A signed / unsigned bytes (AU), B likewise (BU).
+template <bool AU, bool BU>
+__device__ __forceinline__ void imma(uint32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#define KVCODEC_IMMA(TA, TB)                                                                                \
+  asm("mma.sync.aligned.m16n8k32.row.col.s32." TA "." TB ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "   \
+      "{%0,%1,%2,%3};"                                                                                      \
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])                                                      \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (!AU && !BU) KVCODEC_IMMA("s8", "s8");
+  else if constexpr (!AU && BU) KVCODEC_IMMA("s8", "u8");
+  else if constexpr (AU && !BU) KVCODEC_IMMA("u8", "s8");
+  else KVCODEC_IMMA("u8", "u8");
+#undef KVCODEC_IMMA
 }
 
 // The float projection's code of coefficient acc of component q: the

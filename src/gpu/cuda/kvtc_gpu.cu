@@ -43,6 +43,12 @@
 //                   m16n8k8 TF32 with both operands in fragment order (the
 //                   basis pre-swizzled on the host); within a stated bound of
 //                   the exact path, not bit-exact (comment at the kernel).
+//   reconstruct_int_kernel  (set_reconstruction(kInteger), u8 codes) the CPU
+//                   codec's integer reconstruction (kvtc_recon_int.cuh): the
+//                   codes are the A operand of u8 x s8 / u8 x u8 mma.sync
+//                   m16n8k32 as they are, exact int32 sums; equal to the CPU
+//                   codec's outputs. Heads without its tables: the TF32
+//                   product in the same CTA.
 #include <algorithm>
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -59,6 +65,7 @@
 #include "gpu/cuda/kvtc_decode.cuh"
 #include "gpu/cuda/kvtc_encode.cuh"
 #include "gpu/cuda/kvtc_project_int.cuh"
+#include "gpu/cuda/kvtc_recon_int.cuh"
 
 namespace kvcodec::gpu {
 namespace {
@@ -74,6 +81,42 @@ T* upload(const std::vector<T>& v, std::vector<void*>& owned) {
   owned.push_back(p);
   if (!v.empty()) check_cuda(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
   return static_cast<T*>(p);
+}
+
+// Lane l's m16n8k32 B fragment of an int16 matrix (w(inner, col), 0 past
+// its end) at k-step `step` (inner indices 32 step ..) and 8-column tile
+// `tile`, each value split into its high (signed) and low (unsigned) byte:
+// column 8 tile + l / 4, inner 4 (l % 4) + i of b0 and 16 + 4 (l % 4) + i of
+// b1 in byte i; {high b0, b1, low b0, b1}, one 16-byte load per lane.
+template <typename W>
+uint4 split_b_fragment(const W& w, int step, int tile, int l) {
+  uint32_t r[4] = {0, 0, 0, 0};
+  const int col = tile * 8 + l / 4;
+  for (int half = 0; half < 2; ++half)
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t v = uint16_t(w(step * 32 + half * 16 + (l % 4) * 4 + i, col));
+      r[half] |= uint32_t(v >> 8) << (8 * i);
+      r[2 + half] |= uint32_t(v & 0xffu) << (8 * i);
+    }
+  return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// The integer reconstruction's weights W[k][d] (inner k, column d) as B
+// fragments, [NH, ceil(k_pad / 32), D / 8, 32 lanes] (DeviceTables::recon_frag).
+std::vector<uint4> recon_fragments(const FlatKvtcTables& f) {
+  const int D = f.dim, KP = f.k_pad, KSP = (KP + 31) / 32;
+  std::vector<uint4> frag(size_t(f.n_heads) * size_t(KSP) * size_t(D / 8) * 32);
+  for (int h = 0; h < f.n_heads; ++h) {
+    const auto w = [&](int k, int d) {
+      return k < KP ? f.recon_w[(size_t(h) * size_t(KP) + size_t(k)) * size_t(D) + size_t(d)] : int16_t(0);
+    };
+    for (int ks = 0; ks < KSP; ++ks)
+      for (int nt = 0; nt < D / 8; ++nt)
+        for (int l = 0; l < 32; ++l)
+          frag[((size_t(h) * size_t(KSP) + size_t(ks)) * size_t(D / 8) + size_t(nt)) * 32 + size_t(l)] =
+              split_b_fragment(w, ks, nt, l);
+  }
+  return frag;
 }
 
 // Reciprocal of a frequency so that floor(x / f) = umulhi(x, rcp) >> shift
@@ -218,7 +261,19 @@ struct KvtcGpuCodec::Impl {
     const int64_t nb = n_blocks(tokens, kT), tiles = (nb + 1) / 2;
     const unsigned grid = unsigned(int64_t(h1 - h0) * tiles);
     const CodeT* c = static_cast<const CodeT*>(codes);
-    if (recon == Reconstruction::kTf32TensorCores) {
+    if constexpr (sizeof(CodeT) == 1) {
+      if (recon == Reconstruction::kInteger) {
+        const size_t ismem = int_smem_bytes(flat.k_pad, flat.dim);
+        const unsigned sgrid = unsigned(int64_t(h1 - h0) * nb);  // one stream per CTA
+        if (flat.dim == 64)
+          reconstruct_int_kernel<64><<<sgrid, kProjThreads, ismem, s>>>(dev, c, bad, tokens, nb, h0, y);
+        else
+          reconstruct_int_kernel<128><<<sgrid, kProjThreads, ismem, s>>>(dev, c, bad, tokens, nb, h0, y);
+        check_cuda(cudaGetLastError(), "reconstruct_int_kernel launch");
+        return;
+      }
+    }
+    if (recon == Reconstruction::kTf32TensorCores || recon == Reconstruction::kInteger) {
       const size_t tsmem = tc_smem_bytes(flat.k_pad, flat.dim);
       const unsigned sgrid = unsigned(int64_t(h1 - h0) * nb);  // one stream per CTA
       if (flat.dim == 64)
@@ -291,7 +346,7 @@ struct KvtcGpuCodec::Impl {
   template <typename CodeT>
   void decode_all(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
                   cudaStream_t stream) {
-    if (recon == Reconstruction::kTf32TensorCores && fused) {
+    if (recon == Reconstruction::kTf32TensorCores && fused) {  // (kInteger: always two kernels)
       // Fused: one kernel per head range (phase timing: one phase).
       pipeline(
           stream,
@@ -369,31 +424,23 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
     m.dev.basis_frag = upload(frag, m.owned);
   }
   {
-    // The integer projection's weights, each int16 split into its high
-    // (signed) and low (unsigned) byte, in m16n8k32 B-fragment order: per
-    // (head, component group of 8, k-step of 32 dims), lane l (n = l / 4,
-    // dims 4 (l % 4) + i and 16 + 4 (l % 4) + i in byte i) holds {high
-    // bytes of b0, b1, low bytes of b0, b1}: one 16-byte load, a warp's 512
-    // contiguous bytes.
+    // The integer projection's weights W[k][d] (inner d, column k) as B
+    // fragments, [NH, k_pad / 8, D / 32, 32 lanes] (DeviceTables::proj_frag).
     const int D = f.dim, KP = f.k_pad;
     std::vector<uint4> frag(size_t(f.n_heads) * size_t(KP / 8) * size_t(D / 32) * 32);
-    for (int h = 0; h < f.n_heads; ++h)
+    for (int h = 0; h < f.n_heads; ++h) {
+      const auto w = [&](int d, int k) { return f.proj_w[(size_t(h) * size_t(KP) + size_t(k)) * size_t(D) + size_t(d)]; };
       for (int ng = 0; ng < KP / 8; ++ng)
         for (int ks = 0; ks < D / 32; ++ks)
-          for (int l = 0; l < 32; ++l) {
-            const int k = ng * 8 + l / 4;
-            uint32_t w[4] = {0, 0, 0, 0};
-            for (int half = 0; half < 2; ++half)
-              for (int i = 0; i < 4; ++i) {
-                const int d = ks * 32 + half * 16 + (l % 4) * 4 + i;
-                const uint16_t v = uint16_t(f.proj_w[(size_t(h) * KP + size_t(k)) * D + size_t(d)]);
-                w[half] |= uint32_t(v >> 8) << (8 * i);
-                w[2 + half] |= uint32_t(v & 0xffu) << (8 * i);
-              }
+          for (int l = 0; l < 32; ++l)
             frag[((size_t(h) * (KP / 8) + size_t(ng)) * (D / 32) + size_t(ks)) * 32 + size_t(l)] =
-                make_uint4(w[0], w[1], w[2], w[3]);
-          }
+                split_b_fragment(w, ks, ng, l);
+    }
     m.dev.proj_frag = upload(frag, m.owned);
+    m.dev.recon_frag = upload(recon_fragments(f), m.owned);
+    m.dev.recon_int = upload(f.recon_int, m.owned);
+    m.dev.recon_z = upload(f.recon_z, m.owned);
+    m.dev.recon_scale = upload(f.recon_scale, m.owned);
     m.dev.proj_int = upload(f.proj_int, m.owned);
     m.dev.proj_qscale = upload(f.proj_qscale, m.owned);
     m.dev.proj_scale = upload(f.proj_scale, m.owned);
@@ -498,6 +545,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   const int int8_smem = int(project_int_smem(f.dim, f.k_pad, 1)), int16_smem = int(project_int_smem(f.dim, f.k_pad, 2));
   const int rec_smem = int(rec_smem_bytes(f.k_pad, f.dim));
   const int tc_smem = int(tc_smem_bytes(f.k_pad, f.dim));
+  const int ri_smem = int(int_smem_bytes(f.k_pad, f.dim));
   const int fused8 = int(m.fused_smem(1)), fused16 = int(m.fused_smem(2));
   const auto attr = raise_dynamic_smem_limit;
   if (f.dim == 64) {
@@ -509,6 +557,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
     attr(reinterpret_cast<const void*>(reconstruct_kernel<64, uint16_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint8_t>), tc_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint16_t>), tc_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_int_kernel<64>), ri_smem);
     attr(reinterpret_cast<const void*>(decode_fused_kernel<64, uint8_t>), fused8);
     attr(reinterpret_cast<const void*>(decode_fused_kernel<64, uint16_t>), fused16);
   } else {
@@ -520,6 +569,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
     attr(reinterpret_cast<const void*>(reconstruct_kernel<128, uint16_t>), rec_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint8_t>), tc_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint16_t>), tc_smem);
+    attr(reinterpret_cast<const void*>(reconstruct_int_kernel<128>), ri_smem);
     attr(reinterpret_cast<const void*>(decode_fused_kernel<128, uint8_t>), fused8);
     attr(reinterpret_cast<const void*>(decode_fused_kernel<128, uint16_t>), fused16);
   }
@@ -555,7 +605,7 @@ void KvtcGpuCodec::set_pipeline_chunks(int chunks) {
 }
 
 void KvtcGpuCodec::set_reconstruction(Reconstruction r) {
-  if (r != Reconstruction::kExactFp32 && r != Reconstruction::kTf32TensorCores)
+  if (r != Reconstruction::kExactFp32 && r != Reconstruction::kTf32TensorCores && r != Reconstruction::kInteger)
     throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: unknown reconstruction mode " + std::to_string(int(r)));
   impl_->recon = r;
 }

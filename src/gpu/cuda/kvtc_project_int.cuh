@@ -40,21 +40,6 @@ namespace {
 
 constexpr int kXiPad = 8;  // int16 pad of a scaled row
 
-// c += a . b over one m16n8k32 tile, A signed / unsigned bytes (AU), B likewise (BU).
-template <bool AU, bool BU>
-__device__ __forceinline__ void imma(uint32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#define KVCODEC_IMMA(TA, TB)                                                                                \
-  asm("mma.sync.aligned.m16n8k32.row.col.s32." TA "." TB ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "   \
-      "{%0,%1,%2,%3};"                                                                                      \
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])                                                      \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-  if constexpr (!AU && !BU) KVCODEC_IMMA("s8", "s8");
-  else if constexpr (!AU && BU) KVCODEC_IMMA("s8", "u8");
-  else if constexpr (AU && !BU) KVCODEC_IMMA("u8", "s8");
-  else KVCODEC_IMMA("u8", "u8");
-#undef KVCODEC_IMMA
-}
-
 // Thread e's dim pairs (2e + 8j, 2e + 1 + 8j), j < D/8, of one token
 // (xrow: the token's bf16 pairs in shared memory) into c[0][j], c[1][j]:
 // RoPE removed at `position` (H8 = rope_dim / 16: groups j and j + H8 of

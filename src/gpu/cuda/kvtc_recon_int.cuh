@@ -1,0 +1,180 @@
+// The integer reconstruction of the kvtc-gpu decoder
+// (set_reconstruction(kInteger); kvtc_variant.hpp, FlatKvtcTables::recon_int):
+// the CPU codec's default dequantize_block, its products exact on the
+// tensor cores, so GPU and CPU give the same floats before the weights and
+// RoPE (which both then apply in the same fp32 ops).
+//
+// Why integers: the CPU codec reconstructs x[d] = fmaf(float(acc[d]),
+// recon_scale[d], mean[d]) with acc[d] = sum_k (2 code_k - zero2_k) W[k][d]
+// exact in int32 (W: int16 weights). Written as 2 sum_k code_k W[k][d] -
+// Z[d] (Z[d] = sum_k zero2_k W[k][d], a per-column constant), the u8 codes
+// are an MMA operand as they are, with no dequantisation instruction at all
+// (the TF32 path spends most of its time turning codes into floats), and
+// with W = 256 hi + lo (hi the signed high byte, lo the unsigned low byte)
+// the sum is two u8 x s8 / u8 x u8 mma.sync m16n8k32 per tile of 16 tokens
+// x 8 dims x 32 components, each exact in int32 (|partial| < 2^22 for
+// K <= 128), combined modulo 2^32: the exact sum, since the CPU codec's
+// tables keep it below 2^31. Half the MMAs of TF32 (k = 32, not 8).
+//
+// reconstruct_int_kernel: one stream (64 tokens) per CTA of 256 threads.
+//   1. Stage: component k's 64 codes (a row of the stream's code slots)
+//      into shared row k (kIntCodeStride bytes), each 32-token half's bytes
+//      reordered (two 4 x 4 byte transposes) so that 32-bit word g holds
+//      tokens g, g + 8, g + 16, g + 24: one word is then a thread's tokens
+//      of both 16-token tiles of its half. Rows K .. 32 ceil(K / 32) are 0.
+//   2. Warp w: tokens [32 (w % 2), + 32) x dims [(w / 2) D / 4, + D / 4).
+//      Per 32 components a thread loads 8 words (4 components x 2 halves
+//      of the k-step) and one 4 x 4 byte transpose per 4 words gives its A
+//      registers of both tiles; B comes from recon_frag (one 16-byte load
+//      per 8 dims, {high b0, b1, low b0, b1}).
+//   3. acc = 2 (256 hi + lo) - Z, x = fmaf(float(acc), recon_scale, mean)
+//      into the fp32 staging [kT][D + 8] (reusing the codes' memory), then
+//      store_tokens (* inv_scale, RoPE, bf16) with the mean already added.
+// A head without the integer tables (recon_int 0) takes the TF32 path in
+// the same CTA (tc_reconstruct_stream), u16 codes the TF32 kernel.
+#pragma once
+
+#include "gpu/cuda/kvtc_decode.cuh"
+#include "gpu/cuda/kvtc_device.cuh"
+
+namespace kvcodec::gpu {
+namespace {
+
+// Row stride of the staged codes: 18 words, so the A loads of a warp (rows
+// k + 4 q + i, word 8 (w % 2) + g: bank 18 (4 q + i) + g + const = 8 q + g
+// + const mod 32) hit 32 distinct banks.
+constexpr int kIntCodeStride = 72;
+
+// o[j] = byte j of w0, w1, w2, w3 (byte i of o[j] from w_i): a 4 x 4 byte
+// transpose in 8 byte permutes.
+__device__ __forceinline__ void transpose_bytes_4x4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
+                                                    uint32_t (&o)[4]) {
+  const uint32_t t0 = __byte_perm(w0, w1, 0x5140), t1 = __byte_perm(w0, w1, 0x7362);
+  const uint32_t t2 = __byte_perm(w2, w3, 0x5140), t3 = __byte_perm(w2, w3, 0x7362);
+  o[0] = __byte_perm(t0, t2, 0x5410);
+  o[1] = __byte_perm(t0, t2, 0x7632);
+  o[2] = __byte_perm(t1, t3, 0x5410);
+  o[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+template <int D>
+__device__ __forceinline__ void int_reconstruct_stream(const DeviceTables& tb, int h, const uint8_t* cs, int n,
+                                                       int64_t t0, uint16_t* __restrict__ y, unsigned char* smem) {
+  constexpr int WN = 4;           // warps along the dims
+  constexpr int NT = D / 8 / WN;  // 8-dim tiles per warp
+  constexpr int kOutPad = D + 8;  // as tc_reconstruct_stream: conflict-free 64-bit stores
+  const int K = tb.kept[h], KS = (K + 31) / 32, KSP = (tb.k_pad + 31) / 32;
+
+  // 1. Stage the codes, each half's tokens reordered.
+  for (int j = threadIdx.x; j < KS * 64; j += blockDim.x) {
+    const int k = j / 2, half = j % 2;
+    uint32_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (k < K) {
+      const uint4* src = reinterpret_cast<const uint4*>(cs + size_t(k) * kT + half * 32);
+      const uint4 a = __ldcs(src), b = __ldcs(src + 1);  // read once: do not keep in L2
+      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+    }
+    uint32_t lo[4], hi[4];
+    transpose_bytes_4x4(w[0], w[2], w[4], w[6], lo);  // words g = 0..3: tokens g + 8 i
+    transpose_bytes_4x4(w[1], w[3], w[5], w[7], hi);  // words g = 4..7
+    uint2* dst = reinterpret_cast<uint2*>(smem + k * kIntCodeStride + half * 32);
+    dst[0] = make_uint2(lo[0], lo[1]);
+    dst[1] = make_uint2(lo[2], lo[3]);
+    dst[2] = make_uint2(hi[0], hi[1]);
+    dst[3] = make_uint2(hi[2], hi[3]);
+  }
+  __syncthreads();
+
+  // 2. Products: hi and lo byte sums per (16-token tile mt, 8-dim tile nt).
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int wm = warp % 2, wn = warp / 2;
+  uint32_t ch[2][NT][4], cl[2][NT][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ch[m][t][e] = cl[m][t][e] = 0u;
+  const unsigned char* arow = smem + wm * 32 + 4 * g;
+  const uint4* bsrc = tb.recon_frag + (size_t(h) * KSP * (D / 8) + size_t(wn) * NT) * 32 + lane;
+  for (int ks = 0; ks < KS; ++ks) {
+    // A of tile mt, register r = hr + 2 c2: row g + 8 hr (token 16 mt + g +
+    // 8 hr of the half), components ks 32 + 16 c2 + 4 q + i in byte i.
+    uint32_t a[2][4];
+#pragma unroll
+    for (int c2 = 0; c2 < 2; ++c2) {
+      const unsigned char* r = arow + (ks * 32 + c2 * 16 + 4 * q) * kIntCodeStride;
+      uint32_t o[4];
+      transpose_bytes_4x4(*reinterpret_cast<const uint32_t*>(r), *reinterpret_cast<const uint32_t*>(r + kIntCodeStride),
+                          *reinterpret_cast<const uint32_t*>(r + 2 * kIntCodeStride),
+                          *reinterpret_cast<const uint32_t*>(r + 3 * kIntCodeStride), o);
+      a[0][2 * c2] = o[0];      // token g
+      a[0][2 * c2 + 1] = o[1];  // token g + 8
+      a[1][2 * c2] = o[2];      // token g + 16
+      a[1][2 * c2 + 1] = o[3];  // token g + 24
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const uint4 b = __ldg(bsrc + (size_t(ks) * (D / 8) + t) * 32);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        imma<true, false>(ch[m][t], a[m], b.x, b.y);
+        imma<true, true>(cl[m][t], a[m], b.z, b.w);
+      }
+    }
+  }
+  __syncthreads();  // the codes' memory becomes the output staging
+
+  // 3. acc = 2 (256 hi + lo) - Z modulo 2^32, the CPU codec's float ops.
+  float* os = reinterpret_cast<float*>(smem);
+  const size_t hd = size_t(h) * D;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int d = wn * (D / WN) + t * 8 + 2 * q;
+    const uint32_t z0 = uint32_t(__ldg(tb.recon_z + hd + d)), z1 = uint32_t(__ldg(tb.recon_z + hd + d + 1));
+    const float s0 = __ldg(tb.recon_scale + hd + d), s1 = __ldg(tb.recon_scale + hd + d + 1);
+    const float m0 = __ldg(tb.mean + hd + d), m1 = __ldg(tb.mean + hd + d + 1);
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = wm * 32 + m * 16 + g + 8 * hr;
+        const uint32_t acc0 = (ch[m][t][2 * hr] << 9) + (cl[m][t][2 * hr] << 1) - z0;
+        const uint32_t acc1 = (ch[m][t][2 * hr + 1] << 9) + (cl[m][t][2 * hr + 1] << 1) - z1;
+        *reinterpret_cast<float2*>(os + row * kOutPad + d) =
+            make_float2(__fmaf_rn(__int2float_rn(int32_t(acc0)), s0, m0), __fmaf_rn(__int2float_rn(int32_t(acc1)), s1, m1));
+      }
+  }
+  __syncthreads();
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
+  store_tokens<D, true>(tb, h, os, kOutPad, n, t0, yh, [](int) { return false; });
+}
+
+// One stream per CTA; 2 CTAs per SM (the 64 accumulators of a thread).
+template <int D>
+__global__ void __launch_bounds__(kProjThreads, 2) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
+                                                                       const uint8_t* __restrict__ bad, int64_t tokens,
+                                                                       int64_t nb, int head0, uint16_t* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int h = head0 + int(blockIdx.x / nb);
+  const int64_t blk = blockIdx.x % nb;
+  const int64_t stream = int64_t(h) * nb + blk;
+  if (bad[stream]) return;  // tokens of a malformed stream are left untouched
+  const int64_t t0 = blk * kT;
+  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const uint8_t* cs = codes + size_t(stream) * kT * tb.k_pad;
+  if (tb.recon_int[h])  // uniform over the CTA
+    int_reconstruct_stream<D>(tb, h, cs, n, t0, y, smem);
+  else
+    tc_reconstruct_stream<D, uint8_t>(tb, h, cs, n, t0, y, reinterpret_cast<float*>(smem));
+}
+
+// Shared memory of reconstruct_int_kernel: the staged codes, then (reused)
+// the fp32 output; at least tc_reconstruct_stream's for the heads without
+// the integer tables.
+size_t int_smem_bytes(int k_pad, int dim) {
+  return std::max(size_t((k_pad + 31) / 32 * 32) * kIntCodeStride, tc_smem_bytes(k_pad, dim));
+}
+
+}  // namespace
+}  // namespace kvcodec::gpu
