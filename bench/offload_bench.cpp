@@ -92,6 +92,18 @@ bool run(const KvtcCalibration& cal, const SafetensorsFile& f, int64_t S, const 
   const size_t tc_viol = gpu::tf32_bound_violations(t, t.n_heads, host[size_t(cal_layers[size_t(last)])].data(), S,
                                                     y.data(), y_ref.data(), &tc_diff);
   const double rel_mse = bench::rel_mse(host[size_t(cal_layers[size_t(last)])].data(), y.data(), layer_elems);
+  // The integer reconstruction (kInteger): the reference's integer path, bit for bit.
+  std::vector<uint16_t> y_int_ref(layer_elems);
+  gpu::decode_batch_reference(t, h.payload(last), h.payload_size(last), h.offsets(last), S, 64, y_int_ref.data(), 0,
+                              /*integer_reconstruction=*/true);
+  tier.set_reconstruction(Recon::kInteger);
+  CK(cudaMemset(out[size_t(last)], 0xff, layer_bytes));
+  const bench::StreamTimes integer = bench::median_stream_ms(s, [&] { tier.restore(h, out, s); }, r.reps);
+  tier.check_errors(s);
+  std::vector<uint16_t> y_int(layer_elems);
+  CK(cudaMemcpy(y_int.data(), out[size_t(last)], layer_bytes, cudaMemcpyDeviceToHost));
+  const bool int_equal = y_int == y_int_ref;
+  tier.set_reconstruction(Recon::kTf32TensorCores);
   // The same restore with one decode lane (layers strictly one after another).
   tier.set_decode_lanes(1);
   const bench::StreamTimes tc_1lane = bench::median_stream_ms(s, [&] { tier.restore(h, out, s); }, r.reps);
@@ -154,13 +166,15 @@ bool run(const KvtcCalibration& cal, const SafetensorsFile& f, int64_t S, const 
       "\"restore_uncompressed_ms\": %.3f, \"restore_uncompressed_gpu_ms\": %.3f, \"h2d_gb_s\": %.1f, "
       "\"d2d_copy_ms\": %.3f, \"speedup_vs_uncompressed\": %.2f, \"kv_restored_gb_s\": %.1f, "
       "\"check_exact_equal_cpu\": %s, \"check_tf32_bound_violations\": %zu, \"check_tf32_outputs\": %zu, "
-      "\"check_tf32_differ\": %zu, \"check_uncompressed_equal\": %s}\n",
+      "\"check_tf32_differ\": %zu, \"check_uncompressed_equal\": %s, \"restore_compressed_int_ms\": %.3f, "
+      "\"restore_compressed_int_gpu_ms\": %.3f, \"speedup_int_vs_uncompressed\": %.2f, \"check_int_equal_cpu\": %s}\n",
       (long long)S, r.layers, r.rows, D, r.sinks, r.window, (unsigned long long)kv_bytes,
       (unsigned long long)host_total, double(kv_bytes) / double(host_total), rel_mse, offload_ms, tc.wall_ms, tc.gpu_ms,
       tc_1lane.wall_ms, exact.wall_ms, exact.gpu_ms, h2d_compressed.wall_ms, decode_only.wall_ms, uncompressed.wall_ms,
       uncompressed.gpu_ms, double(kv_bytes) * gb / uncompressed.gpu_ms, d2d.wall_ms, uncompressed.wall_ms / tc.wall_ms,
       double(kv_bytes) * gb / tc.wall_ms, exact_equal ? "true" : "false", tc_viol, layer_elems, tc_diff,
-      raw_equal ? "true" : "false");
+      raw_equal ? "true" : "false", integer.wall_ms, integer.gpu_ms, uncompressed.wall_ms / integer.wall_ms,
+      int_equal ? "true" : "false");
   std::fflush(stdout);
   for (auto* p : raw) CK(cudaFreeHost(p));
   for (auto* p : dev_payload) CK(cudaFree(p));
@@ -168,7 +182,7 @@ bool run(const KvtcCalibration& cal, const SafetensorsFile& f, int64_t S, const 
   for (auto* p : out) CK(cudaFree(p));
   for (auto* p : src) CK(cudaFree(p));
   CK(cudaStreamDestroy(s));
-  return exact_equal && tc_viol == 0 && raw_equal;
+  return exact_equal && tc_viol == 0 && raw_equal && int_equal;
 }
 
 }  // namespace
