@@ -30,8 +30,9 @@ class BlockCache:
     """One layer (see the module's docstring). calibration: a
     kvcodec.Calibration or a path (per-layer, `kvcodec calibrate`); layer:
     its index; max_tokens: the longest history (the RoPE tables); batch: B;
-    device: "cpu" / "cuda" / "cuda:N"; reconstruction: "exact" or "tf32"
-    (GPU). Input may be any float dtype; the history comes back in it."""
+    device: "cpu" / "cuda" / "cuda:N"; reconstruction: "exact", "tf32"
+    (GPU) or "integer" (kvcodec.PrefixCodec's). Input may be any float
+    dtype; the history comes back in it."""
 
     def __init__(self, calibration, layer, *, max_tokens, batch=1, sinks=4, window=32, block=256, device="cpu",
                  reconstruction="exact"):

@@ -52,6 +52,15 @@ def test_history_is_the_whole_prefix_decode_and_every_token_is_coded_once(dump):
     stored = sum(e.nbytes for e in cache.blocks) + 2 * raw_tokens * 2 * 64 * 2
     assert st["compressed_key_bytes"] + st["compressed_value_bytes"] == stored
     assert st["compression_ratio"] > 3.0, st
+    # The integer reconstruction: the whole-prefix codec's, block for block.
+    ic = kvcodec.BlockCache(SHIPPED, layer=3, max_tokens=1024, sinks=sinks, window=window, block=block,
+                            reconstruction="integer")
+    k4, v4 = feed(ic, k, v, [300, 400])
+    wi = kvcodec.PrefixCodec(SHIPPED, layer=3, max_tokens=1024, sinks=sinks, window=S - sinks - coded,
+                             reconstruction="integer")
+    ik, iv = wi.decode(wi.encode(k, v))
+    assert torch.equal(k4[:, :, c], ik[:, :, c].to(k.dtype)) and torch.equal(v4[:, :, c], iv[:, :, c].to(v.dtype))
+    assert not torch.equal(k4, k2)
 
 
 def test_trim_keeps_what_it_keeps_and_bad_input_is_named(dump):
