@@ -343,11 +343,20 @@ void reconstruct_f32_reference(const FlatKvtcTables& t, int h, const uint16_t* c
   }
 }
 
+namespace {
+// y [n, D] bf16 of a reconstruction's f32 rows (reconstruct_f32_reference's signature).
+template <typename Reconstruct>
+void reconstruct_bf16(const Reconstruct& reconstruct, const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n,
+                      uint16_t* y, int64_t position0) {
+  std::vector<float> f(size_t(std::max<int64_t>(n, 0)) * size_t(t.dim));
+  reconstruct(t, h, codes, n, f.data(), position0);
+  for (size_t i = 0; i < f.size(); ++i) y[i] = f32_to_bf16_rne(f[i]);
+}
+}  // namespace
+
 void dequantize_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y,
                           int64_t position0) {
-  std::vector<float> f(size_t(std::max<int64_t>(n, 0)) * size_t(t.dim));
-  reconstruct_f32_reference(t, h, codes, n, f.data(), position0);
-  for (size_t i = 0; i < f.size(); ++i) y[i] = f32_to_bf16_rne(f[i]);
+  reconstruct_bf16(reconstruct_f32_reference, t, h, codes, n, y, position0);
 }
 
 void reconstruct_int_f32_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, float* y,
@@ -375,9 +384,7 @@ void reconstruct_int_f32_reference(const FlatKvtcTables& t, int h, const uint16_
 
 void dequantize_int_reference(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n, uint16_t* y,
                               int64_t position0) {
-  std::vector<float> f(size_t(std::max<int64_t>(n, 0)) * size_t(t.dim));
-  reconstruct_int_f32_reference(t, h, codes, n, f.data(), position0);
-  for (size_t i = 0; i < f.size(); ++i) y[i] = f32_to_bf16_rne(f[i]);
+  reconstruct_bf16(reconstruct_int_f32_reference, t, h, codes, n, y, position0);
 }
 
 std::vector<uint8_t> rans_warp_encode(const FlatKvtcTables& t, int h, const uint16_t* codes, int64_t n) {

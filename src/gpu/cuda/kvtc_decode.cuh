@@ -390,6 +390,19 @@ __device__ __forceinline__ void tc_reconstruct_stream(const DeviceTables& tb, in
   store_tokens<D>(tb, h, os, kOutPad, n, t0, yh, [](int) { return false; });
 }
 
+// The stream of a CTA of the one-stream-per-CTA kernels (grid: nb streams
+// of each head from head0): its head, index, first token and token count.
+struct CtaStream {
+  int h;
+  int64_t stream, t0;
+  int n;
+};
+__device__ __forceinline__ CtaStream cta_stream(int64_t tokens, int64_t nb, int head0) {
+  const int h = head0 + int(blockIdx.x / nb);
+  const int64_t blk = blockIdx.x % nb, t0 = blk * kT;
+  return {h, int64_t(h) * nb + blk, t0, tokens - t0 < kT ? int(tokens - t0) : kT};
+}
+
 // One stream (64 tokens) per CTA, 4 CTAs per SM (one CTA's code loads
 // overlap another's MMAs).
 template <int D, typename CodeT>
@@ -397,14 +410,10 @@ __global__ void __launch_bounds__(kProjThreads, 4) reconstruct_tc_kernel(DeviceT
                                                                       const uint8_t* __restrict__ bad, int64_t tokens,
                                                                       int64_t nb, int head0, uint16_t* __restrict__ y) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int h = head0 + int(blockIdx.x / nb);
-  const int64_t blk = blockIdx.x % nb;
-  const int64_t stream = int64_t(h) * nb + blk;
-  if (bad[stream]) return;  // tokens of a malformed stream are left untouched
-  const int64_t t0 = blk * kT;
-  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
-  tc_reconstruct_stream<D, CodeT>(tb, h, codes + size_t(stream) * kT * tb.k_pad, n, t0, y,
-                                         reinterpret_cast<float*>(smem));
+  const CtaStream s = cta_stream(tokens, nb, head0);
+  if (bad[s.stream]) return;  // tokens of a malformed stream are left untouched
+  tc_reconstruct_stream<D, CodeT>(tb, s.h, codes + size_t(s.stream) * kT * tb.k_pad, s.n, s.t0, y,
+                                  reinterpret_cast<float*>(smem));
 }
 
 // The fused TF32 decode (set_fused_decode(true) with kTf32TensorCores): every

@@ -156,17 +156,13 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_int_kernel(Device
                                                                        const uint8_t* __restrict__ bad, int64_t tokens,
                                                                        int64_t nb, int head0, uint16_t* __restrict__ y) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int h = head0 + int(blockIdx.x / nb);
-  const int64_t blk = blockIdx.x % nb;
-  const int64_t stream = int64_t(h) * nb + blk;
-  if (bad[stream]) return;  // tokens of a malformed stream are left untouched
-  const int64_t t0 = blk * kT;
-  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
-  const uint8_t* cs = codes + size_t(stream) * kT * tb.k_pad;
-  if (tb.recon_int[h])  // uniform over the CTA
-    int_reconstruct_stream<D>(tb, h, cs, n, t0, y, smem);
+  const CtaStream s = cta_stream(tokens, nb, head0);
+  if (bad[s.stream]) return;  // tokens of a malformed stream are left untouched
+  const uint8_t* cs = codes + size_t(s.stream) * kT * tb.k_pad;
+  if (tb.recon_int[s.h])  // uniform over the CTA
+    int_reconstruct_stream<D>(tb, s.h, cs, s.n, s.t0, y, smem);
   else
-    tc_reconstruct_stream<D, uint8_t>(tb, h, cs, n, t0, y, reinterpret_cast<float*>(smem));
+    tc_reconstruct_stream<D, uint8_t>(tb, s.h, cs, s.n, s.t0, y, reinterpret_cast<float*>(smem));
 }
 
 // Shared memory of reconstruct_int_kernel: the staged codes, then (reused)
