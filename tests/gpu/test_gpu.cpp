@@ -367,7 +367,7 @@ void gpu_matches_cpu(const Batch& b, int chunks_for_decode = 8) {
 }
 #endif
 
-// A build without CUDA (src/gpu/nocuda/gpu_stub.cpp) keeps the GPU API and
+// A build without CUDA (src/gpu/nocuda/without_cuda.cpp) keeps the GPU API and
 // answers every call with a clear error.
 TEST(KvtcGpu, WithoutCudaEveryCodecSaysSo) {
   if (cuda_compiled()) GTEST_SKIP() << "built with CUDA";
