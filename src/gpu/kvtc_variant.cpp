@@ -372,7 +372,7 @@ void reconstruct_int_f32_reference(const FlatKvtcTables& t, int h, const uint16_
       uint32_t acc = 0;  // int32 sums modulo 2^32, as the madd and the MMA accumulate them
       for (int k = 0; k < K; ++k) {
         const size_t q = t.idx(h, k);
-        const int16_t c = int16_t(uint16_t(2u * codes[i * K + k] - uint16_t(t.recon_zero2[q])));
+        const int16_t c = kvtc::doubled_code(codes[i * K + k], t.recon_zero2[q]);
         acc += uint32_t(int32_t(c) * int32_t(t.recon_w[q * size_t(D) + size_t(d)]));
       }
       const float x = std::fma(float(int32_t(acc)), t.recon_scale[hd + size_t(d)], t.mean[hd + size_t(d)]);

@@ -1198,7 +1198,7 @@ void doubled_codes(const HeadParams& p, const uint16_t* codes, int64_t n, int16_
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t* r = codes + size_t(i) * K;
     int16_t* o = c + size_t(i) * kp;
-    for (size_t k = 0; k < K; ++k) o[k] = int16_t(uint16_t(2u * r[k] - uint16_t(z[k])));
+    for (size_t k = 0; k < K; ++k) o[k] = doubled_code(r[k], z[k]);
     if (kp > K) o[K] = 0;
   }
 }
@@ -1775,7 +1775,7 @@ void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* cod
       for (size_t k = 0; k < K; ++k) {
         const uint16_t code = codes[size_t(i) * K + k];
         const int16_t c = p.derived().recon_lut.empty()
-                              ? int16_t(uint16_t(2u * code - uint16_t(p.derived().recon_zero2[k])))
+                              ? doubled_code(code, p.derived().recon_zero2[k])
                               : table_code(p, k, code);
         acc += int64_t(c) * int64_t(p.derived().recon_w[recon_w_index(k, d, kp2)]);
       }

@@ -92,10 +92,6 @@ enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3,
 
 struct HeadParams;
 
-// The kernels derived from one HeadParams (not serialised): coder tables and
-// the integer kernels' weights. Immutable once built (rans_groups points into
-// rans_decode, so it is never copied or moved), held by shared_ptr: every
-// copy of the parameters, and every cache using them, shares one.
 // Index of W[k][d] in HeadKernels::proj_w ([ceil(K/8)][Dp/2][8][2]; dp2 = Dp / 2).
 inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
 // Index of W[k][d] in HeadKernels::recon_w ([ceil(D/8)][Kp/2][8][2]; kp2 = Kp / 2).
@@ -118,7 +114,15 @@ inline uint16_t proj_code(int32_t acc, float qscale, float offset, float max_cod
   const float v = max_code < y ? max_code : y;
   return v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
 }
+// The integer reconstruction's centred code c = 2 code - zero2 as int16
+// (modulo 2^16 for codes past a component's levels, which decoders reject
+// before); shared by the codec's loops and the kvtc-gpu reference.
+inline int16_t doubled_code(uint16_t code, int16_t zero2) { return int16_t(uint16_t(2u * code - uint16_t(zero2))); }
 
+// The kernels derived from one HeadParams (not serialised): coder tables and
+// the integer kernels' weights. Immutable once built (rans_groups points into
+// rans_decode, so it is never copied or moved), held by shared_ptr: every
+// copy of the parameters, and every cache using them, shares one.
 struct HeadKernels {
   KernelSet set = KernelSet::kNone;
   // The decoder's slot tables and the encoder's division-free constants.

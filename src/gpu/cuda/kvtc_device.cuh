@@ -202,9 +202,11 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
     const bool upper_first = pad % 32 == 8 && (t & 1);
     load_f32x8_ordered(os + t * pad + lo, upper_first, a);
     load_f32x8_ordered(os + t * pad + hi, upper_first, b);
-    float ml[8], mh[8], sl[8], sh[8];
-    ldg_f32x8(mean + lo, ml);
-    ldg_f32x8(mean + hi, mh);
+    float ml[8] = {}, mh[8] = {}, sl[8], sh[8];
+    if constexpr (!kMeanAdded) {
+      ldg_f32x8(mean + lo, ml);
+      ldg_f32x8(mean + hi, mh);
+    }
     ldg_f32x8(isc + lo, sl);
     ldg_f32x8(isc + hi, sh);
 #pragma unroll

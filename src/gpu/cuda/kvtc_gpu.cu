@@ -437,10 +437,6 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
                 split_b_fragment(w, ks, ng, l);
     }
     m.dev.proj_frag = upload(frag, m.owned);
-    m.dev.recon_frag = upload(recon_fragments(f), m.owned);
-    m.dev.recon_int = upload(f.recon_int, m.owned);
-    m.dev.recon_z = upload(f.recon_z, m.owned);
-    m.dev.recon_scale = upload(f.recon_scale, m.owned);
     m.dev.proj_int = upload(f.proj_int, m.owned);
     m.dev.proj_qscale = upload(f.proj_qscale, m.owned);
     m.dev.proj_scale = upload(f.proj_scale, m.owned);
@@ -451,6 +447,11 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
       (f.proj_int[size_t(h)] ? m.any_int_projection : m.any_float_projection) = true;
     }
   }
+  // The integer reconstruction's tables (kvtc_recon_int.cuh).
+  m.dev.recon_frag = upload(recon_fragments(f), m.owned);
+  m.dev.recon_int = upload(f.recon_int, m.owned);
+  m.dev.recon_z = upload(f.recon_z, m.owned);
+  m.dev.recon_scale = upload(f.recon_scale, m.owned);
   m.dev.inv_step = upload(f.inv_step, m.owned);
   m.dev.code_offset = upload(f.code_offset, m.owned);
   m.dev.max_code = upload(f.max_code, m.owned);
