@@ -234,6 +234,20 @@ __device__ __forceinline__ void imma(uint32_t (&c)[4], const uint32_t (&a)[4], u
   else KVCODEC_IMMA("u8", "u8");
 #undef KVCODEC_IMMA
 }
+// c = a . b (a zero C operand: a tile's first k-step, no cleared accumulators).
+template <bool AU, bool BU>
+__device__ __forceinline__ void imma_first(uint32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#define KVCODEC_IMMA0(TA, TB)                                                                               \
+  asm("mma.sync.aligned.m16n8k32.row.col.s32." TA "." TB ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "   \
+      "{%10,%10,%10,%10};"                                                                                  \
+      : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])                                                      \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0u))
+  if constexpr (!AU && !BU) KVCODEC_IMMA0("s8", "s8");
+  else if constexpr (!AU && BU) KVCODEC_IMMA0("s8", "u8");
+  else if constexpr (AU && !BU) KVCODEC_IMMA0("u8", "s8");
+  else KVCODEC_IMMA0("u8", "u8");
+#undef KVCODEC_IMMA0
+}
 
 // The float projection's code of coefficient acc of component q: the
 // reference's floor(fma) and clamp (fmax first: a NaN lands on code 0).

@@ -25,11 +25,16 @@
 //   2. Warp w: tokens [32 (w % 2), + 32) x dims [(w / 2) D / 4, + D / 4).
 //      Per 32 components a thread loads 8 words (4 components x 2 halves
 //      of the k-step) and one 4 x 4 byte transpose per 4 words gives its A
-//      registers of both tiles; B comes from recon_frag (one 16-byte load
-//      per 8 dims, {high b0, b1, low b0, b1}).
-//   3. acc = 2 (256 hi + lo) - Z, x = fmaf(float(acc), recon_scale, mean)
-//      into the fp32 staging [kT][D + 8] (reusing the codes' memory), then
+//      registers of both tiles, for every k-step (KS <= 4, a template
+//      parameter) before any product, so the codes' memory is free after.
+//   3. Per 8-dim tile: B from recon_frag (one 16-byte load per k-step,
+//      {high b0, b1, low b0, b1}), the hi and lo sums over all k-steps,
+//      acc = 2 (256 hi + lo) - Z, x = fmaf(float(acc), recon_scale, mean)
+//      into the fp32 staging [kT][D + 8] (reusing the codes' memory); then
 //      store_tokens (* inv_scale, RoPE, bf16) with the mean already added.
+//      One tile's accumulators live at a time (16 registers, not 64), so
+//      3 CTAs fit an SM at D = 128 and 4 at D = 64 (was 2: 1.24 -> 1.00 ms
+//      on the calibrated bench batch, H100).
 // A head without the integer tables (recon_int 0) takes the TF32 path in
 // the same CTA (tc_reconstruct_stream), u16 codes the TF32 kernel.
 #pragma once
@@ -57,13 +62,15 @@ __device__ __forceinline__ void transpose_bytes_4x4(uint32_t w0, uint32_t w1, ui
   o[3] = __byte_perm(t1, t3, 0x7632);
 }
 
-template <int D>
+// KS = ceil(K / 32) k-steps (a template parameter: the A fragments of all
+// of them sit in registers).
+template <int D, int KS>
 __device__ __forceinline__ void int_reconstruct_stream(const DeviceTables& tb, int h, const uint8_t* cs, int n,
                                                        int64_t t0, uint16_t* __restrict__ y, unsigned char* smem) {
   constexpr int WN = 4;           // warps along the dims
   constexpr int NT = D / 8 / WN;  // 8-dim tiles per warp
   constexpr int kOutPad = D + 8;  // as tc_reconstruct_stream: conflict-free 64-bit stores
-  const int K = tb.kept[h], KS = (K + 31) / 32, KSP = (tb.k_pad + 31) / 32;
+  const int K = tb.kept[h], KSP = (tb.k_pad + 31) / 32;
 
   // 1. Stage the codes, each half's tokens reordered.
   for (int j = threadIdx.x; j < KS * 64; j += blockDim.x) {
@@ -85,84 +92,103 @@ __device__ __forceinline__ void int_reconstruct_stream(const DeviceTables& tb, i
   }
   __syncthreads();
 
-  // 2. Products: hi and lo byte sums per (16-token tile mt, 8-dim tile nt).
+  // 2. A fragments of every k-step into registers (KS <= D / 32: at most 32
+  // registers), then the codes' memory becomes the output staging.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int wm = warp % 2, wn = warp / 2;
-  uint32_t ch[2][NT][4], cl[2][NT][4];
+  uint32_t a[KS][2][4];
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ch[m][t][e] = cl[m][t][e] = 0u;
-  const unsigned char* arow = smem + wm * 32 + 4 * g;
-  const uint4* bsrc = tb.recon_frag + (size_t(h) * KSP * (D / 8) + size_t(wn) * NT) * 32 + lane;
-  for (int ks = 0; ks < KS; ++ks) {
-    // A of tile mt, register r = hr + 2 c2: row g + 8 hr (token 16 mt + g +
-    // 8 hr of the half), components ks 32 + 16 c2 + 4 q + i in byte i.
-    uint32_t a[2][4];
+  for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
     for (int c2 = 0; c2 < 2; ++c2) {
-      const unsigned char* r = arow + (ks * 32 + c2 * 16 + 4 * q) * kIntCodeStride;
+      // A of tile mt, register r = hr + 2 c2: row g + 8 hr (token 16 mt + g +
+      // 8 hr of the half), components ks 32 + 16 c2 + 4 q + i in byte i.
+      const unsigned char* r = smem + wm * 32 + 4 * g + (ks * 32 + c2 * 16 + 4 * q) * kIntCodeStride;
       uint32_t o[4];
       transpose_bytes_4x4(*reinterpret_cast<const uint32_t*>(r), *reinterpret_cast<const uint32_t*>(r + kIntCodeStride),
                           *reinterpret_cast<const uint32_t*>(r + 2 * kIntCodeStride),
                           *reinterpret_cast<const uint32_t*>(r + 3 * kIntCodeStride), o);
-      a[0][2 * c2] = o[0];      // token g
-      a[0][2 * c2 + 1] = o[1];  // token g + 8
-      a[1][2 * c2] = o[2];      // token g + 16
-      a[1][2 * c2 + 1] = o[3];  // token g + 24
+      a[ks][0][2 * c2] = o[0];      // token g
+      a[ks][0][2 * c2 + 1] = o[1];  // token g + 8
+      a[ks][1][2 * c2] = o[2];      // token g + 16
+      a[ks][1][2 * c2 + 1] = o[3];  // token g + 24
     }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const uint4 b = __ldg(bsrc + (size_t(ks) * (D / 8) + t) * 32);
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        imma<true, false>(ch[m][t], a[m], b.x, b.y);
-        imma<true, true>(cl[m][t], a[m], b.z, b.w);
-      }
-    }
-  }
-  __syncthreads();  // the codes' memory becomes the output staging
+  __syncthreads();
 
-  // 3. acc = 2 (256 hi + lo) - Z modulo 2^32, the CPU codec's float ops.
+  // 3. Per 8-dim tile: the hi and lo byte sums over every k-step (the
+  // first with a zero C operand), then acc = 2 (256 hi + lo) - Z modulo 2^32
+  // and the CPU codec's x = fmaf(float(acc), recon_scale, mean) into the
+  // fp32 staging [kT][D + 8]. One tile's 16 accumulators live at a time (all
+  // tiles' 64 held the kernel to 2 CTAs per SM).
   float* os = reinterpret_cast<float*>(smem);
   const size_t hd = size_t(h) * D;
-#pragma unroll
+  const uint4* bsrc = tb.recon_frag + (size_t(h) * KSP * (D / 8) + size_t(wn) * NT) * 32 + lane;
+#pragma unroll 1
   for (int t = 0; t < NT; ++t) {
+    uint32_t ch[2][4], cl[2][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint4 b = __ldg(bsrc + (ks * (D / 8) + t) * 32);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        if (ks == 0) {
+          imma_first<true, false>(ch[m], a[ks][m], b.x, b.y);
+          imma_first<true, true>(cl[m], a[ks][m], b.z, b.w);
+        } else {
+          imma<true, false>(ch[m], a[ks][m], b.x, b.y);
+          imma<true, true>(cl[m], a[ks][m], b.z, b.w);
+        }
+      }
+    }
     const int d = wn * (D / WN) + t * 8 + 2 * q;
-    const uint32_t z0 = uint32_t(__ldg(tb.recon_z + hd + d)), z1 = uint32_t(__ldg(tb.recon_z + hd + d + 1));
-    const float s0 = __ldg(tb.recon_scale + hd + d), s1 = __ldg(tb.recon_scale + hd + d + 1);
-    const float m0 = __ldg(tb.mean + hd + d), m1 = __ldg(tb.mean + hd + d + 1);
+    const int2 z = __ldg(reinterpret_cast<const int2*>(tb.recon_z + hd + d));
+    const float2 sc = __ldg(reinterpret_cast<const float2*>(tb.recon_scale + hd + d));
+    const float2 mu = __ldg(reinterpret_cast<const float2*>(tb.mean + hd + d));
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int row = wm * 32 + m * 16 + g + 8 * hr;
-        const uint32_t acc0 = (ch[m][t][2 * hr] << 9) + (cl[m][t][2 * hr] << 1) - z0;
-        const uint32_t acc1 = (ch[m][t][2 * hr + 1] << 9) + (cl[m][t][2 * hr + 1] << 1) - z1;
-        *reinterpret_cast<float2*>(os + row * kOutPad + d) =
-            make_float2(__fmaf_rn(__int2float_rn(int32_t(acc0)), s0, m0), __fmaf_rn(__int2float_rn(int32_t(acc1)), s1, m1));
+        const uint32_t acc0 = (ch[m][2 * hr] << 9) + (cl[m][2 * hr] << 1) - uint32_t(z.x);
+        const uint32_t acc1 = (ch[m][2 * hr + 1] << 9) + (cl[m][2 * hr + 1] << 1) - uint32_t(z.y);
+        *reinterpret_cast<float2*>(os + row * kOutPad + d) = make_float2(
+            __fmaf_rn(__int2float_rn(int32_t(acc0)), sc.x, mu.x), __fmaf_rn(__int2float_rn(int32_t(acc1)), sc.y, mu.y));
       }
   }
   __syncthreads();
   uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
-  store_tokens<D, true>(tb, h, os, kOutPad, n, t0, yh, [](int) { return false; });
+  store_tokens<D, /*kMeanAdded=*/true>(tb, h, os, kOutPad, n, t0, yh, [](int) { return false; });
 }
 
-// One stream per CTA; 2 CTAs per SM (the 64 accumulators of a thread).
+// One stream per CTA; 4 CTAs per SM at D = 64, 3 at D = 128 (its 32 A
+// registers of 4 k-steps spill at 64). With all 64 accumulators of a thread
+// live the kernel ran 2 CTAs per SM, latency-bound (0.51 warps issued per
+// scheduler per cycle, ncu, H100).
 template <int D>
-__global__ void __launch_bounds__(kProjThreads, 2) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
+__global__ void __launch_bounds__(kProjThreads, D <= 64 ? 4 : 3) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
                                                                        const uint8_t* __restrict__ bad, int64_t tokens,
                                                                        int64_t nb, int head0, uint16_t* __restrict__ y) {
   extern __shared__ __align__(16) unsigned char smem[];
   const CtaStream s = cta_stream(tokens, nb, head0);
   if (bad[s.stream]) return;  // tokens of a malformed stream are left untouched
   const uint8_t* cs = codes + size_t(s.stream) * kT * tb.k_pad;
-  if (tb.recon_int[s.h])  // uniform over the CTA
-    int_reconstruct_stream<D>(tb, s.h, cs, s.n, s.t0, y, smem);
-  else
+  if (!tb.recon_int[s.h]) {  // uniform over the CTA
     tc_reconstruct_stream<D, uint8_t>(tb, s.h, cs, s.n, s.t0, y, reinterpret_cast<float*>(smem));
+    return;
+  }
+  // k-steps: K <= k_pad <= D, so at most D / 32 (a zero-K head codes nothing:
+  // one k-step of zero codes gives its -Z, as none would).
+  const int ks = (tb.kept[s.h] + 31) / 32;
+  if (ks <= 1) {
+    int_reconstruct_stream<D, 1>(tb, s.h, cs, s.n, s.t0, y, smem);
+  } else if (ks == 2) {
+    int_reconstruct_stream<D, 2>(tb, s.h, cs, s.n, s.t0, y, smem);
+  } else if constexpr (D >= 128) {
+    if (ks == 3)
+      int_reconstruct_stream<D, 3>(tb, s.h, cs, s.n, s.t0, y, smem);
+    else
+      int_reconstruct_stream<D, 4>(tb, s.h, cs, s.n, s.t0, y, smem);
+  }
 }
 
 // Shared memory of reconstruct_int_kernel: the staged codes, then (reused)
