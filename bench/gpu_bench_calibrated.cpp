@@ -76,20 +76,25 @@ int main(int argc, char** argv) {
   codec.check_errors();
   std::vector<uint16_t> y_split(elems);
   CK(cudaMemcpy(y_split.data(), dy, bytes, cudaMemcpyDeviceToHost));
-  // The same decode pipelined over head ranges (set_pipeline_chunks: the
-  // rANS decode of range c + 1 beside the reconstruction of range c).
-  std::string piped_json;
+  // The current decode pipelined over head ranges (set_pipeline_chunks: the
+  // rANS decode of range c + 1 beside the reconstruction of range c):
+  // "chunks, ms" pairs, each output checked equal to `plain`.
   bool piped_equal = true;
-  for (const int chunks : {2, 4, 8}) {
-    codec.set_pipeline_chunks(chunks);
-    const double ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
-    codec.check_errors();
-    std::vector<uint16_t> y_piped(elems);
-    CK(cudaMemcpy(y_piped.data(), dy, bytes, cudaMemcpyDeviceToHost));
-    piped_equal = piped_equal && y_piped == y_split;
-    piped_json += (piped_json.empty() ? "" : ", ") + std::to_string(chunks) + ", " + std::to_string(ms);
-  }
-  codec.set_pipeline_chunks(1);
+  const auto pipelined = [&](const std::vector<uint16_t>& plain) {
+    std::string json;
+    for (const int chunks : {2, 4, 8}) {
+      codec.set_pipeline_chunks(chunks);
+      const double ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+      codec.check_errors();
+      std::vector<uint16_t> y_piped(elems);
+      CK(cudaMemcpy(y_piped.data(), dy, bytes, cudaMemcpyDeviceToHost));
+      piped_equal = piped_equal && y_piped == plain;
+      json += (json.empty() ? "" : ", ") + std::to_string(chunks) + ", " + std::to_string(ms);
+    }
+    codec.set_pipeline_chunks(1);
+    return json;
+  };
+  const std::string piped_json = pipelined(y_split);
   // The integer reconstruction (the CPU codec's dequantize_block on tensor cores).
   codec.set_reconstruction(Recon::kInteger);
   const double dec_int_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
@@ -97,18 +102,8 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> y_int(elems);
   CK(cudaMemcpy(y_int.data(), dy, bytes, cudaMemcpyDeviceToHost));
   // Pipelined too: its rANS decode (issue-bound) and integer MMAs use
-  // different units, so ranges side by side may overlap where TF32's did not.
-  std::string int_piped_json;
-  for (const int chunks : {2, 4, 8}) {
-    codec.set_pipeline_chunks(chunks);
-    const double ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
-    codec.check_errors();
-    std::vector<uint16_t> y_piped(elems);
-    CK(cudaMemcpy(y_piped.data(), dy, bytes, cudaMemcpyDeviceToHost));
-    piped_equal = piped_equal && y_piped == y_int;
-    int_piped_json += (int_piped_json.empty() ? "" : ", ") + std::to_string(chunks) + ", " + std::to_string(ms);
-  }
-  codec.set_pipeline_chunks(1);
+  // different units, so ranges side by side might overlap where TF32's did not.
+  const std::string int_piped_json = pipelined(y_int);
   codec.set_phase_timing(true);
   codec.decode(dout, total, doff, S, dy);
   const std::vector<double> int_ph = codec.last_phase_ms();

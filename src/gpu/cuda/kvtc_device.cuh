@@ -220,6 +220,14 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
   }
 }
 
+// M(TA, TB) with the PTX types of an m16n8k32 MMA's A and B bytes, signed or
+// unsigned as AU and BU say (the one chain over the four kinds).
+#define KVCODEC_IMMA_KINDS(M)                 \
+  if constexpr (!AU && !BU) M("s8", "s8");    \
+  else if constexpr (!AU && BU) M("s8", "u8"); \
+  else if constexpr (AU && !BU) M("u8", "s8"); \
+  else M("u8", "u8")
+
 // c += a . b over one m16n8k32 tile, A signed / unsigned bytes (AU), B likewise (BU).
 template <bool AU, bool BU>
 __device__ __forceinline__ void imma(uint32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -228,10 +236,7 @@ __device__ __forceinline__ void imma(uint32_t (&c)[4], const uint32_t (&a)[4], u
       "{%0,%1,%2,%3};"                                                                                      \
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])                                                      \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-  if constexpr (!AU && !BU) KVCODEC_IMMA("s8", "s8");
-  else if constexpr (!AU && BU) KVCODEC_IMMA("s8", "u8");
-  else if constexpr (AU && !BU) KVCODEC_IMMA("u8", "s8");
-  else KVCODEC_IMMA("u8", "u8");
+  KVCODEC_IMMA_KINDS(KVCODEC_IMMA);
 #undef KVCODEC_IMMA
 }
 // c = a . b (a zero C operand: a tile's first k-step, no cleared accumulators).
@@ -242,12 +247,10 @@ __device__ __forceinline__ void imma_first(uint32_t (&c)[4], const uint32_t (&a)
       "{%10,%10,%10,%10};"                                                                                  \
       : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])                                                      \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0u))
-  if constexpr (!AU && !BU) KVCODEC_IMMA0("s8", "s8");
-  else if constexpr (!AU && BU) KVCODEC_IMMA0("s8", "u8");
-  else if constexpr (AU && !BU) KVCODEC_IMMA0("u8", "s8");
-  else KVCODEC_IMMA0("u8", "u8");
+  KVCODEC_IMMA_KINDS(KVCODEC_IMMA0);
 #undef KVCODEC_IMMA0
 }
+#undef KVCODEC_IMMA_KINDS
 
 // The float projection's code of coefficient acc of component q: the
 // reference's floor(fma) and clamp (fmax first: a NaN lands on code 0).
