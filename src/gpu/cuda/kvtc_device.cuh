@@ -220,37 +220,34 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
   }
 }
 
-// M(TA, TB) with the PTX types of an m16n8k32 MMA's A and B bytes, signed or
-// unsigned as AU and BU say (the one chain over the four kinds).
-#define KVCODEC_IMMA_KINDS(M)                 \
-  if constexpr (!AU && !BU) M("s8", "s8");    \
+// c = a . b + c over one m16n8k32 tile, A signed / unsigned bytes (AU), B
+// likewise (BU); with kAccumulate false, c = a . b (a zero C operand: a
+// tile's first k-step needs no cleared accumulators). One asm template: C's
+// operand text and the accumulators' constraint are its only parameters.
+template <bool AU, bool BU, bool kAccumulate = true>
+__device__ __forceinline__ void imma(uint32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#define KVCODEC_IMMA(TA, TB, C, OUT, ...)                                                                   \
+  asm("mma.sync.aligned.m16n8k32.row.col.s32." TA "." TB ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " C \
+      ";"                                                                                                   \
+      : OUT(c[0]), OUT(c[1]), OUT(c[2]), OUT(c[3])                                                          \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1)__VA_ARGS__)
+#define KVCODEC_IMMA_ACC(TA, TB) KVCODEC_IMMA(TA, TB, "{%0,%1,%2,%3}", "+r")
+#define KVCODEC_IMMA_ZERO(TA, TB) KVCODEC_IMMA(TA, TB, "{%10,%10,%10,%10}", "=r", , "r"(0u))
+#define KVCODEC_IMMA_KINDS(M)                  \
+  if constexpr (!AU && !BU) M("s8", "s8");     \
   else if constexpr (!AU && BU) M("s8", "u8"); \
   else if constexpr (AU && !BU) M("u8", "s8"); \
   else M("u8", "u8")
-
-// c += a . b over one m16n8k32 tile, A signed / unsigned bytes (AU), B likewise (BU).
-template <bool AU, bool BU>
-__device__ __forceinline__ void imma(uint32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#define KVCODEC_IMMA(TA, TB)                                                                                \
-  asm("mma.sync.aligned.m16n8k32.row.col.s32." TA "." TB ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "   \
-      "{%0,%1,%2,%3};"                                                                                      \
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])                                                      \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-  KVCODEC_IMMA_KINDS(KVCODEC_IMMA);
+  if constexpr (kAccumulate) {
+    KVCODEC_IMMA_KINDS(KVCODEC_IMMA_ACC);
+  } else {
+    KVCODEC_IMMA_KINDS(KVCODEC_IMMA_ZERO);
+  }
+#undef KVCODEC_IMMA_KINDS
+#undef KVCODEC_IMMA_ZERO
+#undef KVCODEC_IMMA_ACC
 #undef KVCODEC_IMMA
 }
-// c = a . b (a zero C operand: a tile's first k-step, no cleared accumulators).
-template <bool AU, bool BU>
-__device__ __forceinline__ void imma_first(uint32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#define KVCODEC_IMMA0(TA, TB)                                                                               \
-  asm("mma.sync.aligned.m16n8k32.row.col.s32." TA "." TB ".s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "   \
-      "{%10,%10,%10,%10};"                                                                                  \
-      : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])                                                      \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0u))
-  KVCODEC_IMMA_KINDS(KVCODEC_IMMA0);
-#undef KVCODEC_IMMA0
-}
-#undef KVCODEC_IMMA_KINDS
 
 // The float projection's code of coefficient acc of component q: the
 // reference's floor(fma) and clamp (fmax first: a NaN lands on code 0).

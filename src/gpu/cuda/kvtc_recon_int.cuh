@@ -132,8 +132,8 @@ __device__ __forceinline__ void int_reconstruct_stream(const DeviceTables& tb, i
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         if (ks == 0) {
-          imma_first<true, false>(ch[m], a[ks][m], b.x, b.y);
-          imma_first<true, true>(cl[m], a[ks][m], b.z, b.w);
+          imma<true, false, false>(ch[m], a[ks][m], b.x, b.y);
+          imma<true, true, false>(cl[m], a[ks][m], b.z, b.w);
         } else {
           imma<true, false>(ch[m], a[ks][m], b.x, b.y);
           imma<true, true>(cl[m], a[ks][m], b.z, b.w);
