@@ -1292,9 +1292,9 @@ void recon_int_panel(const HeadParams& p, const int16_t* c, size_t kp, size_t kp
   const size_t D = size_t(p.dim), block_stride = kp2 * 16;  // int16 entries of one 8-column block
   const float* scale = p.derived().recon_scale.data() + b;
   const float* mean = p.mean.data() + b;
-  // madd then add, not VNNI: its accumulator chains (a 4-5 cycle
-  // vpdpwssd where the add is 1) showed here, 0.94x the decode on Zen 4,
-  // where the projection's longer inner loops gain 1.11x.
+  // madd then add, not VNNI: with this tile's 8 accumulators vpdpwssd's
+  // 4-5 cycle chains showed (0.94x the decode on Zen 4). VNNI CPUs take
+  // recon_int_panel32's 16-accumulator tiles for every 32 columns first.
   madd_panel_with<NV, false>(c, kp, p.derived().recon_w.data() + (b / 8) * block_stride, block_stride, kp2, n,
                              [&](size_t i) {
     float* C = out + i * D + b;
