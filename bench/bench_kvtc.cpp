@@ -354,6 +354,20 @@ void BM_CacheDecode(benchmark::State& state) {
   state.SetBytesProcessed(int64_t(double(state.iterations()) * f.f16_bytes));
 }
 
+// sweep(vnni) (the seconds of one pass with the VNNI tiles on or off)
+// both ways per iteration, the order alternating: counter speedup = the
+// median of off time / on time.
+template <class Sweep>
+void vnni_off_on(benchmark::State& state, const Sweep& sweep) {
+  std::vector<double> ratios;
+  for (auto _ : state) {
+    const bool off_first = ratios.size() % 2 == 0;
+    const double a = sweep(!off_first), b = sweep(off_first);
+    ratios.push_back(off_first ? a / b : b / a);
+  }
+  report_ratios(state, ratios);
+}
+
 // The cache decode of BM_CacheDecode with the AVX512-VNNI tiles off
 // (baseline: AVX2's madd then add) and on (contender), alternating within
 // each iteration: counter speedup = median of off time / on time. Same
@@ -373,14 +387,8 @@ void BM_CacheDecodeVnniAB(benchmark::State& state) {
       c->for_each_block([&](int64_t, const TensorView& k, const TensorView&) { sink += static_cast<const float*>(k.data)[0]; });
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  std::vector<double> ratios;
-  for (auto _ : state) {
-    const bool off_first = ratios.size() % 2 == 0;
-    const double a = sweep(!off_first), b = sweep(off_first);
-    ratios.push_back(off_first ? a / b : b / a);
-  }
+  vnni_off_on(state, sweep);
   benchmark::DoNotOptimize(sink);
-  report_ratios(state, ratios);
   state.SetBytesProcessed(int64_t(double(state.iterations()) * 2 * f.f16_bytes));
 }
 
@@ -404,13 +412,7 @@ void BM_CacheAppendVnniAB(benchmark::State& state) {
     for (size_t i = 0; i < f.fitted.size(); ++i) f.fitted[i]->append(f.keys[i].view(), f.values[i].view());
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  std::vector<double> ratios;
-  for (auto _ : state) {
-    const bool off_first = ratios.size() % 2 == 0;
-    const double a = sweep(!off_first), b = sweep(off_first);
-    ratios.push_back(off_first ? a / b : b / a);
-  }
-  report_ratios(state, ratios);
+  vnni_off_on(state, sweep);
   state.SetBytesProcessed(int64_t(double(state.iterations()) * 2 * f.f16_bytes));
 }
 
