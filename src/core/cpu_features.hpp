@@ -24,6 +24,18 @@
 #define KVCODEC_AVX2_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,popcnt,bmi,bmi2\")")
 #define KVCODEC_AVX2_END _Pragma("GCC pop_options")
 #endif
+// The AVX2 list plus AVX512-VNNI on 256-bit registers (EVEX: 32 of them),
+// for code that runs where simd_vnni() says so (src/kvtc's int16 tiles).
+#if defined(__clang__)
+#define KVCODEC_VNNI_BEGIN                                                                                 \
+  _Pragma(                                                                                                 \
+      "clang attribute push(__attribute__((target(\"avx2,fma,f16c,popcnt,bmi,bmi2,avx512f,avx512vl,avx512vnni\"))), apply_to = function)")
+#define KVCODEC_VNNI_END _Pragma("clang attribute pop")
+#else
+#define KVCODEC_VNNI_BEGIN \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,popcnt,bmi,bmi2,avx512f,avx512vl,avx512vnni\")")
+#define KVCODEC_VNNI_END _Pragma("GCC pop_options")
+#endif
 #endif
 
 namespace kvcodec {

@@ -1315,15 +1315,6 @@ KVCODEC_AVX2_END
 // accumulators, 4 weight vectors and the broadcast, one vpdpwssd per 16
 // products and no separate add. Same integers (exact sums, any order), so
 // the same bits as madd_tile and the plain loops.
-#if defined(__clang__)
-#define KVCODEC_VNNI_BEGIN                                                                                           \
-  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c,popcnt,bmi,bmi2,avx512f,avx512vl,avx512vnni\"))), apply_to = function)")
-#define KVCODEC_VNNI_END _Pragma("clang attribute pop")
-#else
-#define KVCODEC_VNNI_BEGIN \
-  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,popcnt,bmi,bmi2,avx512f,avx512vl,avx512vnni\")")
-#define KVCODEC_VNNI_END _Pragma("GCC pop_options")
-#endif
 KVCODEC_VNNI_BEGIN
 template <int R, class Store>
 inline void vnni_tile32(const int16_t* A, size_t lda, const int16_t* W, size_t block_stride, size_t kp2,
