@@ -289,6 +289,66 @@ TEST(CalibratedAppend, PiecesOfAnyLengthSaveTheBytesOfOneCall) {
   }
 }
 
+// A token's codes depend on its values rounded to the raw dtype, not on
+// the layout it came in: f32 rows, f16 rows (the same values: the raw
+// dtype of both), rows of a [B, S, H, D] buffer and rows with a stride
+// between elements, appended in pieces of random lengths (the first fills
+// the sinks and codes tokens at once), all save and read back as one
+// contiguous f32 append, in both block modes and with refinement.
+TEST(CalibratedAppend, EveryInputLayoutSavesTheBytesOfOneCall) {
+  constexpr int64_t B = 2, S = 300;
+  const Sequence seq = make_sequence(B, S, 1, 911);
+  // Values a f16 holds exactly, so that the f16 input is the f32 input.
+  const Tensor keys = seq.keys.to(DType::kF16).to(DType::kF32), values = seq.values.to(DType::kF16).to(DType::kF32);
+  const Tensor keys16 = keys.to(DType::kF16), values16 = values.to(DType::kF16);
+  // [B, S, H, D] and element-strided (stride 2) copies, seen as [B, H, S, D].
+  const auto token_major = [](const Tensor& t, std::vector<float>& buf) {
+    buf.resize(size_t(t.numel()));
+    const TensorView v = t.view();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < kHeads; ++h)
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t d = 0; d < kDim; ++d) buf[size_t(((b * S + s) * kHeads + h) * kDim + d)] = v.at(b, h, s, d);
+    TensorView out = t.view();
+    out.data = buf.data();
+    out.strides = {S * kHeads * kDim, kDim, kHeads * kDim, 1};
+    return out;
+  };
+  const auto spread = [](const Tensor& t, std::vector<float>& buf) {
+    buf.assign(2 * size_t(t.numel()), -1.0f);
+    for (int64_t i = 0; i < t.numel(); ++i) buf[size_t(2 * i)] = t.data_as<float>()[i];
+    TensorView out = t.view();
+    out.data = buf.data();
+    for (auto& stride : out.strides) stride *= 2;
+    return out;
+  };
+  std::vector<float> kt, vt, ks, vs;
+  const std::vector<std::pair<std::string, std::pair<TensorView, TensorView>>> inputs = {
+      {"f16", {keys16.view(), values16.view()}},
+      {"token-major", {token_major(keys, kt), token_major(values, vt)}},
+      {"element-strided", {spread(keys, ks), spread(values, vs)}}};
+  const auto piece = [](const TensorView& v, int64_t first, int64_t n) { return v.slice_tokens(first, n); };
+  for (const Settings& set : {refined(40, 8, 64), whole(calibrated(4, 8, 32)), calibrated(0, 0, 16)}) {
+    auto once = make_cache("kvtc", layer_config(1), set);
+    once->append(keys.view(), values.view());
+    const std::vector<uint8_t> bytes = once->save();
+    std::mt19937 rng(4242);
+    for (const auto& [name, kv] : inputs) {
+      auto pieces = make_cache("kvtc", layer_config(1), set);
+      for (int64_t t = 0; t < S;) {
+        // The first piece fills the sinks and codes what it can.
+        const int64_t n = std::min<int64_t>(S - t, t == 0 ? 90 : std::uniform_int_distribution<int64_t>(1, 120)(rng));
+        pieces->append(piece(kv.first, t, n), piece(kv.second, t, n));
+        t += n;
+      }
+      EXPECT_EQ(pieces->save(), bytes) << name << " " << set.at("block");
+      const KVPair a = once->fetch(DType::kF32), b = pieces->fetch(DType::kF32);
+      EXPECT_TRUE(bit_equal(a.keys, b.keys)) << name;
+      EXPECT_TRUE(bit_equal(a.values, b.values)) << name;
+    }
+  }
+}
+
 // Golden files of the calibrated layouts, with the calibration they were
 // written with (a saved calibrated cache names its parameters' hash, so the
 // calibration is stored beside them rather than fitted again).
