@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Proxy estimates of two issue-21 levers on the shared KV dump, before
-building them into the codec (docs/calibrated.md, "Levers by proxy").
+building them into the codec (docs/history/calibrated-sessions.md, "Levers by proxy").
 
 Per tensor (keys with RoPE removed, values), each layer scaled to unit RMS
 on the fit half, the 6 layers' heads concatenated (768 dims: one basis

@@ -2,7 +2,7 @@
 # Issue 21, session 16: KL sensitivities measured with the stream window in
 # place (kvtc.sensitivity_window), with and without the recent tier. Makes
 # the calibrations on windows 16-31, then runs scripts/issue21_grid.sh on
-# windows 0-15 and pools them (docs/calibrated.md, docs/data/stream_windowed_s16.tsv).
+# windows 0-15 and pools them (docs/history/calibrated-sessions.md, docs/data/stream_windowed_s16.tsv).
 # The sensitivities are measured at the middle target of each --target-ratios
 # list (25 for xsw: the nine targets below, as in the published runs).
 # Usage: KVCODEC=build/kvcodec TOKENS=../shared/models/tinycode/eval_tokens.u16 OUT=DIR [JOBS=$(nproc)] [THREADS=5] \

@@ -10,7 +10,7 @@ name(f) = system("basename " . f . " .dat.sorted")
 array colours[14] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", \
                      "#7f7f7f", "#bcbd22", "#17becf", "#000000", "#aec7e8", "#98df8a", "#ff9896"]
 n = words(series)
-set multiplot layout 1,2 title "tinycode: quality vs compression, all stored bytes counted (protocol of each data file: docs/calibrated.md)"
+set multiplot layout 1,2 title "tinycode: quality vs compression, all stored bytes counted (protocol of each data file: docs/history/calibrated-sessions.md)"
 set logscale x 2
 set grid
 set key top left

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates docs/data/stored_prefix_s10.tsv, the stored-prefix table of
-# docs/calibrated.md (issue 21): per-layer calibrated kvtc and the
+# docs/history/calibrated-sessions.md (issue 21): per-layer calibrated kvtc and the
 # cross-layer store (xkvtc) under `kvcodec eval --protocol prefix`, settings
 # chosen on windows 8-15, reported on windows 0-7 (context 1024, score 512),
 # calibrations fitted on windows 16-31 (made here unless CAL_DIR has them).

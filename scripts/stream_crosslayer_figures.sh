@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates docs/data/stream_crosslayer_s11.tsv, the streaming cross-layer
-# table of docs/calibrated.md (issue 21): xkvtc under `kvcodec eval`'s
+# table of docs/history/calibrated-sessions.md (issue 21): xkvtc under `kvcodec eval`'s
 # streaming protocol (context 1024, score 512), settings chosen on windows
 # 8-15 (one process; windows 16 and 8), reported on windows 0-7 (two processes of 4 windows,
 # combined by scripts/combine_eval.py), calibrations fitted on windows 16-31

@@ -58,7 +58,7 @@ struct ComponentQuantizer {
   uint16_t levels = 1;
   uint16_t zero = 0;  // code of the reconstruction point nearest to 0 (may be fractional: see half_offset)
   bool half_offset = false;  // midrise grid: reconstruction points at (code - zero + 0.5) * step
-  // Centroid reconstruction (issue 21; docs/calibrated.md): the coefficients
+  // Centroid reconstruction (issue 21; docs/history/calibrated-sessions.md): the coefficients
   // of a cell are not spread evenly over it (a peaked, Laplacian-like
   // distribution leans toward 0), so the cell's centroid reconstructs them
   // with less error than its lattice point, at the same codes and bits.

@@ -141,7 +141,7 @@ void run_calibrate(const CalibrateArgs& a) {
   // allocator=measured (DP on measured distortion and rate) and per-tensor
   // target ratios.
   // The default is `measured`: at the same target (payload 20x) it gave a
-  // 26% lower KL than `dp` (docs/calibrated.md, allocation comparison).
+  // 26% lower KL than `dp` (docs/history/calibrated-sessions.md, "Allocation: measured DP vs the beta model").
   if (!s.count("allocator") || s.at("allocator") == "measured") {
     o.measured_allocation = true;
     s.erase("allocator");
