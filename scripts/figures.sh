@@ -18,11 +18,16 @@
 #           128 (made from it by scripts/make_hd128_dump.py); and kvtc-calibrated
 #           (the shipped model's default: its calibration and kvtc.settings) at
 #           64. Needs ../shared.
-# Usage: scripts/figures.sh [--build DIR (build)] [main] [corpus] [local] [speed]
-# Other docs' figures (the KV-dump sweep, calibrated tables) come from the
+#   dump    docs/data/methods_dump.tsv: every method at its defaults on the
+#           shared KV dump (ratio, errors, bits, attention error, speed
+#           against zstd -3 in the same run), and the two kvtc settings
+#           docs/caches.md compares (the earlier dp defaults; the rate
+#           allocator at int4's errors). Needs ../shared.
+# Usage: scripts/figures.sh [--build DIR (build)] [main] [corpus] [local] [speed] [dump]
+# Other docs' figures (the calibrated tables, the GPU) come from the
 # commands written in those docs.
-# The stored-prefix table of docs/calibrated.md (issue 21): scripts/stored_prefix_figures.sh.
-# The streaming table of docs/calibrated.md (issue 21, session 16): scripts/issue21_windowed.sh
+# The stored-prefix table of docs/history/calibrated-sessions.md (issue 21): scripts/stored_prefix_figures.sh.
+# The streaming table of docs/history/calibrated-sessions.md (issue 21, session 16): scripts/issue21_windowed.sh
 # (about 5 min on 16 CPU cores; the GPU machine's were used).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +36,11 @@ parts=()
 while (($#)); do
   case "$1" in
     --build) build=$2; shift 2 ;;
-    main|corpus|local|speed) parts+=("$1"); shift ;;
-    *) echo "figures.sh: unknown argument '$1' (parts: main corpus local speed; --build DIR)" >&2; exit 2 ;;
+    main|corpus|local|speed|dump) parts+=("$1"); shift ;;
+    *) echo "figures.sh: unknown argument '$1' (parts: main corpus local speed dump; --build DIR)" >&2; exit 2 ;;
   esac
 done
-((${#parts[@]})) || parts=(main corpus local speed)
+((${#parts[@]})) || parts=(main corpus local speed dump)
 methods=fp16,int8,int4,kivi2,palu,kvtc
 out=docs/data
 tmp=$(mktemp -d)
@@ -120,6 +125,36 @@ with open(dst, "w") as f:
             vs = lambda k: f"{m[k]:.3f}" if k in m else "-"
             print(f"{d}\t{m['method']}{label if m['method'] == 'kvtc' else ''}\t{m['compression_ratio']:.3f}\t{m['encode_mb_per_s']:.1f}\t"
                   f"{m['decode_mb_per_s']:.1f}\t{vs('encode_vs_zstd')}\t{vs('decode_vs_zstd')}", file=f)
+PY
+}
+
+# docs/caches.md's table: the whole dump as one prefill per layer, single
+# thread; MB/s are not kept (this machine's noise), the same-run ratios are.
+part_dump() {
+  local dump=../shared/models/tinycode/kv_dump.safetensors
+  [[ -f $dump ]] || { echo "figures.sh dump: needs $dump" >&2; exit 2; }
+  local bench=("$build/kvcodec" bench --kv "$dump" --threads 1 --no-bound --json)
+  "${bench[@]}" --methods "$methods,zstd" > "$tmp/dump_defaults.json"
+  "${bench[@]}" --methods kvtc,zstd --set kvtc.bit_budget=256 > "$tmp/dump_dp256.json"
+  "${bench[@]}" --methods kvtc,zstd --set kvtc.allocator=rate --set kvtc.basis_bits=8 --set kvtc.key_target_rel_mse=0.014 --set kvtc.value_target_rel_mse=0.0075 \
+    > "$tmp/dump_int4err.json"
+  python3 - "$tmp" "$out/methods_dump.tsv" <<'PY'
+import json, sys
+tmp, dst = sys.argv[1:3]
+runs = (("defaults", "defaults"), ("dp256", "bit_budget=256 (dp: the local defaults before 5a44a2f)"),
+        ("int4err", "allocator=rate basis_bits=8 key_target_rel_mse=0.014 value_target_rel_mse=0.0075 (at int4's errors)"))
+with open(dst, "w") as f:
+    print("# kvcodec bench --kv ../shared/models/tinycode/kv_dump.safetensors --threads 1 --no-bound (local kvtc: "
+          "the bench has no model); *_vs_zstd: median same-repeat ratio against zstd -3", file=f)
+    print("method\tsettings\tratio\trel_mse_key\trel_mse_value\tbits_per_element\tattn_rel_err\t"
+          "encode_vs_zstd\tdecode_vs_zstd", file=f)
+    for run, settings in runs:
+        for m in json.load(open(f"{tmp}/dump_{run}.json")):
+            if m["method"] == "zstd" or (run != "defaults" and m["method"] != "kvtc"):
+                continue
+            print(f"{m['method']}\t{settings}\t{m['compression_ratio']:.3f}\t{m['rel_mse_key']:.6f}\t"
+                  f"{m['rel_mse_value']:.6f}\t{m['bits_per_element']:.3f}\t{m['attn_rel_err']:.4f}\t"
+                  f"{m['encode_vs_zstd']:.3f}\t{m['decode_vs_zstd']:.3f}", file=f)
 PY
 }
 

@@ -383,7 +383,7 @@ namespace {
 // per-thread scratch, not held by any cache. A fetch opened its heads with
 // HeadParams::deserialize, ~200 heap allocations a head freed at its end;
 // reusing the openers' storage moved the defaults' decode from 0.500 to
-// 0.510 of zstd's (docs/kvtc.md "Fetch openers"; the rest of the opening is
+// 0.510 of zstd's (docs/history/kvtc-speed.md "Fetch openers"; the rest of the opening is
 // computation). The storage grows to the largest layer this thread fetched
 // (~50 KB a head of 64 at 4.8x) and is parsed into again per fetch. A fetch
 // inside a fetch's visitor (another cache's, on the same thread) finds them

@@ -1231,7 +1231,7 @@ struct PairCursor {
 // independent dependency chains interleave in program order. The decoder
 // is latency-bound (a group is one long chain: search, update,
 // renormalisation, next search), so more streams in flight decode faster
-// (docs/kvtc.md, "Four streams in lockstep"). A lane's keys
+// (docs/history/kvtc-speed.md, "Four streams in lockstep"). A lane's keys
 // ascend row by row, so the last key <= bound is the largest: each row
 // replaces the accumulator where it is <= bound (a blend instead of and +
 // max: one vector op less per row, 1.01x the decode in the same A/B as
