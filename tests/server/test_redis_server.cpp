@@ -4,6 +4,7 @@
 // server is SIGKILLed while writing never serves a torn entry.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <fstream>
 #include <thread>
 
@@ -159,10 +160,13 @@ TEST(DiskStoreKill, ServerKilledWhileWritingNeverServesATornEntry) {
     ServerProcess s = ServerProcess::start(o);
     ASSERT_GT(s.port, 0) << s.startup;
     std::atomic<int> answered{0};
+    std::atomic<bool> load_ended{false};
     std::thread load([&] {
       for (int i = 0; i < 40; ++i) {
         auto c = s.client();
-        c.set_read_timeout(5, 0);
+        // Generous: a sanitizer build on a loaded machine is slow, and a
+        // request that times out ends the load early.
+        c.set_read_timeout(60, 0);
         // The body built field by field: the nested-brace form read freed
         // memory under clang 14's ThreadSanitizer build (its report:
         // heap-use-after-free in json's initializer-list constructor here).
@@ -172,8 +176,18 @@ TEST(DiskStoreKill, ServerKilledWhileWritingNeverServesATornEntry) {
         if (!c.Post("/v1/completions", body.dump(), "application/json")) break;
         ++answered;
       }
+      load_ended = true;
     });
-    while (answered.load() < 2 + round) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    // Until the load has been answered a few times; a load that ends first
+    // (a failed request) fails the round instead of waiting forever.
+    while (answered.load() < 2 + round && !load_ended.load())
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (answered.load() < 2 + round) {
+      ::kill(s.pid, SIGKILL);
+      load.join();
+      s.stop();
+      FAIL() << "round " << round << ": the load ended after " << answered.load() << " answered requests";
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(7 * round));  // somewhere in a request and its write
     ::kill(s.pid, SIGKILL);
     load.join();
