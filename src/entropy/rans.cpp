@@ -236,12 +236,15 @@ inline int32_t packed_key(const DecCol& c, uint32_t s) {
 // The window search of packed group g (columns c[0..7], see
 // RansGroupTables::Group): the window length W minimising the expected cost
 // in rows, W + the escape check + P(some lane's slot outside its window) *
-// (a mispredicted branch + the whole search), one row being a load and
-// three vector ops (~1.3 cycles) and a misprediction ~15-20 cycles. Per
-// lane the window is the W + 1 consecutive symbols of the largest total
-// frequency; the probabilities are the table's own.
-constexpr double kWindowCheckRows = 3.0;
-constexpr double kEscapeRows = 14.0;
+// (a mispredicted branch + the whole search), one row being a folded load
+// and two vector ops (~0.6 cycles: the loads bound the four-stream loop)
+// and a misprediction ~15-20 cycles. Per lane the window is the W + 1
+// consecutive symbols of the largest total frequency; the probabilities
+// are the table's own. (The costs were 3 and 14 rows when a row took two
+// loads; doubled with the cheaper rows: bench_kvtc BM_CacheDecode/0, 12
+// alternating runs, median 909 against 898 MB/s.)
+constexpr double kWindowCheckRows = 6.0;
+constexpr double kEscapeRows = 28.0;
 
 // The start a and mass (sum of freq over a .. a + w, clipped to the
 // alphabet) of col's heaviest window of w + 1 symbols, the first of equal
@@ -570,28 +573,24 @@ struct SimdStream {
     __m256i sym, lo, freq;
     if (packed) {
       // key <= bound iff cum[s] <= slot (the low 19 bits of a key stay below
-      // 0x7fffe; pads 0x7fffffff exceed every bound). Four accumulators.
+      // 0x7fffe; pads 0x7fffffff exceed every bound). The largest such key
+      // as bound - min(bound - key) unsigned, as in step_lockstep. Two
+      // accumulators.
       const __m256i bound = _mm256_or_si256(_mm256_slli_epi32(slot, 19), ld(k->key_low));
       const SearchRows sr = search_rows(g, rows, bound, k);
-      __m256i k_a = sr.init, k_b = k_a, k_c = k_a, k_d = k_a;
+      __m256i d_a = _mm256_sub_epi32(bound, sr.init), d_b = d_a;
       const int32_t* t = sr.t;
       const uint32_t n_rows = sr.n;
       uint32_t r = 0;
-      for (; r + 4 <= n_rows; r += 4) {
-        const __m256i ca = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + r * kRansLanes));
-        const __m256i cb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + (r + 1) * kRansLanes));
-        const __m256i cc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + (r + 2) * kRansLanes));
-        const __m256i cd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + (r + 3) * kRansLanes));
-        k_a = _mm256_max_epi32(k_a, _mm256_andnot_si256(_mm256_cmpgt_epi32(ca, bound), ca));
-        k_b = _mm256_max_epi32(k_b, _mm256_andnot_si256(_mm256_cmpgt_epi32(cb, bound), cb));
-        k_c = _mm256_max_epi32(k_c, _mm256_andnot_si256(_mm256_cmpgt_epi32(cc, bound), cc));
-        k_d = _mm256_max_epi32(k_d, _mm256_andnot_si256(_mm256_cmpgt_epi32(cd, bound), cd));
+      const auto row = [&](uint32_t at) {
+        return _mm256_sub_epi32(bound, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + at * kRansLanes)));
+      };
+      for (; r + 2 <= n_rows; r += 2) {
+        d_a = _mm256_min_epu32(d_a, row(r));
+        d_b = _mm256_min_epu32(d_b, row(r + 1));
       }
-      for (; r < n_rows; ++r) {
-        const __m256i ca = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + r * kRansLanes));
-        k_a = _mm256_max_epi32(k_a, _mm256_andnot_si256(_mm256_cmpgt_epi32(ca, bound), ca));
-      }
-      const __m256i key = _mm256_max_epi32(_mm256_max_epi32(k_a, k_b), _mm256_max_epi32(k_c, k_d));
+      if (r < n_rows) d_a = _mm256_min_epu32(d_a, row(r));
+      const __m256i key = _mm256_sub_epi32(bound, _mm256_min_epu32(d_a, d_b));
       sym = _mm256_and_si256(_mm256_srli_epi32(key, 13), ld(k->sym_mask));
       lo = _mm256_srli_epi32(key, 19);
       freq = _mm256_and_si256(key, ld(k->freq13_mask));
@@ -1241,7 +1240,7 @@ struct PairCursor {
 template <int N>
 __attribute__((always_inline)) inline void step_lockstep(SimdStream* const* S, PairCursor* c) {
   const DecodeConsts* k = S[0]->k;
-  __m256i q[N], slot[N], above[N], a0[N], a1[N];
+  __m256i q[N], slot[N], bound[N], acc[N];
   const int32_t* row[N];
   const int32_t* end[N];
   uint32_t common = ~0u;
@@ -1250,35 +1249,37 @@ __attribute__((always_inline)) inline void step_lockstep(SimdStream* const* S, P
     const SimdGroup& g = S[j]->group(c[j].k0);
     q[j] = _mm256_srlv_epi32(c[j].X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.scale)));
     slot[j] = _mm256_and_si256(c[j].X, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.mask)));
-    const __m256i bound = _mm256_or_si256(_mm256_slli_epi32(slot[j], 19), ld(k->key_low));
-    const SearchRows sr = search_rows(g, S[j]->rows, bound, k);
-    a0[j] = a1[j] = sr.init;
+    bound[j] = _mm256_or_si256(_mm256_slli_epi32(slot[j], 19), ld(k->key_low));
+    const SearchRows sr = search_rows(g, S[j]->rows, bound[j], k);
+    acc[j] = _mm256_sub_epi32(bound[j], sr.init);
     row[j] = sr.t;
     end[j] = sr.t + size_t(sr.n) * kRansLanes;
     common = std::min(common, sr.n);
-    above[j] = _mm256_add_epi32(bound, ld(k->one));
   }
-#define KVTC_ROW(acc, at, j)                                                     \
-  {                                                                              \
-    const __m256i c_ = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)); \
-    acc = _mm256_blendv_epi8(acc, c_, _mm256_cmpgt_epi32(above[j], c_));         \
-  }
-  for (uint32_t pairs = common / 2; pairs > 0; --pairs) {
-#pragma GCC unroll 4
-    for (int j = 0; j < N; ++j) KVTC_ROW(a0[j], row[j], j)
+  // The largest key <= bound as bound - (the smallest bound - key taken
+  // unsigned): a key above the bound gives a negative difference, which
+  // as unsigned exceeds every non-negative one (keys and bounds are
+  // non-negative int32). One folded load and two ops per row, one
+  // accumulator per stream (the N streams' chains overlap; a second one
+  // each made GCC spill). The blend form (key < bound + 1 ? key : acc)
+  // loaded every row twice, and loads bound the loop.
+#define KVTC_ROW(j)                                                   \
+  acc[j] = _mm256_min_epu32(                                          \
+      acc[j], _mm256_sub_epi32(bound[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j]))))
+  for (uint32_t r = common; r > 0; --r) {
 #pragma GCC unroll 4
     for (int j = 0; j < N; ++j) {
-      KVTC_ROW(a1[j], row[j] + kRansLanes, j)
-      row[j] += 2 * kRansLanes;
+      KVTC_ROW(j);
+      row[j] += kRansLanes;
     }
   }
 #pragma GCC unroll 4
   for (int j = 0; j < N; ++j)
-    for (; row[j] < end[j]; row[j] += kRansLanes) KVTC_ROW(a0[j], row[j], j)
+    for (; row[j] < end[j]; row[j] += kRansLanes) KVTC_ROW(j);
 #undef KVTC_ROW
 #pragma GCC unroll 4
   for (int j = 0; j < N; ++j) {
-    const __m256i key = _mm256_max_epi32(a0[j], a1[j]);
+    const __m256i key = _mm256_sub_epi32(bound[j], acc[j]);
     finish_group_at(k, _mm256_and_si256(_mm256_srli_epi32(key, 13), ld(k->sym_mask)), _mm256_srli_epi32(key, 19),
                     _mm256_and_si256(key, ld(k->freq13_mask)), slot[j], q[j], c[j].X, c[j].p, S[j]->dst + c[j].i);
     next_group(c[j].i, c[j].k0, S[j]->n_active);
