@@ -9,7 +9,18 @@ namespace kvcodec::kvtc {
 std::vector<uint8_t> encode_codes(const HeadParams& p, const uint16_t* codes, int64_t n) {
   const size_t kept = size_t(p.n_kept());
   if (n < 0) throw Error(ErrorCode::kInvalidArgument, "kvtc encode_codes: n = " + std::to_string(n));
-  for (int64_t i = 0; i < n; ++i)
+  // One flag over the codes against a dense copy of the levels (a loop GCC
+  // vectorises), the offending code looked for only when it is set: the
+  // branch per code through p.quant was 9.5% of calibrated kvtc's encode.
+  thread_local std::vector<uint16_t> levels;
+  levels.resize(kept);
+  for (size_t k = 0; k < kept; ++k) levels[k] = p.quant[k].levels;
+  unsigned bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t* row = codes + size_t(i) * kept;
+    for (size_t k = 0; k < kept; ++k) bad |= unsigned(row[k] >= levels[k]);
+  }
+  for (int64_t i = 0; bad && i < n; ++i)
     for (size_t k = 0; k < kept; ++k)
       if (codes[size_t(i) * kept + k] >= p.quant[k].levels)
         throw Error(ErrorCode::kInvalidArgument, "kvtc encode_codes: code " +
