@@ -1569,10 +1569,15 @@ void proj_int(const HeadParams& p, const int16_t* x, size_t n, uint16_t* codes) 
     madd_panel<decltype(nv)::value>(x, 2 * dp2, w + (col / 8) * block_stride, block_stride, dp2, n, store_at(col));
   };
   size_t col = 0;
+  // VNNI panels up to K rounded up to 8, the blocks proj_w holds (its pad
+  // columns are zero weights, and store() drops codes from K on): K = 94
+  // takes three 32-column panels, not two and the 8-accumulator tiles for
+  // the last 30 columns (those ran at ~0.7 of the VNNI panel's rate).
   if (simd_vnni())
-    for (; col + 32 <= K; col += 32) vnni_panel32(x, 2 * dp2, w + (col / 8) * block_stride, block_stride, dp2, n, store_at(col));
+    for (; col + 32 <= round_up8(K); col += 32)
+      vnni_panel32(x, 2 * dp2, w + (col / 8) * block_stride, block_stride, dp2, n, store_at(col));
   for (; col + 16 <= K; col += 16) panel(std::integral_constant<int, 2>{}, col);
-  if (K - col > 8)
+  if (col + 8 < K)
     panel(std::integral_constant<int, 2>{}, col);
   else if (col < K)
     panel(std::integral_constant<int, 1>{}, col);
