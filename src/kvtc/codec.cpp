@@ -1998,7 +1998,7 @@ void finish_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* 
   const int kept = p.n_kept();
   // A decoder may hand back a code past a component's levels on corrupt input
   // only if its table allowed it; reject so reconstruction stays in range.
-  // (One flag over the block, vectorised, instead of a branch per code.)
+  // (any_code_past_levels: one flag over the block, not a branch per code.)
   // rANS and Huffman only return symbols of their tables' alphabets, so the
   // per-code check is needed only when a table is larger than its
   // quantizer (never after fit_head/deserialize) or for fixed-width codes.
@@ -2008,17 +2008,7 @@ void finish_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* 
                                                             : p.huffman_tables[size_t(k)].alphabet_size;
     check = alphabet > p.quant[size_t(k)].levels;
   }
-  if (check) {
-    thread_local std::vector<uint16_t> levels;
-    levels.resize(size_t(kept));
-    for (int k = 0; k < kept; ++k) levels[size_t(k)] = p.quant[size_t(k)].levels;
-    unsigned bad = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint16_t* row = codes + size_t(i) * size_t(kept);
-      for (int k = 0; k < kept; ++k) bad |= unsigned(row[k] >= levels[size_t(k)]);
-    }
-    if (bad) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
-  }
+  if (check && any_code_past_levels(p, codes, n)) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
   dequantize_block(p, codes, n, out);
 }
 
