@@ -469,6 +469,16 @@ __attribute__((always_inline)) inline SearchRows search_rows(const SimdGroup& g,
   return {rows + g.first, g.rows, _mm256_load_si256(reinterpret_cast<const __m256i*>(g.key0))};
 }
 
+// bound - a search row's keys, lane-wise. The largest key <= bound is
+// bound - the smallest of these taken unsigned: a key above the bound gives
+// a negative difference, which as unsigned exceeds every non-negative one
+// (keys and bounds are non-negative int32). One folded load and two ops
+// (this and vpminud) per row: the blend form (key < bound + 1 ? key : acc)
+// loaded every row twice, and the loads bound the four-stream loop.
+__attribute__((always_inline)) inline __m256i key_gap(__m256i bound, const int32_t* row) {
+  return _mm256_sub_epi32(bound, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+}
+
 // The update, renormalisation and output (to out[0, 8)) of one group whose
 // symbols are found, on the caller's lane states X and stream pointer p
 // (the lockstep loop keeps them in local variables, see run_lockstep_vector).
@@ -573,23 +583,19 @@ struct SimdStream {
     __m256i sym, lo, freq;
     if (packed) {
       // key <= bound iff cum[s] <= slot (the low 19 bits of a key stay below
-      // 0x7fffe; pads 0x7fffffff exceed every bound). The largest such key
-      // as bound - min(bound - key) unsigned, as in step_lockstep. Two
-      // accumulators.
+      // 0x7fffe; pads 0x7fffffff exceed every bound); the largest such key
+      // by key_gap. Two accumulators.
       const __m256i bound = _mm256_or_si256(_mm256_slli_epi32(slot, 19), ld(k->key_low));
       const SearchRows sr = search_rows(g, rows, bound, k);
       __m256i d_a = _mm256_sub_epi32(bound, sr.init), d_b = d_a;
       const int32_t* t = sr.t;
       const uint32_t n_rows = sr.n;
       uint32_t r = 0;
-      const auto row = [&](uint32_t at) {
-        return _mm256_sub_epi32(bound, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + at * kRansLanes)));
-      };
       for (; r + 2 <= n_rows; r += 2) {
-        d_a = _mm256_min_epu32(d_a, row(r));
-        d_b = _mm256_min_epu32(d_b, row(r + 1));
+        d_a = _mm256_min_epu32(d_a, key_gap(bound, t + r * kRansLanes));
+        d_b = _mm256_min_epu32(d_b, key_gap(bound, t + (r + 1) * kRansLanes));
       }
-      if (r < n_rows) d_a = _mm256_min_epu32(d_a, row(r));
+      if (r < n_rows) d_a = _mm256_min_epu32(d_a, key_gap(bound, t + r * kRansLanes));
       const __m256i key = _mm256_sub_epi32(bound, _mm256_min_epu32(d_a, d_b));
       sym = _mm256_and_si256(_mm256_srli_epi32(key, 13), ld(k->sym_mask));
       lo = _mm256_srli_epi32(key, 19);
@@ -1256,16 +1262,9 @@ __attribute__((always_inline)) inline void step_lockstep(SimdStream* const* S, P
     end[j] = sr.t + size_t(sr.n) * kRansLanes;
     common = std::min(common, sr.n);
   }
-  // The largest key <= bound as bound - (the smallest bound - key taken
-  // unsigned): a key above the bound gives a negative difference, which
-  // as unsigned exceeds every non-negative one (keys and bounds are
-  // non-negative int32). One folded load and two ops per row, one
-  // accumulator per stream (the N streams' chains overlap; a second one
-  // each made GCC spill). The blend form (key < bound + 1 ? key : acc)
-  // loaded every row twice, and loads bound the loop.
-#define KVTC_ROW(j)                                                   \
-  acc[j] = _mm256_min_epu32(                                          \
-      acc[j], _mm256_sub_epi32(bound[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[j]))))
+  // The largest key <= bound by key_gap, one accumulator per stream (the
+  // N streams' chains overlap; a second one each made GCC spill).
+#define KVTC_ROW(j) acc[j] = _mm256_min_epu32(acc[j], key_gap(bound[j], row[j]))
   for (uint32_t r = common; r > 0; --r) {
 #pragma GCC unroll 4
     for (int j = 0; j < N; ++j) {
