@@ -92,6 +92,12 @@ void rope_rotate_tokens(float* x, int64_t n, int n_heads, int head_dim, int64_t 
                         const std::vector<double>& inv_freq, bool inverse);
 std::vector<double> rope_inv_freq(int head_dim, double theta);
 
+// Keys rows [n, head_dim] (each RoPE-rotated at its own position p) moved
+// `positions` on: rotated by that many positions more, so each becomes the
+// key of the same pre-RoPE vector at p + positions (R(p + T) = R(T) R(p),
+// to f32 rounding). kvcodec bench's steady pass appends the dump this way.
+void rope_advance_rows(float* x, int64_t n, int head_dim, int64_t positions, double theta);
+
 // cos/sin of every (position, frequency) pair, f32-rounded as the model uses
 // them, computed once per process for each (head_dim, theta) and shared: the
 // calibrated cache's read path re-applies RoPE to every decoded key at every

@@ -1,5 +1,6 @@
 // RoPE removal and re-application for calibrated KVTC (keys are coded with
 // RoPE removed): the plain rotation and the shared cos/sin table.
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -42,6 +43,15 @@ void rope_rotate_tokens(float* x, int64_t n, int n_heads, int head_dim, int64_t 
       }
     }
   }
+}
+
+void rope_advance_rows(float* x, int64_t n, int head_dim, int64_t positions, double theta) {
+  // Every row turns by the same angles: rows as "heads" of one token, in
+  // chunks whose row count an int holds.
+  const std::vector<double> inv_freq = rope_inv_freq(head_dim, theta);
+  constexpr int64_t kChunk = int64_t(1) << 20;
+  for (int64_t at = 0; at < n; at += kChunk)
+    rope_rotate_tokens(x + at * head_dim, 1, int(std::min(kChunk, n - at)), head_dim, positions, inv_freq, false);
 }
 
 std::shared_ptr<const RopeTable> RopeTable::get(int head_dim, double theta, int64_t positions) {

@@ -64,6 +64,58 @@ TEST(RopeRemoval, ForwardMatchesRotateHalfReference) {
   EXPECT_EQ(z, x);
 }
 
+// Keys moved T positions on (kvcodec bench's steady pass) are the keys of
+// the same pre-RoPE vectors at p + T: removing RoPE there gives back what
+// removing it at p gives.
+TEST(RopeRemoval, AdvancedKeysAreThoseOfTheLaterPositions) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> g(0.0f, 2.0f);
+  for (int D : {8, 64, 128})
+    for (int64_t T : {1, 200, 2048}) {
+      const int64_t rows = 5;
+      std::vector<float> pre(size_t(rows * D));
+      for (auto& v : pre) v = g(rng);
+      std::vector<float> keys = pre;  // row r at position 3 r
+      for (int64_t r = 0; r < rows; ++r) rope_rotate_token(keys.data() + r * D, 1, D, 3 * r, kTheta, false);
+      rope_advance_rows(keys.data(), rows, D, T, kTheta);
+      for (int64_t r = 0; r < rows; ++r) rope_rotate_token(keys.data() + r * D, 1, D, 3 * r + T, kTheta, true);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < pre.size(); ++i) {
+        num += (double(pre[i]) - keys[i]) * (double(pre[i]) - keys[i]);
+        den += double(pre[i]) * pre[i];
+      }
+      EXPECT_LT(std::sqrt(num / den), 1e-6) << "D=" << D << " T=" << T;
+    }
+}
+
+// What the bench's steady pass relies on: a calibrated cache codes keys
+// moved on to the positions after those it holds as well as the first
+// ones, while the same keys appended unmoved (what the bench appended
+// before) are not keys of those positions and code far worse.
+TEST(CalibratedCache, KeysAdvancedToTheirPositionsCodeAsWellAsTheFirst) {
+  const int64_t S = 200;
+  const Sequence seq = make_sequence(1, S, 0, 901);
+  Tensor advanced = seq.keys;
+  rope_advance_rows(advanced.data_as<float>(), kHeads * S, kDim, S, kTheta);
+  const auto second_half_error = [&](const Tensor& second) {
+    auto cache = make_cache("kvtc", layer_config(0), calibrated(4, 8));
+    cache->append(seq.keys.view(), seq.values.view());
+    const KVPair out = cache->update_and_fetch(second.view(), seq.values.view());
+    Tensor got(DType::kF32, {1, kHeads, S, kDim});
+    for (int64_t h = 0; h < kHeads; ++h)
+      std::memcpy(got.data_as<float>() + h * S * kDim,
+                  out.keys.data_as<float>() + (h * 2 * S + S) * kDim, size_t(S * kDim) * sizeof(float));
+    return rel_mse(second, got);
+  };
+  const double first = [&] {
+    auto cache = make_cache("kvtc", layer_config(0), calibrated(4, 8));
+    return rel_mse(seq.keys, cache->update_and_fetch(seq.keys.view(), seq.values.view()).keys);
+  }();
+  const double moved = second_half_error(advanced), unmoved = second_half_error(seq.keys);
+  EXPECT_LT(moved, 2.0 * first + 1e-5) << "first " << first;
+  EXPECT_GT(unmoved, 10.0 * moved);
+}
+
 TEST(CalibrationFile, RoundTripsAndRefusesCorruption) {
   const KvtcCalibration cal = KvtcCalibration::read_file(calibration_path());
   EXPECT_EQ(cal.n_layers, kLayers);

@@ -15,6 +15,7 @@
 
 #include "commands.hpp"
 #include "kvcodec/cache.hpp"
+#include "cache/kvtc_calibrated.hpp"
 #include "core/first_exception.hpp"
 #include "kvcodec/error.hpp"
 #include "kvcodec/safetensors.hpp"
@@ -30,6 +31,9 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 struct Layer {
   Tensor key, value;  // [B, H, T, D] f32
   Tensor query;       // [B, Hq, 256, D] f32, or empty
+  // The steady pass's keys: `key` as the model gives them T positions on
+  // (see next_keys).
+  Tensor next_key;
 };
 
 struct Dump {
@@ -66,6 +70,21 @@ Dump load_dump(const std::string& path) {
   dump.tokens = s[2];
   dump.dim = s[3];
   return dump;
+}
+
+// The keys the model gives for the dump's tokens at positions T..2T-1,
+// where the steady pass appends them: the same pre-RoPE keys, so each
+// stored key [B, H, T, D] rotated by T positions more (RoPE's rotations
+// compose: R(p + T) = R(T) R(p)), at rope_theta. Appending the unrotated
+// keys again gave a RoPE-aware cache (calibrated kvtc, which removes RoPE
+// at each key's own position) keys no model produces: half of them fell
+// outside its integer projection's range. Odd head_dim has no RoPE: the
+// keys stay as they are.
+Tensor next_keys(const Tensor& key, int64_t positions, double rope_theta) {
+  Tensor out = key;
+  const Shape4 s = key.shape();
+  if (s[3] % 2 == 0) rope_advance_rows(out.data_as<float>(), s[0] * s[1] * s[2], int(s[3]), positions, rope_theta);
+  return out;
 }
 
 // Causal attention of the last Q positions' queries over K/V [B, H, T, D]
@@ -204,7 +223,7 @@ class CacheRunner {
   }
   // After fit_encode (and decode): the same tokens again, now with no fit.
   double steady_encode() {
-    const double s = append_all(caches_);
+    const double s = append_all(caches_, /*next=*/true);
     best_steady_ = std::min(best_steady_, s);
     return s;
   }
@@ -228,14 +247,16 @@ class CacheRunner {
       caches[i] = make_cache(method_, config_, settings_);
     }
   }
-  double append_all(std::vector<std::unique_ptr<KVCache>>& caches) {
+  // next: the steady pass, whose keys are those of positions T..2T-1.
+  double append_all(std::vector<std::unique_ptr<KVCache>>& caches, bool next = false) {
     const int n_layers = int(caches.size());
     const auto t0 = Clock::now();
     FirstException failure;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic)
     for (int i = 0; i < n_layers; ++i)
       failure.capture([&] {
-        caches[size_t(i)]->append(dump_.layers[size_t(i)].key.view(), dump_.layers[size_t(i)].value.view());
+        const Layer& layer = dump_.layers[size_t(i)];
+        caches[size_t(i)]->append((next ? layer.next_key : layer.key).view(), layer.value.view());
       });
     failure.rethrow();
     return seconds_since(t0);
@@ -406,7 +427,8 @@ void register_bench(CLI::App& app) {
   cmd->add_flag("--no-bound", opt->no_bound, "skip the reverse water-filling bound (faster)");
   cmd->footer(
       "Speed fields (MB/s of the dump as f16, wall clock, single thread unless --threads):\n"
-      "  encode_mb_per_s      steady-state encode: the dump appended again to caches that hold it (no fit)\n"
+      "  encode_mb_per_s      steady-state encode: the dump appended again to caches that hold it (no fit), its\n"
+      "                       keys rotated by T positions more (RoPE, rope_theta 10000), as the model gives them there\n"
       "  fit_encode_mb_per_s  fresh caches: fit + encode of the dump\n"
       "  decode_mb_per_s      for_each_block over caches holding the dump once\n"
       "With zstd among the methods the methods are timed interleaved: in every repeat each method's decode and\n"
@@ -416,7 +438,8 @@ void register_bench(CLI::App& app) {
       "  decode_vs_zstd       the same for decode\n"
       "These ratios are what machine-speed drift disturbs least; the best-of MB/s fields are kept as they were.");
   cmd->callback([opt] {
-    const Dump dump = load_dump(opt->kv);
+    Dump dump = load_dump(opt->kv);
+    for (Layer& layer : dump.layers) layer.next_key = next_keys(layer.key, dump.tokens, CacheConfig{}.rope_theta);
     std::vector<std::string> methods;
     std::stringstream ss(opt->methods);
     for (std::string m; std::getline(ss, m, ',');)
