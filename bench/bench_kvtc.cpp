@@ -221,6 +221,24 @@ void BM_EntropyEncode(benchmark::State& state) {
   state.SetBytesProcessed(int64_t(state.iterations()) * f.n * f.dim * 2);
 }
 
+// BM_EntropyEncode's blocks two at a time through rans_encode_pair.
+void BM_EntropyEncodePair(benchmark::State& state) {
+  const Fixture& f = fixture();
+  const kvtc::HeadParams p = fitted(int(state.range(0)));
+  const std::vector<uint16_t> codes = block_codes(f, p);
+  const size_t K = size_t(p.n_kept()), per_block = size_t(64) * K;
+  std::vector<const entropy::RansEncodeTable*> tables;
+  for (const auto& t : p.derived().rans_encode) tables.push_back(&t);
+  for (auto _ : state)
+    for (size_t b = 0; b + 2 * per_block <= codes.size(); b += 2 * per_block) {
+      auto two = entropy::rans_encode_pair({codes.data() + b, 64, K, &tables},
+                                           {codes.data() + b + per_block, 64, K, &tables});
+      benchmark::DoNotOptimize(two.first.data());
+      benchmark::DoNotOptimize(two.second.data());
+    }
+  state.SetBytesProcessed(int64_t(state.iterations()) * f.n * f.dim * 2);
+}
+
 // The reconstruction alone (codes -> f32 block) of the head's blocks at the
 // rate-allocator settings (Arg as BM_Encode's; range(1) = ReconPath: 0
 // dequantize_block (auto: the integer reconstruction), 1 the float product
@@ -426,6 +444,7 @@ BENCHMARK(BM_EntropyChainAB)->Arg(-10)->Arg(-50)->Arg(256);
 BENCHMARK(BM_QuantizeAB)->Arg(-10)->Arg(-50)->Arg(256);
 BENCHMARK(BM_Quantize)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_EntropyEncode)->Arg(256)->Arg(-10)->Arg(-50);
+BENCHMARK(BM_EntropyEncodePair)->Arg(256)->Arg(-10)->Arg(-50);
 BENCHMARK(BM_Reconstruct)->ArgsProduct({{-10, -50, 256}, {0, 1, 2, 3}});
 // The integer reconstruction against the float product, dense and with
 // zero terms skipped.

@@ -336,11 +336,18 @@ void KvtcCache::encode_direct(const OpenHeads* open, const TensorView& keys, con
     parallel_heads(heads, [&](int64_t h) {
       const float* base = static_cast<const float*>(src.data) + (h / H) * src.strides[0] + (h % H) * src.strides[1];
       const kvtc::HeadParams& params = encoder_head(open, *stream, h);
-      for (size_t j = 0; j < n_blocks; ++j) {
-        // The rounding to the raw dtype fused into the encoder's centring.
-        stream->blocks[first + j].payload[size_t(h)] = kvtc::encode_block_rows(
-            params, base + int64_t(j) * B * src.strides[2], src.strides[2], B, raw_dtype_);
+      const auto rows = [&](size_t j) { return base + int64_t(j) * B * src.strides[2]; };
+      // The rounding to the raw dtype fused into the encoder's centring;
+      // blocks two at a time (their rANS streams side by side).
+      size_t j = 0;
+      for (; j + 2 <= n_blocks; j += 2) {
+        auto two = kvtc::encode_block_rows_pair(params, rows(j), rows(j + 1), src.strides[2], B, raw_dtype_);
+        stream->blocks[first + j].payload[size_t(h)] = std::move(two.first);
+        stream->blocks[first + j + 1].payload[size_t(h)] = std::move(two.second);
       }
+      if (j < n_blocks)
+        stream->blocks[first + j].payload[size_t(h)] =
+            kvtc::encode_block_rows(params, rows(j), src.strides[2], B, raw_dtype_);
     });
     count_coded(*stream, int64_t(n_blocks));
   }
@@ -362,10 +369,17 @@ void KvtcCache::encode_ready_blocks(const OpenHeads* open) {
     stream->blocks.resize(first + size_t(n_new));
     for (int64_t j = 0; j < n_new; ++j) stream->blocks[first + size_t(j)].payload.resize(size_t(heads));
     const auto encode_head = [&](int64_t h) {
-      std::vector<float> x(size_t(B) * size_t(D));
+      std::vector<float> x(size_t(2 * B) * size_t(D));  // two blocks, coded side by side
       auto& raw = stream->raw[size_t(h)];
       const kvtc::HeadParams& params = encoder_head(open, *stream, h);
-      for (int64_t j = 0; j < n_new; ++j) {
+      int64_t j = 0;
+      for (; j + 2 <= n_new; j += 2) {
+        raw_to_f32(raw, sinks + j * B, 2 * B, x.data());
+        auto two = kvtc::encode_block_pair(params, x.data(), x.data() + size_t(B) * size_t(D), B);
+        stream->blocks[first + size_t(j)].payload[size_t(h)] = std::move(two.first);
+        stream->blocks[first + size_t(j) + 1].payload[size_t(h)] = std::move(two.second);
+      }
+      if (j < n_new) {
         raw_to_f32(raw, sinks + j * B, B, x.data());
         stream->blocks[first + size_t(j)].payload[size_t(h)] = kvtc::encode_block(params, x.data(), B);
       }

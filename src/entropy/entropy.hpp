@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvcodec/error.hpp"
@@ -353,6 +354,18 @@ std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t 
 // no separate validation pass): the encoder the KVTC codec runs.
 std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
                                  const std::vector<const RansEncodeTable*>& tables);
+// One stream's input to rans_encode_pair (rans_encode's arguments).
+struct RansEncodeInput {
+  const uint16_t* symbols;
+  size_t n_rows, n_cols;
+  const std::vector<const RansEncodeTable*>* tables;
+};
+// Two independent streams, each the bytes rans_encode gives it: their
+// group loops run side by side where the CPU has the 32-register vector
+// encoding (one stream's state update is a ~20-cycle chain that its loop
+// waits on), else one after the other. Errors as rans_encode's (a's first).
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> rans_encode_pair(const RansEncodeInput& a,
+                                                                      const RansEncodeInput& b);
 // The same without the AVX2 group encoder (scalar lanes only); same bytes.
 std::vector<uint8_t> rans_encode_portable(const uint16_t* symbols, size_t n_rows, size_t n_cols,
                                           const std::vector<const RansEncodeTable*>& tables);

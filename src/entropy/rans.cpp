@@ -935,31 +935,43 @@ inline GroupRows fetch_group(const EncCol* c, const int32_t* offs, const uint16_
 // overlap it: with the rows at fixed addresses the same loop ran 1.33x
 // faster. In-process A/B on the dump head's blocks at the 1% target:
 // 1.09x fetching one group ahead, 1.14x two (inter-quartile 1.11-1.18).
+//
+// One stream's loop as an object (step() encodes one group) so that two
+// independent streams can run side by side (encode_group_pair).
 template <bool kOffsets, bool kBlend>
-void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t* flat, size_t n_active, size_t full,
-                        size_t k0, uint8_t*& p, uint32_t* x) {
-  static const PackTable pack;
-  static_assert(sizeof(RansEncodeTable::Sym) == 16, "Sym is loaded as one 128-bit row");
-  __m256i X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i one = _mm256_set1_epi32(1);
-  const __m256i low16 = _mm256_set1_epi32(0xffff);
-  const size_t step = kRansLanes % n_active;
-  // An integer: the rows of other tables lie outside cols[0]'s array, where
-  // pointer arithmetic on it would be undefined.
-  const uintptr_t base = reinterpret_cast<uintptr_t>(cols[0].syms);
-  if (full == 0) return;
+struct GroupLoop {
+  const EncCol* cols;
+  const int32_t* offs;
+  const uint16_t* flat;
+  size_t n_active, step_cols, k_fetch, i_fetch, i0;
+  uintptr_t base;
+  uint8_t* p;  // in a register, not through the caller's reference
+  __m256i X;
+  GroupRows cur, nxt;
+
+  // full > 0: the groups of symbols [0, full), the last from column k0.
+  GroupLoop(const EncCol* c, const int32_t* o, const uint16_t* f, size_t n_act, size_t full, size_t k0, uint8_t* out,
+            const uint32_t* x)
+      : cols(c), offs(o), flat(f), n_active(n_act), step_cols(kRansLanes % n_act), k_fetch(k0), i_fetch(full),
+        i0(full - kRansLanes),
+        // An integer: the rows of other tables lie outside cols[0]'s array, where
+        // pointer arithmetic on it would be undefined.
+        base(reinterpret_cast<uintptr_t>(c[0].syms)), p(out),
+        X(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))) {
+    cur = fetch();
+    nxt = i0 > 0 ? fetch() : GroupRows{};
+  }
   // The groups from the last (symbol full - 8) down; fetch() steps the
   // column cycle back one group and returns that group's rows.
-  size_t k_fetch = k0, i_fetch = full;
-  const auto fetch = [&]() {
-    k_fetch = k_fetch >= step ? k_fetch - step : k_fetch + n_active - step;
+  __attribute__((always_inline)) inline GroupRows fetch() {
+    k_fetch = k_fetch >= step_cols ? k_fetch - step_cols : k_fetch + n_active - step_cols;
     i_fetch -= kRansLanes;
     return fetch_group<kOffsets>(cols + k_fetch, kOffsets ? offs + k_fetch : nullptr, flat + i_fetch, base);
-  };
-  size_t i0 = full - kRansLanes;  // the current group's first symbol
-  GroupRows cur = fetch();
-  GroupRows nxt = i0 > 0 ? fetch() : GroupRows{};
-  for (;;) {
+  }
+  // Encodes the current group; false once it was the first (symbol 0's).
+  __attribute__((always_inline)) inline bool step(const PackTable& pack) {
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i low16 = _mm256_set1_epi32(0xffff);
     const bool more = i0 > 0;
     const GroupRows after = i0 > kRansLanes ? fetch() : GroupRows{};
     // Bytes to emit: (x >= x_max) + (x >= x_max << 8), as signed compares
@@ -1008,16 +1020,37 @@ void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t*
     if constexpr (kBlend) {
       qc = _mm256_mullo_epi32(q, cmpl);
     } else {
-      const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(q, 32), _mm256_srli_epi64(cmpl, 32));
-      qc = _mm256_blend_epi32(_mm256_mul_epu32(q, cmpl), _mm256_slli_epi64(odd, 32), 0xaa);
+      const __m256i odd_qc = _mm256_mul_epu32(_mm256_srli_epi64(q, 32), _mm256_srli_epi64(cmpl, 32));
+      qc = _mm256_blend_epi32(_mm256_mul_epu32(q, cmpl), _mm256_slli_epi64(odd_qc, 32), 0xaa);
     }
     X = _mm256_add_epi32(_mm256_add_epi32(v, cur.bias), qc);
-    if (!more) break;
+    if (!more) return false;
     i0 -= kRansLanes;
     cur = nxt;
     nxt = after;
+    return true;
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), X);
+  void finish(uint8_t*& out, uint32_t* x) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), X);
+    out = p;
+  }
+};
+
+const PackTable& pack_table() {
+  static const PackTable pack;
+  return pack;
+}
+
+template <bool kOffsets, bool kBlend>
+void encode_groups_avx2(const EncCol* cols, const int32_t* offs, const uint16_t* flat, size_t n_active, size_t full,
+                        size_t k0, uint8_t*& p, uint32_t* x) {
+  static_assert(sizeof(RansEncodeTable::Sym) == 16, "Sym is loaded as one 128-bit row");
+  if (full == 0) return;
+  const PackTable& pack = pack_table();
+  GroupLoop<kOffsets, kBlend> g(cols, offs, flat, n_active, full, k0, p, x);
+  while (g.step(pack)) {
+  }
+  g.finish(p, x);
 }
 
 // Whether any of the rows [n_rows, n_active] has a symbol above its
@@ -1042,16 +1075,37 @@ bool any_symbol_above_avx2(const uint16_t* flat, const uint16_t* last, size_t n_
 KVCODEC_AVX2_END
 #endif
 
-std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, size_t n_cols,
-                                      const std::vector<const RansEncodeTable*>& tables, EncodePath path) {
+// One stream's encode, in three parts so that two streams can share the
+// group loop (rans_encode_pair): prepare (validation, the scalar last
+// group), the whole groups, finish (the flushed states). Its scratch is
+// reused across calls, without a heap allocation per block.
+struct EncodeJob {
+  std::vector<EncCol> ext;
+  std::vector<uint16_t> compact, last;
+  std::vector<uint8_t> buf;
+  std::vector<int32_t> offs;
+  const uint16_t* flat = nullptr;
+  size_t n_active = 0, n_coded = 0, full = 0, k0 = 0;
+  uint8_t* end = nullptr;
+  uint8_t* p = nullptr;
+  bool near = false;  // every table within 32-bit offsets of cols[0]'s
+  uint32_t x[kRansLanes];
+
+  const EncCol* cols() const { return ext.data(); }
+  // False when nothing is coded (the stream is empty).
+  bool prepare(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+               const std::vector<const RansEncodeTable*>& tables, EncodePath path);
+  // The whole groups [0, full), by the scalar lanes or (vector) the AVX2 loop.
+  void groups(EncodePath path, bool vector);
+  std::vector<uint8_t> finish();
+};
+
+bool EncodeJob::prepare(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                        const std::vector<const RansEncodeTable*>& tables, EncodePath path) {
   if (tables.size() != n_cols)
     throw Error(ErrorCode::kInvalidArgument, "rans_encode: " + std::to_string(tables.size()) + " tables for " +
                                                  std::to_string(n_cols) + " columns");
   checked_count(n_rows, n_cols, "rans_encode");
-  // Scratch reused across calls, without a heap allocation per block.
-  thread_local std::vector<EncCol> ext;
-  thread_local std::vector<uint16_t> compact;
-  thread_local std::vector<uint8_t> buf;
   ext.clear();
   for (size_t c = 0; c < n_cols; ++c)
     if (const RansEncodeTable* t = tables[c]) {
@@ -1060,14 +1114,14 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
                     "rans_encode: encode table of column " + std::to_string(c) + " is not built from a FrequencyTable");
       ext.push_back(EncCol{t->syms.data(), t->alphabet_size, uint32_t(c)});
     }
-  const size_t n_active = ext.size();
-  const size_t n_coded = n_rows * n_active;
-  if (n_coded == 0) return {};
+  n_active = ext.size();
+  n_coded = n_rows * n_active;
+  if (n_coded == 0) return false;
   // Columns unrolled (as in the decoder) so a group of kRansLanes symbols
   // starting at column k0 reads ext[k0 .. k0 + kRansLanes) without wrapping.
   for (size_t k = 0; k < kRansLanes; ++k) ext.push_back(ext[k % n_active]);
   // The coded symbols in coding order: the input itself when no column is skipped.
-  const uint16_t* flat = symbols;
+  flat = symbols;
   if (n_active != n_cols) {
     compact.resize(n_coded);
     size_t q = 0;
@@ -1078,7 +1132,6 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
   // Validate first: an error must not leave a half-written stream behind
   // (cheap: one compare per symbol).
   {
-    thread_local std::vector<uint16_t> last;
     last.resize(n_active);
     for (size_t k = 0; k < n_active; ++k) last[k] = uint16_t(ext[k].alphabet - 1);
     bool bad = false;
@@ -1097,64 +1150,68 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
         if (flat[i] >= c.alphabet) symbol_out_of_range(i / n_active, c.col, flat[i], c.alphabet);
       }
   }
-  const EncCol* const cols = ext.data();
-  const size_t lanes_used = std::min(kRansLanes, n_coded);
   // At most 2 bytes per symbol, plus the flushed states, plus 16 bytes below
   // them for the junk the AVX2 encoder's packed stores leave under a group.
   buf.resize(2 * n_coded + 4 * kRansLanes + 16);
-  uint8_t* const end = buf.data() + buf.size();
-  uint8_t* p = end;
-  uint32_t x[kRansLanes];
+  end = buf.data() + buf.size();
+  p = end;
   for (auto& v : x) v = kRansLow;
-
   // Coded symbol i goes to lane i % kRansLanes; the encoder runs backwards.
   // First the incomplete last group, then whole groups with every lane's
   // state in a register.
-  const size_t full = n_coded / kRansLanes * kRansLanes;
+  full = n_coded / kRansLanes * kRansLanes;
   for (size_t i = n_coded; i-- > full;) {
-    const EncCol& c = cols[i % n_active];
+    const EncCol& c = ext[i % n_active];
     x[i % kRansLanes] = encode_fast(x[i % kRansLanes], p, c.syms[flat[i]]);
   }
-  size_t k0 = full % n_active;  // column of symbol `full`
-#ifdef KVCODEC_RANS_AVX2
-  if (path != EncodePath::kScalar && full > 0 && simd_avx2()) {
-    // Byte offsets of the tables from cols[0]'s, when they all fit in 32
-    // bits with room for 16 * symbol (< 2^20) on top.
-    thread_local std::vector<int32_t> offs;
-    bool near = path == EncodePath::kAuto || path == EncodePath::kOtherChain;
-    if (near) {
-      offs.resize(ext.size());
-      const auto base = reinterpret_cast<uintptr_t>(cols[0].syms);
-      constexpr intptr_t kLimit = (intptr_t(1) << 31) - (intptr_t(1) << 21);
-      for (size_t k = 0; k < ext.size() && near; ++k) {
-        const intptr_t d = intptr_t(reinterpret_cast<uintptr_t>(cols[k].syms) - base);
-        near = d > -kLimit && d < kLimit;
-        offs[k] = int32_t(d);
-      }
+  k0 = full % n_active;  // column of symbol `full`
+  // Byte offsets of the tables from cols[0]'s, when they all fit in 32
+  // bits with room for 16 * symbol (< 2^20) on top.
+  near = path == EncodePath::kAuto || path == EncodePath::kOtherChain;
+  if (near) {
+    offs.resize(ext.size());
+    const auto base = reinterpret_cast<uintptr_t>(ext[0].syms);
+    constexpr intptr_t kLimit = (intptr_t(1) << 31) - (intptr_t(1) << 21);
+    for (size_t k = 0; k < ext.size() && near; ++k) {
+      const intptr_t d = intptr_t(reinterpret_cast<uintptr_t>(ext[k].syms) - base);
+      near = d > -kLimit && d < kLimit;
+      offs[k] = int32_t(d);
     }
+  }
+  return true;
+}
+
+void EncodeJob::groups(EncodePath path, bool vector) {
+#ifdef KVCODEC_RANS_AVX2
+  if (vector && full > 0) {
     const auto run = [&](auto blend) {
       if (near)
-        encode_groups_avx2<true, decltype(blend)::value>(cols, offs.data(), flat, n_active, full, k0, p, x);
+        encode_groups_avx2<true, decltype(blend)::value>(cols(), offs.data(), flat, n_active, full, k0, p, x);
       else
-        encode_groups_avx2<false, decltype(blend)::value>(cols, nullptr, flat, n_active, full, k0, p, x);
+        encode_groups_avx2<false, decltype(blend)::value>(cols(), nullptr, flat, n_active, full, k0, p, x);
     };
     if ((path == EncodePath::kOtherChain) != blend_chain())
       run(std::true_type{});
     else
       run(std::false_type{});
-    k0 = 0;
-  } else
+    return;
+  }
 #else
-  (void)path;
+  (void)path, (void)vector;
 #endif
+  const EncCol* const c0 = cols();
   for (size_t i0 = full; i0 > 0;) {
     i0 -= kRansLanes;
     k0 = k0 >= kRansLanes % n_active ? k0 - kRansLanes % n_active : k0 + n_active - kRansLanes % n_active;
-    const EncCol* c = cols + k0;
+    const EncCol* c = c0 + k0;
     const uint16_t* sy = flat + i0;
 #pragma GCC unroll 8
     for (size_t j = kRansLanes; j-- > 0;) x[j] = encode_fast(x[j], p, c[j].syms[sy[j]]);
   }
+}
+
+std::vector<uint8_t> EncodeJob::finish() {
+  const size_t lanes_used = std::min(kRansLanes, n_coded);
   for (size_t l = lanes_used; l-- > 0;) {
     p -= 4;
     put_state(p, x[l]);
@@ -1162,7 +1219,78 @@ std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, si
   return std::vector<uint8_t>(p, end);
 }
 
+bool vector_groups(EncodePath path) {
+#ifdef KVCODEC_RANS_AVX2
+  return path != EncodePath::kScalar && simd_avx2();
+#else
+  (void)path;
+  return false;
+#endif
+}
+
+std::vector<uint8_t> rans_encode_impl(const uint16_t* symbols, size_t n_rows, size_t n_cols,
+                                      const std::vector<const RansEncodeTable*>& tables, EncodePath path) {
+  thread_local EncodeJob job;
+  if (!job.prepare(symbols, n_rows, n_cols, tables, path)) return {};
+  job.groups(path, vector_groups(path));
+  return job.finish();
+}
+
+#ifdef KVCODEC_RANS_AVX2
+KVCODEC_VNNI_BEGIN
+// Two streams' whole groups side by side: each group's state update is a
+// chain of ~20 cycles (two 5-cycle multiplies among them) that one stream's
+// loop waits on; two independent chains overlap. Compiled with the EVEX
+// encoding (the VNNI target: 32 vector registers; two loops' states and
+// fetched rows did not fit AVX2's 16) and run where simd_vnni() says.
+template <bool kOffsets, bool kBlend>
+void encode_group_pair(EncodeJob& a, EncodeJob& b) {
+  const PackTable& pack = pack_table();
+  const auto loop = [](EncodeJob& j) {
+    return GroupLoop<kOffsets, kBlend>(j.cols(), kOffsets ? j.offs.data() : nullptr, j.flat, j.n_active, j.full,
+                                       j.k0, j.p, j.x);
+  };
+  GroupLoop<kOffsets, kBlend> ga = loop(a), gb = loop(b);
+  bool more_a = true, more_b = true;
+  while (more_a && more_b) {
+    more_a = ga.step(pack);
+    more_b = gb.step(pack);
+  }
+  while (more_a) more_a = ga.step(pack);
+  while (more_b) more_b = gb.step(pack);
+  ga.finish(a.p, a.x);
+  gb.finish(b.p, b.x);
+}
+KVCODEC_VNNI_END
+#endif
+
 }  // namespace
+
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> rans_encode_pair(const RansEncodeInput& a,
+                                                                      const RansEncodeInput& b) {
+  thread_local EncodeJob ja, jb;
+  const bool has_a = ja.prepare(a.symbols, a.n_rows, a.n_cols, *a.tables, EncodePath::kAuto);
+  const bool has_b = jb.prepare(b.symbols, b.n_rows, b.n_cols, *b.tables, EncodePath::kAuto);
+  const bool vector = vector_groups(EncodePath::kAuto);
+#ifdef KVCODEC_RANS_AVX2
+  if (has_a && has_b && vector && simd_vnni() && ja.full > 0 && jb.full > 0 && ja.near == jb.near) {
+    const auto run = [&](auto blend) {
+      if (ja.near)
+        encode_group_pair<true, decltype(blend)::value>(ja, jb);
+      else
+        encode_group_pair<false, decltype(blend)::value>(ja, jb);
+    };
+    if (blend_chain())
+      run(std::true_type{});
+    else
+      run(std::false_type{});
+    return {ja.finish(), jb.finish()};
+  }
+#endif
+  if (has_a) ja.groups(EncodePath::kAuto, vector);
+  if (has_b) jb.groups(EncodePath::kAuto, vector);
+  return {has_a ? ja.finish() : std::vector<uint8_t>{}, has_b ? jb.finish() : std::vector<uint8_t>{}};
+}
 
 std::vector<uint8_t> rans_encode(const uint16_t* symbols, size_t n_rows, size_t n_cols,
                                  const std::vector<const RansEncodeTable*>& tables) {

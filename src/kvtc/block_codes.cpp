@@ -67,6 +67,22 @@ std::vector<uint8_t> entropy_encode_codes(const HeadParams& p, const uint16_t* c
   return {};
 }
 
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> entropy_encode_codes_pair(const HeadParams& pa,
+                                                                                const uint16_t* codes_a,
+                                                                                int64_t n_a, const HeadParams& pb,
+                                                                                const uint16_t* codes_b, int64_t n_b) {
+  const auto built = [](const HeadParams& p) {
+    return p.coder == CoderChoice::kRans && p.derived().rans_encode.size() == p.rans_tables.size();
+  };
+  if (!built(pa) || !built(pb)) return {entropy_encode_codes(pa, codes_a, n_a), entropy_encode_codes(pb, codes_b, n_b)};
+  thread_local std::vector<const entropy::RansEncodeTable*> ta, tb;
+  ta.clear(), tb.clear();
+  for (const auto& t : pa.derived().rans_encode) ta.push_back(&t);
+  for (const auto& t : pb.derived().rans_encode) tb.push_back(&t);
+  return entropy::rans_encode_pair({codes_a, size_t(n_a), size_t(pa.n_kept()), &ta},
+                                   {codes_b, size_t(n_b), size_t(pb.n_kept()), &tb});
+}
+
 void entropy_decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes) {
   const size_t kept = size_t(p.n_kept());
   switch (p.coder) {

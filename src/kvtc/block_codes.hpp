@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kvtc/codec.hpp"
@@ -33,6 +34,12 @@ bool any_code_past_levels(const HeadParams& p, const uint16_t* codes, int64_t n)
 // quantizers' levels (the coders still reject symbols outside their tables
 // and bad streams). n >= 0.
 std::vector<uint8_t> entropy_encode_codes(const HeadParams& p, const uint16_t* codes, int64_t n);
+// Two blocks' entropy_encode_codes, the same bytes each; rANS blocks of
+// both go through entropy::rans_encode_pair (their streams side by side).
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> entropy_encode_codes_pair(const HeadParams& pa,
+                                                                                const uint16_t* codes_a,
+                                                                                int64_t n_a, const HeadParams& pb,
+                                                                                const uint16_t* codes_b, int64_t n_b);
 void entropy_decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, uint16_t* codes);
 
 }  // namespace kvcodec::kvtc

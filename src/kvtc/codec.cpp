@@ -1407,6 +1407,7 @@ void recon_int(const HeadParams& p, const uint16_t* codes, int64_t n, float* out
 struct BlockScratch {
   RowMatrix centred, coeffs;
   std::vector<uint16_t> codes;
+  std::vector<uint16_t> codes2;  // the second block's of a pair (encode_block_pair)
   std::vector<float> a, b, c;
   std::vector<float> basis_t;   // the float projection's operand (transpose_basis)
   std::vector<float> unfit;     // rows the integer projection does not take [m, D]
@@ -1875,6 +1876,16 @@ std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n
   return entropy_encode_codes(p, s.codes.data(), n);
 }
 
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> encode_block_pair(const HeadParams& p, const float* x_a,
+                                                                        const float* x_b, int64_t n) {
+  BlockScratch& s = scratch();
+  s.codes.resize(size_t(n) * size_t(p.n_kept()));
+  s.codes2.resize(s.codes.size());
+  quantize_block(p, x_a, n, s.codes.data());
+  quantize_block(p, x_b, n, s.codes2.data());
+  return entropy_encode_codes_pair(p, s.codes.data(), n, p, s.codes2.data(), n);
+}
+
 #ifdef KVCODEC_KVTC_GEMM
 KVCODEC_AVX2_BEGIN
 // encode_block_rows' f16 row [dim] by F16C: the row rounded to f16 and back,
@@ -1915,8 +1926,11 @@ int centre_row_f16_avx2(const HeadParams& p, const float* row, int64_t next_rows
 KVCODEC_AVX2_END
 #endif
 
-std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int64_t row_stride, int64_t n,
-                                       DType raw) {
+namespace {
+
+// encode_block_rows' codes [n, kept] into codes (resized).
+void block_rows_codes(const HeadParams& p, const float* x, int64_t row_stride, int64_t n, DType raw,
+                      std::vector<uint16_t>& codes) {
   if (raw != DType::kF16 && raw != DType::kBF16)
     throw Error(ErrorCode::kInvalidArgument, std::string("kvtc encode_block_rows: raw dtype must be f16 or bf16, got ") +
                                                  dtype_name(raw));
@@ -1925,7 +1939,7 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
   BlockScratch& s = scratch();
   const int dim = p.dim;
   const int kept = p.n_kept();
-  s.codes.resize(size_t(n) * size_t(kept));
+  codes.resize(size_t(n) * size_t(kept));
   if (n > 0 && kept > 0) {
     // centred[t] = round_raw(x[t]) - mean: the rows as the raw tail would
     // hold them (f32 -> raw -> f32), then centred as quantize_block does
@@ -1971,12 +1985,29 @@ std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int6
 #endif
     }
 #ifdef KVCODEC_KVTC_GEMM
-    quantize_centred(p, s.centred.data(), n, s.codes.data(), QuantPath::kAuto, fuse);
+    quantize_centred(p, s.centred.data(), n, codes.data(), QuantPath::kAuto, fuse);
 #else
-    quantize_centred(p, s.centred.data(), n, s.codes.data(), QuantPath::kAuto);
+    quantize_centred(p, s.centred.data(), n, codes.data(), QuantPath::kAuto);
 #endif
   }
+}
+
+}  // namespace
+
+std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int64_t row_stride, int64_t n,
+                                       DType raw) {
+  BlockScratch& s = scratch();
+  block_rows_codes(p, x, row_stride, n, raw, s.codes);
   return entropy_encode_codes(p, s.codes.data(), n);
+}
+
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> encode_block_rows_pair(const HeadParams& p, const float* x_a,
+                                                                             const float* x_b, int64_t row_stride,
+                                                                             int64_t n, DType raw) {
+  BlockScratch& s = scratch();
+  block_rows_codes(p, x_a, row_stride, n, raw, s.codes);
+  block_rows_codes(p, x_b, row_stride, n, raw, s.codes2);
+  return entropy_encode_codes_pair(p, s.codes.data(), n, p, s.codes2.data(), n);
 }
 
 namespace {

@@ -16,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "entropy/entropy.hpp"
@@ -311,6 +312,16 @@ std::vector<uint8_t> encode_block(const HeadParams& p, const float* x, int64_t n
 // through a raw buffer. raw other than f16/bf16: Error(kInvalidArgument).
 std::vector<uint8_t> encode_block_rows(const HeadParams& p, const float* x, int64_t row_stride, int64_t n,
                                        DType raw);
+
+// Two blocks of n tokens, x_a and x_b, each into the bytes encode_block /
+// encode_block_rows gives it; their rANS streams are coded side by side
+// (entropy::rans_encode_pair: one stream's state chain leaves the core
+// waiting; two overlap).
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> encode_block_pair(const HeadParams& p, const float* x_a,
+                                                                        const float* x_b, int64_t n);
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> encode_block_rows_pair(const HeadParams& p, const float* x_a,
+                                                                             const float* x_b, int64_t row_stride,
+                                                                             int64_t n, DType raw);
 
 // Decodes bytes of n tokens into out [n, D]. Throws Error(kFormat) on bad bytes.
 void decode_block(const HeadParams& p, const uint8_t* data, size_t size, int64_t n, float* out);

@@ -175,6 +175,49 @@ TEST(RansFast, SameBytesAsTheTextbookEncoder) {
   }
 }
 
+// Two streams through rans_encode_pair give each the bytes rans_encode
+// gives it: side by side (the EVEX loop, where the CPU has it), one after
+// the other (VNNI paths off) and on the plain paths; of any shapes, either
+// or both empty, and a bad symbol in either refused as rans_encode refuses it.
+TEST(RansFast, EncodePairEqualsTwoEncodes) {
+  struct Built {
+    Case c;
+    std::vector<RansEncodeTable> et;
+    std::vector<const RansEncodeTable*> ep;
+    explicit Built(uint64_t seed) : c(random_case(seed)) {
+      for (const auto& t : c.ft) et.emplace_back(t);
+      for (size_t k = 0; k < c.cols; ++k) ep.push_back(c.skip[k] ? nullptr : &et[k]);
+    }
+    RansEncodeInput input() const { return {c.symbols.data(), c.rows, c.cols, &ep}; }
+    std::vector<uint8_t> alone() const { return rans_encode(c.symbols.data(), c.rows, c.cols, ep); }
+  };
+  const bool vnni_was = simd_vnni();
+  for (uint64_t seed = 0; seed < 60; ++seed) {
+    const Built a(3000 + seed), b(4000 + seed);
+    for (const bool avx2 : {true, false})
+      for (const bool vnni : {true, false}) {
+        ScopedSimd mode(avx2);
+        set_simd_vnni(vnni);
+        const auto ab = rans_encode_pair(a.input(), b.input());
+        ASSERT_EQ(ab.first, a.alone()) << "seed " << seed << " avx2 " << avx2 << " vnni " << vnni;
+        ASSERT_EQ(ab.second, b.alone()) << "seed " << seed << " avx2 " << avx2 << " vnni " << vnni;
+        const auto aa = rans_encode_pair(a.input(), a.input());
+        ASSERT_EQ(aa.first, a.alone());
+        ASSERT_EQ(aa.second, a.alone());
+      }
+    set_simd_vnni(vnni_was);
+    // A bad symbol in either stream: rans_encode's error.
+    Built bad(5000 + seed);
+    size_t k = 0;
+    while (k < bad.c.cols && bad.c.skip[k]) ++k;
+    if (bad.c.rows == 0 || k == bad.c.cols) continue;
+    bad.c.symbols[(bad.c.rows - 1) * bad.c.cols + k] = uint16_t(bad.c.ft[k].alphabet_size);
+    EXPECT_THROW(rans_encode(bad.c.symbols.data(), bad.c.rows, bad.c.cols, bad.ep), Error);
+    EXPECT_THROW(rans_encode_pair(a.input(), bad.input()), Error);
+    EXPECT_THROW(rans_encode_pair(bad.input(), a.input()), Error);
+  }
+}
+
 // Three lookups of a slot's symbol: the slot table, the compare search
 // (alphabets <= kRansSearchMax) and, in AVX2 builds with RansLookup::kAuto,
 // no table for the alphabets the group decoder covers (the scalar lanes

@@ -618,6 +618,39 @@ TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
   }
 }
 
+// Two blocks coded side by side (encode_block_pair, encode_block_rows_pair:
+// their rANS streams through entropy::rans_encode_pair) give each block
+// encode_block's / encode_block_rows' bytes: rANS, Huffman and fixed-width
+// coders, blocks of 0 to 64 tokens, with and without the 32-register loop.
+TEST(Codec, EncodeBlockPairEqualsTwoEncodes) {
+  const int dim = 64;
+  const int64_t n_fit = 256;
+  const auto x = correlated(n_fit, dim, 404);
+  const bool vnni_was = simd_vnni();
+  for (CoderChoice coder : {CoderChoice::kRans, CoderChoice::kHuffman, CoderChoice::kFixed}) {
+    CodecOptions o;
+    o.allocator = Allocator::kRate;
+    o.target_rel_mse = 0.01;
+    o.coder = coder;
+    const HeadParams p = fit(x, n_fit, dim, o);
+    ASSERT_EQ(p.coder, coder);
+    for (bool vnni : {true, false}) {
+      set_simd_vnni(vnni);
+      for (int64_t n : {int64_t(0), int64_t(1), int64_t(9), int64_t(64)}) {
+        const float* a = x.data();
+        const float* b = x.data() + 128 * dim;
+        const auto two = encode_block_pair(p, a, b, n);
+        EXPECT_EQ(two.first, encode_block(p, a, n)) << coder_name(coder) << " n " << n;
+        EXPECT_EQ(two.second, encode_block(p, b, n)) << coder_name(coder) << " n " << n;
+        const auto rows = encode_block_rows_pair(p, a, b, dim, n, DType::kF16);
+        EXPECT_EQ(rows.first, encode_block_rows(p, a, dim, n, DType::kF16)) << coder_name(coder) << " n " << n;
+        EXPECT_EQ(rows.second, encode_block_rows(p, b, dim, n, DType::kF16)) << coder_name(coder) << " n " << n;
+      }
+    }
+  }
+  set_simd_vnni(vnni_was);
+}
+
 // Every kvtc kernel chosen at run time (core/cpu_features.hpp: the float
 // and integer projections, the dense, zero-skipping and integer
 // reconstructions, encode_block_rows' F16C rows, the raw conversions)
