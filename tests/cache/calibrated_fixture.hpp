@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <filesystem>
@@ -57,11 +58,27 @@ inline KvtcCalibration test_shape_calibration() {
   return cal;
 }
 
-// Writes cal to a per-process temporary file named after `tag`.
+// Removes path when the test process ends: the fixtures' calibrations are
+// written once per process, and were left in the temp directory (hundreds
+// of files after a few runs of the suite).
+inline void remove_at_exit(const std::string& path) {
+  struct Files {
+    std::vector<std::string> paths;
+    ~Files() {
+      for (const std::string& p : paths) std::remove(p.c_str());
+    }
+  };
+  static Files files;
+  files.paths.push_back(path);
+}
+
+// Writes cal to a per-process temporary file named after `tag`, removed
+// when the process ends.
 inline std::string write_temp_calibration(const KvtcCalibration& cal, const std::string& tag) {
   const std::string p = (std::filesystem::temp_directory_path() /
                          ("kvcodec_test_calib_" + tag + std::to_string(::getpid()) + ".kvcal")).string();
   cal.write_file(p);
+  remove_at_exit(p);
   return p;
 }
 

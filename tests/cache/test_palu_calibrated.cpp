@@ -40,11 +40,13 @@ const std::string& calibration_file(bool joint) {
   static const std::string shared = [] {
     const std::string p = temp_path("shared");
     fit_test_calibration(false).write_file(p);
+    remove_at_exit(p);
     return p;
   }();
   static const std::string joined = [] {
     const std::string p = temp_path("joint");
     fit_test_calibration(true).write_file(p);
+    remove_at_exit(p);
     return p;
   }();
   return joint ? joined : shared;
