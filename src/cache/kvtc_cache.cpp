@@ -29,6 +29,11 @@ using cache_impl::varint_size;
 // key are version 1 (the same bytes).
 constexpr int kLayoutVersion = 1;
 
+// The encoder's kernels: with the 8-bit projection (HeadKernels::proj8),
+// twice the 16-bit one's products per instruction where rows allow it.
+constexpr kvtc::KernelSet kEncoder = kvtc::KernelSet::kEncode | kvtc::KernelSet::kProjection8;
+constexpr kvtc::KernelSet kBothHalves = kvtc::KernelSet::kBoth | kvtc::KernelSet::kProjection8;
+
 // One encoded block of `block` tokens: every (batch, head)'s payload.
 struct EncodedBlock {
   std::vector<std::vector<uint8_t>> payload;  // [B*H]
@@ -150,7 +155,7 @@ class KvtcCache final : public cache_impl::KvtcCacheBase {
   // kept when the cache keeps them).
   std::shared_ptr<const OpenHeads> heads_for_call(kvtc::KernelSet kernels) const {
     if (auto kept = kept_.get()) return kept;
-    auto built = std::make_shared<const OpenHeads>(open_heads(kept_.keep ? kvtc::KernelSet::kBoth : kernels));
+    auto built = std::make_shared<const OpenHeads>(open_heads(kept_.keep ? kBothHalves : kernels));
     if (kept_.keep) kept_.set(built);
     return built;
   }
@@ -190,7 +195,7 @@ const kvtc::HeadParams& KvtcCache::encoder_head(const OpenHeads* open, const Str
   // without the allocation and freeing of ~200 vectors a head
   // (HeadParams::deserialize) that were most of a bulk append's opening.
   thread_local kvtc::HeadOpener opener;
-  return open_held(s, h, opener, kvtc::KernelSet::kEncode);
+  return open_held(s, h, opener, kEncoder);
 }
 
 const kvtc::HeadParams& KvtcCache::open_held(const Stream& s, int64_t h, kvtc::HeadOpener& opener,
@@ -249,7 +254,7 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   if (!kept_.keep) kept_.set(nullptr);
   std::shared_ptr<const OpenHeads> open;
   const auto need_encoder = [&] {
-    if (!open && kept_.keep) open = heads_for_call(kvtc::KernelSet::kEncode);
+    if (!open && kept_.keep) open = heads_for_call(kEncoder);
   };
   if (direct > 0) {
     need_encoder();
@@ -297,6 +302,7 @@ KvtcCache::OpenHeads KvtcCache::fit() {
       const float* xh = &x[size_t(h * n) * size_t(D)];
       const auto& pca = pcas[size_t(h)];
       kvtc::CodecOptions codec = options_.codec;
+      codec.projection8 = true;  // the encoder's kernels (kEncoder), measured as the fit's
       const double own_target = stream == &key_ ? options_.key_target_rel_mse : options_.value_target_rel_mse;
       if (own_target > 0.0) codec.target_rel_mse = own_target;
       if (options_.target_ratio > 0.0) {

@@ -14,6 +14,7 @@
 #include "kvcodec/tensor.hpp"
 #include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
+#include "kvtc/proj8.hpp"
 #include "kvtc/raw_convert.hpp"
 
 // The AVX2/FMA/F16C kernels below are compiled for those alone and run
@@ -50,11 +51,7 @@ double gaussian_uniform_step(int bits) {
 
 float round_f16(float v) { return f16_to_f32(f32_to_f16(v)); }
 
-// Where a quantizer's codes start (code = floor(c / step + code_offset)) and
-// what code value reconstructs to 0 ((code - recon_offset) * step).
-float code_offset(const ComponentQuantizer& q) {
-  return q.half_offset ? float(q.levels / 2) : float(q.zero) + 0.5f;
-}
+// What code value reconstructs to 0 ((code - recon_offset) * step).
 float recon_offset(const ComponentQuantizer& q) {
   return q.half_offset ? float(q.levels / 2) - 0.5f : float(q.zero);
 }
@@ -147,6 +144,8 @@ const char* coder_name(CoderChoice c) {
 HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>& mean,
                     const std::vector<float>& components, const std::vector<double>& eigenvalues,
                     const CodecOptions& options) {
+  // The kernels the encoder will code with: the fit measures what they give.
+  const KernelSet kernels = options.projection8 ? KernelSet::kBoth | KernelSet::kProjection8 : KernelSet::kBoth;
   if (n < 1 || dim < 1) throw Error(ErrorCode::kInvalidArgument, "kvtc fit needs tokens and dim >= 1");
   for (const int b : options.bit_choices)
     if (b < 0 || b > kMaxComponentBits)
@@ -293,7 +292,7 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
       for (int round = 0; round < 64; ++round) {
         HeadParams trial = p;
         keep_components(trial, uniform_quantizers(std::exp2(log_step)));
-        trial.build_decoders();
+        trial.build_kernels(kernels);
         const double signal_err = codec_squared_error(trial, x, n);
         if (signal_err <= allowed || log_step <= lo0) break;
         double next = log_step;
@@ -319,7 +318,11 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
   const int kept = p.n_kept();
   std::vector<uint16_t> codes(size_t(n) * size_t(kept));
   p.coder = CoderChoice::kFixed;
-  quantize_block(p, x, n, codes.data());
+  // In pieces, so the per-thread block scratch stays at a block's size
+  // rather than growing to (and holding) the whole fit's.
+  constexpr int64_t kPiece = 256;
+  for (int64_t i = 0; i < n; i += kPiece)
+    quantize_block(p, x + i * dim, std::min(kPiece, n - i), codes.data() + size_t(i) * size_t(kept));
   std::vector<std::vector<uint64_t>> counts(static_cast<size_t>(kept));
   for (int k = 0; k < kept; ++k) counts[size_t(k)].assign(p.quant[size_t(k)].levels, 0);
   for (int64_t i = 0; i < n; ++i)
@@ -348,7 +351,7 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
       trial.coder = c;
       if (c != CoderChoice::kRans) trial.rans_tables.clear();
       if (c != CoderChoice::kHuffman) trial.huffman_tables.clear();
-      trial.build_decoders();
+      trial.build_kernels(kernels);
       return trial.serialized_size() + encode_block(trial, x, n).size();
     };
     const size_t fixed = total_bytes(CoderChoice::kFixed);
@@ -362,7 +365,7 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
   p.coder = coder;
   if (coder != CoderChoice::kRans) p.rans_tables.clear();
   if (coder != CoderChoice::kHuffman) p.huffman_tables.clear();
-  p.build_decoders();
+  p.build_kernels(kernels);
   return p;
 }
 
@@ -777,6 +780,15 @@ void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
     std::vector<int16_t>().swap(out.proj_w), std::vector<float>().swap(out.proj_qscale);
     out.proj_unit = out.proj_scale = out.proj_max_abs = out.proj_max_sq = 0.0f;
   }
+  // The 8-bit projection where asked for (build_proj8 clears its tables
+  // when it fails; a reused kernel object drops earlier ones here).
+  const bool want8 = out.proj_int && (uint8_t(which) & uint8_t(KernelSet::kProjection8));
+  out.proj8 = want8 && build_proj8(p, out, kPlain);
+  if (!want8) {
+    std::vector<int8_t>().swap(out.proj8_w), std::vector<int32_t>().swap(out.proj8_bias);
+    std::vector<float>().swap(out.proj8_qscale);
+    out.proj8_gate_m = out.proj8_gate_ss = 0.0f;
+  }
   if (uint8_t(which) & uint8_t(KernelSet::kHeld) & ~uint8_t(KernelSet::kBoth))
     transpose_basis(p, out.basis_t);
   else
@@ -870,6 +882,7 @@ uint64_t HeadKernels::held_bytes() const {
   n += rans_groups.held_bytes() + kvcodec::held_bytes(recon_zero2) + kvcodec::held_bytes(recon_lut) +
        kvcodec::held_bytes(recon_lut_base) + kvcodec::held_bytes(recon_scale) +
        kvcodec::held_bytes(recon_w) + kvcodec::held_bytes(proj_w) + kvcodec::held_bytes(proj_qscale) +
+       kvcodec::held_bytes(proj8_w) + kvcodec::held_bytes(proj8_bias) + kvcodec::held_bytes(proj8_qscale) +
        kvcodec::held_bytes(basis_t);
   return n;
 }
@@ -1405,7 +1418,11 @@ void recon_int(const HeadParams& p, const uint16_t* codes, int64_t n, float* out
 // Per-thread scratch of the block hot paths: a block is ~10 us of work, so
 // heap allocations and Eigen temporaries per call would show.
 struct BlockScratch {
-  RowMatrix centred, coeffs;
+  // Grow-only (row_buffer): an Eigen matrix frees and allocates on every
+  // change of size, and fit_head's whole-fit call between blocks made each
+  // head's first block free ~1 MB, trimming the heap (brk) and faulting the
+  // pages back in: 7% of local kvtc's encode at head_dim 128.
+  std::vector<float> centred, coeffs;  // [n, dim], [n, kept]
   std::vector<uint16_t> codes;
   std::vector<uint16_t> codes2;  // the second block's of a pair (encode_block_pair)
   std::vector<float> a, b, c;
@@ -1417,10 +1434,21 @@ struct BlockScratch {
   std::vector<int16_t> doubled; // doubled centred codes [n, Kp] (integer reconstruction)
   std::vector<int16_t> scaled;  // scaled centred rows [n, Dp] (integer projection)
   std::vector<uint8_t> fits;    // whether each row takes the integer projection [n]
+  std::vector<uint8_t> scaled8; // the 8-bit projection's rows, x + 128 [n, Dp4]
+  std::vector<float> factor8;   // and their factors [n]
+  std::vector<uint8_t> fits8;   // whether each row takes it [n]
+  std::vector<float> refused8;  // rows it refused [m, D]
+  std::vector<uint16_t> refused8_codes;  // and their codes [m, K]
 };
 BlockScratch& scratch() {
   thread_local BlockScratch s;
   return s;
+}
+
+// buf as at least `size` floats, its capacity kept across calls.
+float* row_buffer(std::vector<float>& buf, size_t size) {
+  if (buf.size() < size) buf.resize(size);
+  return buf.data();
 }
 
 namespace {
@@ -1586,8 +1614,11 @@ void proj_int(const HeadParams& p, const int16_t* x, size_t n, uint16_t* codes) 
 KVCODEC_AVX2_END
 #endif
 
+// Which integer projection's scaled rows the caller has filled in the
+// scratch (encode_block_rows fuses the scaling into its centring).
+enum class Prescaled { kNo, kInt16, kInt8 };
 void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path,
-                      bool prescaled = false);
+                      Prescaled prescaled = Prescaled::kNo);
 
 // The codes of the rows that did not fit the integer projection, by the
 // float projection, gathered into one call (a row's codes depend on that
@@ -1607,12 +1638,29 @@ void float_rows_unfit(const HeadParams& p, const float* c, int64_t n, const uint
     if (!fits[t]) std::copy_n(s.unfit_codes.data() + size_t(j++) * K, K, codes + size_t(t) * K);
 }
 
+// The codes of the rows the 8-bit projection refused, by the 16-bit one
+// (then the float one), gathered into one call as float_rows_unfit's.
+void refused8_rows(const HeadParams& p, const float* c, int64_t n, const uint8_t* fits, uint16_t* codes) {
+  const size_t D = size_t(p.dim), K = size_t(p.n_kept());
+  size_t m = 0;
+  for (int64_t t = 0; t < n; ++t) m += !fits[t];
+  if (m == 0) return;
+  BlockScratch& s = scratch();
+  s.refused8.resize(m * D);
+  s.refused8_codes.resize(m * K);
+  for (int64_t t = 0, j = 0; t < n; ++t)
+    if (!fits[t]) std::copy_n(c + size_t(t) * D, D, s.refused8.data() + size_t(j++) * D);
+  quantize_centred(p, s.refused8.data(), int64_t(m), s.refused8_codes.data(), QuantPath::kInteger);
+  for (int64_t t = 0, j = 0; t < n; ++t)
+    if (!fits[t]) std::copy_n(s.refused8_codes.data() + size_t(j++) * K, K, codes + size_t(t) * K);
+}
+
 // Projection and quantisation of centred rows [n, dim] into codes [n, kept]
 // (the second half of quantize_block; the scratch's centred may be c).
 // prescaled: the caller has filled the scratch's scaled rows and fits
-// (scale_rows' values) for the integer projection.
+// (scale_rows' values, or proj8_scale_rows' with its factors).
 void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path,
-                      bool prescaled) {
+                      Prescaled prescaled) {
   const int kept = p.n_kept();
   BlockScratch& s = scratch();
   const int dim = p.dim;
@@ -1621,8 +1669,22 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
   if (path == QuantPath::kInteger && !integer)
     throw Error(ErrorCode::kInvalidArgument,
                 "kvtc: the integer projection needs HeadKernels::proj_int (run build_decoders())");
+  const bool eight = integer && proj8_ready(p);
+  if (path == QuantPath::kInteger8 && !eight)
+    throw Error(ErrorCode::kInvalidArgument,
+                "kvtc: the 8-bit projection needs HeadKernels::proj8 (build with KernelSet::kProjection8)");
+  if (eight && (path == QuantPath::kAuto || path == QuantPath::kInteger8)) {
+    const size_t Dp4 = proj8_row_len(size_t(dim));
+    if (prescaled != Prescaled::kInt8) {
+      s.scaled8.resize(size_t(n) * Dp4), s.factor8.resize(size_t(n)), s.fits8.resize(size_t(n));
+      proj8_scale_rows(p, c, n, s.scaled8.data(), s.factor8.data(), s.fits8.data(), simd_avx2());
+    }
+    proj8_codes(p, s.scaled8.data(), s.factor8.data(), n, codes);
+    refused8_rows(p, c, n, s.fits8.data(), codes);
+    return;
+  }
   if (integer && path != QuantPath::kFloat) {
-    if (!prescaled) {
+    if (prescaled != Prescaled::kInt16) {
       s.scaled.resize(size_t(n) * ((size_t(dim) + 1) / 2 * 2));
       s.fits.resize(size_t(n));
       scale_rows(p, c, n, s.scaled.data(), s.fits.data());
@@ -1658,7 +1720,7 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
   }
 #endif
   // Coefficients [n, kept], as gemm_quant's accumulators hold them.
-  s.coeffs.resize(n, kept);
+  row_buffer(s.coeffs, size_t(n) * size_t(kept));
   gemm_plain(c, size_t(dim), basis_t.data(), K8, size_t(n), K, size_t(dim), nullptr, s.coeffs.data(), K);
   const size_t ldc = K;
   s.a.resize(K), s.b.resize(K), s.c.resize(K);
@@ -1696,10 +1758,10 @@ void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_
   BlockScratch& s = scratch();
   const int dim = p.dim;
   // Same arithmetic as project_all (centre, then one product), into reused buffers.
-  s.centred.resize(n, dim);
+  RowMap centred(row_buffer(s.centred, size_t(n) * size_t(dim)), n, dim);
   ConstRowMap xm(x, n, dim);
   Eigen::Map<const Eigen::RowVectorXf> mu(p.mean.data(), dim);
-  s.centred.noalias() = xm.rowwise() - mu;
+  centred.noalias() = xm.rowwise() - mu;
   quantize_centred(p, s.centred.data(), n, codes, path);
 }
 
@@ -1724,7 +1786,7 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
     recon_int(p, codes, n, out, s.doubled);
     return;
   }
-  s.coeffs.resize(n, kept);
+  row_buffer(s.coeffs, size_t(n) * size_t(kept));
   const size_t K = static_cast<size_t>(kept);
   s.a.resize(K), s.b.resize(K);
   float* const step = s.a.data();
@@ -1833,6 +1895,37 @@ void quantize_block_integer_reference(const HeadParams& p, const float* x, int64
     if (!fits[t]) quantize_block_path(p, x + t * D, 1, codes + t * K, QuantPath::kFloat);
 }
 
+void quantize_block_int8_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes) {
+  if (!proj8_ready(p) || !proj_int_ready(p))
+    throw Error(ErrorCode::kInvalidArgument, "kvtc: the 8-bit projection needs HeadKernels::proj8");
+  const size_t D = size_t(p.dim), K = size_t(p.n_kept()), Dp4 = proj8_row_len(D), rows = static_cast<size_t>(n);
+  const HeadKernels& kern = p.derived();
+  std::vector<float> c(D);
+  std::vector<int8_t> xq(Dp4);
+  for (size_t t = 0; t < rows; ++t) {
+    for (size_t d = 0; d < D; ++d) c[d] = x[t * D + d] - p.mean[d];
+    // The kernel's largest |c| and square sum (lane order), its gate.
+    float m = 0.0f, lane[8] = {};
+    for (size_t d = 0; d < D; ++d) {
+      m = std::max(m, std::fabs(c[d]));
+      lane[d % 8] = std::fma(c[d], c[d], lane[d % 8]);
+    }
+    const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    if (!proj8_row_fits(m, ss, kern.proj8_gate_m, kern.proj8_gate_ss)) {
+      quantize_block_integer_reference(p, x + t * D, 1, codes + t * K);
+      continue;
+    }
+    const float sc = proj8_row_scale(m), factor = proj8_row_factor(m);
+    for (size_t d = 0; d < D; ++d) xq[d] = int8_t(int32_t(std::nearbyint(c[d] * sc)));
+    for (size_t k = 0; k < K; ++k) {
+      int32_t acc = 0;
+      for (size_t d = 0; d < D; ++d) acc += int32_t(xq[d]) * int32_t(kern.proj8_w[proj8_w_index(k, d, Dp4 / 4)]);
+      const ComponentQuantizer& q = p.quant[k];
+      codes[t * K + k] = proj8_code(acc, factor, kern.proj8_qscale[k], code_offset(q), float(q.levels - 1));
+    }
+  }
+}
+
 void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
   const int kept = p.n_kept();
   for (int64_t i = 0; i < n; ++i)
@@ -1888,13 +1981,22 @@ std::pair<std::vector<uint8_t>, std::vector<uint8_t>> encode_block_pair(const He
 
 #ifdef KVCODEC_KVTC_GEMM
 KVCODEC_AVX2_BEGIN
+// A centred row's largest |c| and square-sum lanes (lane l: the c[d]^2 of
+// d = l mod 8, summed in order by fmas).
+struct RowStats {
+  float m = 0.0f;
+  alignas(32) float lane[8] = {};
+};
+
 // encode_block_rows' f16 row [dim] by F16C: the row rounded to f16 and back,
 // minus the mean, into c; with o (fused), the integer projection's scaling
 // as well (scale_rows' values) into o [Dp] and, for a whole row, its flag
-// into *fit. Returns where the plain conversions go on: dim, or the first
+// into *fit; with stats (and no o), the row's largest |c| and square-sum
+// lanes (proj8_scale_rows' values) for a whole row. Returns where the plain conversions go on: dim, or the first
 // chunk holding a NaN, or the last D % 8 values. next_rows: how many floats
 // on from row the caller's next block of this head usually starts.
-int centre_row_f16_avx2(const HeadParams& p, const float* row, int64_t next_rows, float* c, int16_t* o, uint8_t* fit) {
+int centre_row_f16_avx2(const HeadParams& p, const float* row, int64_t next_rows, float* c, int16_t* o, uint8_t* fit,
+                        RowStats* stats) {
   const int dim = p.dim;
   const float* mean = p.mean.data();
   // Start the next block's lines' fetch now (a prefetch never faults; the
@@ -1914,7 +2016,16 @@ int centre_row_f16_avx2(const HeadParams& p, const float* row, int64_t next_rows
     const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     const __m256 cv = _mm256_sub_ps(r, _mm256_loadu_ps(mean + d));
     _mm256_storeu_ps(c + d, cv);
-    if (o) scale_chunk(cv, vs, abs_mask, vm, acc, o + d);
+    if (o) {
+      scale_chunk(cv, vs, abs_mask, vm, acc, o + d);
+    } else if (stats) {
+      vm = _mm256_max_ps(vm, _mm256_and_ps(cv, abs_mask));
+      acc = _mm256_fmadd_ps(cv, cv, acc);
+    }
+  }
+  if (stats && d == dim) {
+    stats->m = hmax(vm);
+    _mm256_store_ps(stats->lane, acc);
   }
   if (o && d == dim) {
     alignas(32) float lane[8];
@@ -1944,18 +2055,22 @@ void block_rows_codes(const HeadParams& p, const float* x, int64_t row_stride, i
     // centred[t] = round_raw(x[t]) - mean: the rows as the raw tail would
     // hold them (f32 -> raw -> f32), then centred as quantize_block does
     // (one float subtraction per element), in one pass over L1.
-    s.centred.resize(n, dim);
+    row_buffer(s.centred, size_t(n) * size_t(dim));
     const float* mean = p.mean.data();
 #ifdef KVCODEC_KVTC_GEMM
     // The integer projection's scaling fused in as well (scale_rows' values,
     // row by row): the rows are in registers here already.
     const bool simd_f16 = raw == DType::kF16 && simd_avx2();
-    const bool fuse = simd_f16 && proj_int_ready(p);
-    const size_t Dp = (size_t(dim) + 1) / 2 * 2;
+    // With the 8-bit projection, its scaling instead (from the row's
+    // largest |c| and square sum, gathered here; scaled from c in L1).
+    const bool fuse8 = simd_f16 && proj_int_ready(p) && proj8_ready(p);
+    const bool fuse = simd_f16 && proj_int_ready(p) && !fuse8;
+    const size_t Dp = (size_t(dim) + 1) / 2 * 2, Dp4 = proj8_row_len(size_t(dim));
     if (fuse) {
       s.scaled.resize(size_t(n) * Dp);
       s.fits.resize(size_t(n));
     }
+    if (fuse8) s.scaled8.resize(size_t(n) * Dp4), s.factor8.resize(size_t(n)), s.fits8.resize(size_t(n));
 #endif
     for (int64_t t = 0; t < n; ++t) {
       const float* row = x + t * row_stride;
@@ -1964,8 +2079,17 @@ void block_rows_codes(const HeadParams& p, const float* x, int64_t row_stride, i
 #ifdef KVCODEC_KVTC_GEMM
       if (simd_f16) {
         int16_t* o = fuse ? s.scaled.data() + size_t(t) * Dp : nullptr;
-        d = centre_row_f16_avx2(p, row, n * row_stride, c, o, fuse ? s.fits.data() + t : nullptr);
+        RowStats stats;
+        d = centre_row_f16_avx2(p, row, n * row_stride, c, o, fuse ? s.fits.data() + t : nullptr,
+                                fuse8 ? &stats : nullptr);
         if (fuse && d == dim) continue;
+        if (fuse8 && d == dim) {
+          const float ss = ((stats.lane[0] + stats.lane[4]) + (stats.lane[1] + stats.lane[5])) +
+                           ((stats.lane[2] + stats.lane[6]) + (stats.lane[3] + stats.lane[7]));
+          s.fits8[size_t(t)] = uint8_t(proj8_scale_row(p, c, stats.m, ss, s.scaled8.data() + size_t(t) * Dp4,
+                                                       s.factor8[size_t(t)], true));
+          continue;
+        }
         // A NaN chunk or D % 8 != 0: the plain conversions below, then
         // scale_rows on the finished row.
       }
@@ -1982,10 +2106,13 @@ void block_rows_codes(const HeadParams& p, const float* x, int64_t row_stride, i
       }
 #ifdef KVCODEC_KVTC_GEMM
       if (fuse) scale_rows(p, c, 1, s.scaled.data() + size_t(t) * Dp, s.fits.data() + t);
+      if (fuse8)
+        proj8_scale_rows(p, c, 1, s.scaled8.data() + size_t(t) * Dp4, s.factor8.data() + t, s.fits8.data() + t, true);
 #endif
     }
 #ifdef KVCODEC_KVTC_GEMM
-    quantize_centred(p, s.centred.data(), n, codes.data(), QuantPath::kAuto, fuse);
+    quantize_centred(p, s.centred.data(), n, codes.data(), QuantPath::kAuto,
+                     fuse ? Prescaled::kInt16 : fuse8 ? Prescaled::kInt8 : Prescaled::kNo);
 #else
     quantize_centred(p, s.centred.data(), n, codes.data(), QuantPath::kAuto);
 #endif

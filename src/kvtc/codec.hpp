@@ -50,6 +50,10 @@ struct CodecOptions {
   // rate allocator only: > 0 picks the step by the relative squared error it
   // reaches on the fit tokens (||x - x_hat||^2 / ||x||^2) instead of the budget.
   double target_rel_mse = 0.0;
+  // The fitted parameters' kernels include the 8-bit projection
+  // (KernelSet::kProjection8), and the fit measures its error (the target,
+  // the coder's tables) with it: for an encoder that codes with them.
+  bool projection8 = false;
 };
 
 // One kept principal component: its uniform quantizer. code = clamp(round(c /
@@ -89,7 +93,12 @@ int centroid_class(double m);
 // (HeadKernels::basis_t), for parameters held for many calls (a
 // calibration), whose rows past the integer projection's range would
 // otherwise transpose the basis again in every block.
-enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3, kHeld = 7 };
+// kProjection8, added to a set with kEncode: the 8-bit projection as well
+// (HeadKernels::proj8), which quantize_block then prefers. An encoder opts
+// in; the calibrated caches do not (the GPU encoder reproduces their codes
+// with the 16-bit projection).
+enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3, kHeld = 7, kProjection8 = 8 };
+constexpr KernelSet operator|(KernelSet a, KernelSet b) { return KernelSet(uint8_t(a) | uint8_t(b)); }
 
 struct HeadParams;
 
@@ -97,6 +106,8 @@ struct HeadParams;
 inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
 // Index of W[k][d] in HeadKernels::recon_w ([ceil(D/8)][Kp/2][8][2]; kp2 = Kp / 2).
 inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
+// Index of W8[k][d] in HeadKernels::proj8_w ([ceil(K/8)][Dp4/4][8][4]; dp4 = Dp4 / 4, Dp4 = D rounded up to 4).
+inline size_t proj8_w_index(size_t k, size_t d, size_t dp4) { return ((k / 8) * dp4 + d / 4) * 32 + (k % 8) * 4 + d % 4; }
 
 // The integer projection's two scalar steps, shared by the codec's kernels
 // and the kvtc-gpu reference (src/gpu), so the two cannot drift:
@@ -112,6 +123,27 @@ inline bool scaled_row_fits(float m, const float* lane, float sc, float max_abs,
 // which is the floor for y >= 0; negative and NaN y give 0).
 inline uint16_t proj_code(int32_t acc, float qscale, float offset, float max_code) {
   const float y = std::fma(float(acc), qscale, offset);
+  const float v = max_code < y ? max_code : y;
+  return v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
+}
+// Where a quantizer's codes start: code = floor(c / step + code_offset).
+inline float code_offset(const ComponentQuantizer& q) {
+  return q.half_offset ? float(q.levels / 2) : float(q.zero) + 0.5f;
+}
+// The 8-bit projection's steps (HeadKernels::proj8), shared by its kernels
+// and the plain loops: whether a centred row takes it, from its largest |c|
+// m and its square sum ss (scaled_row_fits' lanes and tree) ...
+inline bool proj8_row_fits(float m, float ss, float gate_m, float gate_ss) {
+  return std::fabs(ss) < std::numeric_limits<float>::infinity() && m * m * gate_m + ss * gate_ss <= 1.0f;
+}
+// ... the row's scale to [-127, 127] (0 for a zero row) and the factor its
+// sums take back ...
+inline float proj8_row_scale(float m) { return m > 0.0f ? 127.0f / m : 0.0f; }
+inline float proj8_row_factor(float m) { return m / 127.0f; }
+// ... and one code from the exact sum acc = sum_d x[d] * W8[k][d]: as
+// proj_code, from fma(float(acc) * factor, qscale, offset).
+inline uint16_t proj8_code(int32_t acc, float factor, float qscale, float offset, float max_code) {
+  const float y = std::fma(float(acc) * factor, qscale, offset);
   const float v = max_code < y ? max_code : y;
   return v >= 0.0f ? uint16_t(int32_t(v)) : uint16_t(0);
 }
@@ -209,6 +241,34 @@ struct HeadKernels {
   float proj_max_abs = 0.0f;
   float proj_max_sq = 0.0f;
   bool proj_int = false;
+  // The 8-bit projection (kProjection8 sets; quantize_block's choice where
+  // set, before proj_int): twice the products per VNNI instruction
+  // (vpdpbusd: 32 per 256 bits, vpdpwssd's 16), at 7 bits of each row and
+  // weight. A centred row c [D] with largest |c| m becomes x[d] =
+  // nearbyint(c[d] * 127 / m) (int8, |x| <= 127); the weights are W8[k][d]
+  // = round(basis[k][d] * 127 / max_d |basis[k][d]|) (int8); the code is
+  // proj8_code of the exact int32 sum acc[k] = sum_d x[d] * W8[k][d] with
+  // factor m / 127 and proj8_qscale[k] = 1 / (unit8[k] * step[k]). The two
+  // roundings add noise of variance (m / 127)^2 ||b_k||^2 / 12 + ||c||^2
+  // ||W8[k] / unit8[k] - b_k||^2 / (12 D) (the second for a row spread over
+  // its D values) to a coefficient whose quantisation noise is step[k]^2 /
+  // 12. A row takes it when m^2 proj8_gate_m + ||c||^2 proj8_gate_ss <= 1
+  // (proj8_row_fits), which keeps that added noise at most 1/16 of every
+  // kept component's (proj8_gate_m = max_k ||b_k||^2 / (127 step_k / 4)^2,
+  // proj8_gate_ss = max_k ||W8[k] / unit8[k] - b_k||^2 / (D (step_k / 4)^2));
+  // other rows take proj_int (then the float kernel) row by row, so a row's
+  // codes still depend on that row alone. Only with proj_int, for D up to
+  // 65536 (|acc| <= 255 * 127 * D < 2^31 with the kernels' +128 offset).
+  // The VNNI kernel takes u8 rows x + 128 and adds proj8_bias[k] = -128
+  // sum_d W8[k][d]; the AVX2 one multiplies |x| by W8 with x's sign
+  // (vpmaddubsw, no saturation at |x|, |W8| <= 127): the same sums as the
+  // plain loops, so the same codes on every CPU.
+  std::vector<int8_t> proj8_w;        // [ceil(K/8)][Dp4/4][8][4]: W8[k][d] at proj8_w_index(k, d, Dp4 / 4)
+  std::vector<int32_t> proj8_bias;    // [K8]
+  std::vector<float> proj8_qscale;    // [K8]
+  float proj8_gate_m = 0.0f;
+  float proj8_gate_ss = 0.0f;
+  bool proj8 = false;
 
   // Builds `which` from p (kNone: none, the plain paths).
   static std::shared_ptr<const HeadKernels> build(const HeadParams& p, KernelSet which);
@@ -364,7 +424,10 @@ void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n
 // the float kernel (same codes as the plain float loops); kInteger the
 // integer projection (Error(kInvalidArgument) without p.kernels->proj_int; rows
 // that do not fit it still take the float kernel, as in kAuto).
-enum class QuantPath { kAuto, kFloat, kInteger };
+// kInteger8 the 8-bit projection (Error(kInvalidArgument) without
+// p.kernels->proj8), the rows it refuses by kInteger's paths; kAuto takes
+// it too where p.kernels->proj8.
+enum class QuantPath { kAuto, kFloat, kInteger, kInteger8 };
 void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_t* codes, QuantPath path);
 
 // Plain-loop reference of quantize_block + dequantize_block (projection and
@@ -381,5 +444,10 @@ void dequantize_block_integer_reference(const HeadParams& p, const uint16_t* cod
 // (those take quantize_block_path's kFloat, row by row, in both).
 // Error(kInvalidArgument) without p.kernels->proj_int.
 void quantize_block_integer_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
+// Plain loops of the 8-bit projection (see HeadKernels::proj8), which the
+// VNNI and AVX2 tiles equal bit for bit; rows it refuses take
+// quantize_block_integer_reference's paths. Error(kInvalidArgument) without
+// p.kernels->proj8.
+void quantize_block_int8_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
 
 }  // namespace kvcodec::kvtc

@@ -11,59 +11,13 @@
 #include "kvtc/codec.hpp"
 #include "kvtc/raw_convert.hpp"
 #include "linalg/pca.hpp"
+#include "codec_fixtures.hpp"
 
 using namespace kvcodec;
 using namespace kvcodec::kvtc;
+using namespace kvcodec::kvtc::fixtures;
 
 namespace {
-
-// Correlated vectors: a decaying spectrum mixed by a random rotation, plus an offset.
-std::vector<float> correlated(int64_t n, int dim, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> g(0.0f, 1.0f);
-  std::vector<float> mix(size_t(dim * dim));
-  for (auto& m : mix) m = g(rng) / std::sqrt(float(dim));
-  std::vector<float> x(size_t(n * dim));
-  std::vector<float> z(static_cast<size_t>(dim));
-  for (int64_t i = 0; i < n; ++i) {
-    for (int k = 0; k < dim; ++k) z[size_t(k)] = g(rng) * 4.0f * std::exp(-0.12f * float(k));
-    for (int d = 0; d < dim; ++d) {
-      float acc = 0.3f * float(d % 5);
-      for (int k = 0; k < dim; ++k) acc += mix[size_t(d * dim + k)] * z[size_t(k)];
-      x[size_t(i * dim + d)] = acc;
-    }
-  }
-  return x;
-}
-
-double rel_mse(const std::vector<float>& a, const std::vector<float>& b) {
-  double e = 0, r = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    e += double(a[i] - b[i]) * (a[i] - b[i]);
-    r += double(a[i]) * a[i];
-  }
-  return e / r;
-}
-
-HeadParams fit(const std::vector<float>& x, int64_t n, int dim, const CodecOptions& o) {
-  const linalg::PcaBasis pca = linalg::fit_pca(x.data(), n, dim);
-  return fit_head(x.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
-}
-
-// The four settings the integer-path tests fit per dim: the rate allocator
-// at 1% and 5% (int8 basis), the dp allocator at a small budget and at 3
-// bits per component.
-CodecOptions setting_options(int setting, int dim, int small_budget) {
-  CodecOptions o;
-  if (setting < 2) {
-    o.allocator = Allocator::kRate;
-    o.target_rel_mse = setting == 0 ? 0.01 : 0.05;
-    o.basis_bits = 8;
-  } else {
-    o.bit_budget = setting == 2 ? small_budget : 3 * dim;
-  }
-  return o;
-}
 
 // A 64-dim head of the rate allocator at a distortion target, fitted on 320
 // correlated rows (seed), and the codes of its first 64 rows.
@@ -575,7 +529,8 @@ TEST(Codec, IntegerProjectionFallsBackWhereItCannotHold) {
 // dims with and without a ragged last group of 8, strided rows, and rows
 // holding NaN, infinities, f16 overflow and subnormals (the SIMD chunk
 // falls back to the scalar conversions); the integer projection's scaling
-// fused into the f16 centring pass gives scale_rows' values.
+// fused into the f16 centring pass gives scale_rows' values, and with the
+// 8-bit projection (kProjection8) its row statistics proj8_scale_rows'.
 TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
   for (int setting = 0; setting < 4; ++setting) {
     const int dim = setting % 2 ? 64 : 13;
@@ -588,31 +543,37 @@ TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
     } else {
       o.bit_budget = 4 * dim;  // fine steps: the projections' roundings show in the codes
     }
-    const HeadParams p = fit(x, n_fit, dim, o);
-    ASSERT_TRUE(p.derived().proj_int);
-    for (DType raw : {DType::kF16, DType::kBF16})
-      for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(64)}) {
-        const int64_t stride = dim + 5;
-        std::vector<float> rows(size_t(std::max<int64_t>(n, 1) * stride), -7.0f);
-        for (int64_t t = 0; t < n; ++t)
-          for (int d = 0; d < dim; ++d) rows[size_t(t * stride + d)] = x[size_t(t * dim + d)] * 1.37f;
-        if (n >= 7) {
-          rows[size_t(1 * stride + 3)] = std::nanf("");
-          rows[size_t(2 * stride + 9 % dim)] = std::numeric_limits<float>::infinity();
-          rows[size_t(3 * stride + 0)] = 1e6f;  // f16 overflow
-          rows[size_t(4 * stride + 5)] = 3e-7f;  // f16 subnormal
-          rows[size_t(5 * stride + dim - 1)] = -std::numeric_limits<float>::infinity();
+    const HeadParams fitted = fit(x, n_fit, dim, o);
+    ASSERT_TRUE(fitted.derived().proj_int);
+    for (KernelSet set : {KernelSet::kBoth, KernelSet::kBoth | KernelSet::kProjection8}) {
+      HeadParams p = fitted;
+      p.build_kernels(set);
+      ASSERT_EQ(p.derived().proj8, set != KernelSet::kBoth);
+      for (DType raw : {DType::kF16, DType::kBF16})
+        for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(64)}) {
+          const int64_t stride = dim + 5;
+          std::vector<float> rows(size_t(std::max<int64_t>(n, 1) * stride), -7.0f);
+          for (int64_t t = 0; t < n; ++t)
+            for (int d = 0; d < dim; ++d) rows[size_t(t * stride + d)] = x[size_t(t * dim + d)] * 1.37f;
+          if (n >= 7) {
+            rows[size_t(1 * stride + 3)] = std::nanf("");
+            rows[size_t(2 * stride + 9 % dim)] = std::numeric_limits<float>::infinity();
+            rows[size_t(3 * stride + 0)] = 1e6f;  // f16 overflow
+            rows[size_t(4 * stride + 5)] = 3e-7f;  // f16 subnormal
+            rows[size_t(5 * stride + dim - 1)] = -std::numeric_limits<float>::infinity();
+          }
+          std::vector<uint16_t> r16(static_cast<size_t>(dim));
+          std::vector<float> back(size_t(std::max<int64_t>(n, 1) * dim));
+          for (int64_t t = 0; t < n; ++t) {
+            f32_to_raw(rows.data() + t * stride, r16.data(), raw, size_t(dim));
+            raw_to_f32(r16.data(), raw, back.data() + t * dim, size_t(dim));
+          }
+          const auto want = encode_block(p, back.data(), n);
+          const auto got = encode_block_rows(p, rows.data(), stride, n, raw);
+          EXPECT_EQ(got, want) << "dim " << dim << " n " << n << " raw " << dtype_name(raw) << " set " << int(set);
         }
-        std::vector<uint16_t> r16(static_cast<size_t>(dim));
-        std::vector<float> back(size_t(std::max<int64_t>(n, 1) * dim));
-        for (int64_t t = 0; t < n; ++t) {
-          f32_to_raw(rows.data() + t * stride, r16.data(), raw, size_t(dim));
-          raw_to_f32(r16.data(), raw, back.data() + t * dim, size_t(dim));
-        }
-        const auto want = encode_block(p, back.data(), n);
-        const auto got = encode_block_rows(p, rows.data(), stride, n, raw);
-        EXPECT_EQ(got, want) << "dim " << dim << " n " << n << " raw " << dtype_name(raw);
-      }
+    }
+    const HeadParams& p = fitted;
     EXPECT_THROW(encode_block_rows(p, x.data(), dim, 1, DType::kF32), Error);
     EXPECT_THROW(encode_block_rows(p, x.data(), dim, -1, DType::kF16), Error);
   }
@@ -670,53 +631,59 @@ TEST(Codec, AvxAndPlainPathsGiveTheSameBits) {
     const int64_t n_fit = 4 * dim + 64;
     const auto x = correlated(n_fit, dim, uint32_t(500 + dim));
     for (int setting = 0; setting < 4; ++setting) {
-      const HeadParams p = fit(x, n_fit, dim, setting_options(setting, dim, dim / 2 + 1));
-      for (int64_t n : {int64_t(1), int64_t(7), int64_t(64)}) {
-        const int64_t stride = dim + 3;
-        std::vector<float> rows(size_t(n * stride), -5.0f);
-        for (int64_t t = 0; t < n; ++t)
-          for (int d = 0; d < dim; ++d) rows[size_t(t * stride + d)] = x[size_t(t * dim + d)] * 1.37f;
-        if (n >= 7) {
-          rows[size_t(1 * stride + 2)] = std::nanf("");
-          rows[size_t(2 * stride + 9 % dim)] = std::numeric_limits<float>::infinity();
-          rows[size_t(3 * stride)] = 1e6f;
-          rows[size_t(4 * stride + 5)] = 3e-7f;
-        }
-        const auto run = [&](bool on, bool vnni) {
-          ScopedSimd mode(on);
-          ScopedVnni vnni_mode(vnni);
-          EXPECT_EQ(simd_avx2(), on);
-          EXPECT_EQ(simd_vnni(), on && vnni && cpu_has_vnni_paths());
-          std::vector<std::vector<uint8_t>> out;
-          const size_t K = size_t(p.n_kept());
-          std::vector<uint16_t> codes(size_t(n) * K);
-          for (QuantPath q : {QuantPath::kFloat, QuantPath::kInteger, QuantPath::kAuto}) {
-            if (q == QuantPath::kInteger && !p.derived().proj_int) continue;
-            quantize_block_path(p, x.data(), n, codes.data(), q);
-            out.push_back(bytes_of(codes));
+      const HeadParams fitted = fit(x, n_fit, dim, setting_options(setting, dim, dim / 2 + 1));
+      for (KernelSet set : {KernelSet::kBoth, KernelSet::kBoth | KernelSet::kProjection8}) {
+        for (int64_t n : {int64_t(1), int64_t(7), int64_t(64)}) {
+          HeadParams p = fitted;
+          p.build_kernels(set);
+          const int64_t stride = dim + 3;
+          std::vector<float> rows(size_t(n * stride), -5.0f);
+          for (int64_t t = 0; t < n; ++t)
+            for (int d = 0; d < dim; ++d) rows[size_t(t * stride + d)] = x[size_t(t * dim + d)] * 1.37f;
+          if (n >= 7) {
+            rows[size_t(1 * stride + 2)] = std::nanf("");
+            rows[size_t(2 * stride + 9 % dim)] = std::numeric_limits<float>::infinity();
+            rows[size_t(3 * stride)] = 1e6f;
+            rows[size_t(4 * stride + 5)] = 3e-7f;
           }
-          std::vector<float> y(size_t(n * dim));
-          for (ReconPath r : {ReconPath::kDense, ReconPath::kSkipZeros, ReconPath::kInteger, ReconPath::kAuto}) {
-            if (r == ReconPath::kInteger && !p.derived().recon_int) continue;
-            dequantize_block_path(p, codes.data(), n, y.data(), r);
+          const auto run = [&](bool on, bool vnni) {
+            ScopedSimd mode(on);
+            ScopedVnni vnni_mode(vnni);
+            EXPECT_EQ(simd_avx2(), on);
+            EXPECT_EQ(simd_vnni(), on && vnni && cpu_has_vnni_paths());
+            std::vector<std::vector<uint8_t>> out;
+            const size_t K = size_t(p.n_kept());
+            std::vector<uint16_t> codes(size_t(n) * K);
+            for (QuantPath q : {QuantPath::kFloat, QuantPath::kInteger, QuantPath::kInteger8, QuantPath::kAuto}) {
+              if (q == QuantPath::kInteger && !p.derived().proj_int) continue;
+              if (q == QuantPath::kInteger8 && !p.derived().proj8) continue;
+              quantize_block_path(p, x.data(), n, codes.data(), q);
+              out.push_back(bytes_of(codes));
+            }
+            std::vector<float> y(size_t(n * dim));
+            for (ReconPath r : {ReconPath::kDense, ReconPath::kSkipZeros, ReconPath::kInteger, ReconPath::kAuto}) {
+              if (r == ReconPath::kInteger && !p.derived().recon_int) continue;
+              dequantize_block_path(p, codes.data(), n, y.data(), r);
+              out.push_back(bytes_of(y));
+            }
+            const auto block = encode_block(p, x.data(), n);
+            out.push_back(block);
+            decode_block(p, block.data(), block.size(), n, y.data());
             out.push_back(bytes_of(y));
+            for (DType raw : {DType::kF16, DType::kBF16})
+              out.push_back(encode_block_rows(p, rows.data(), stride, n, raw));
+            return out;
+          };
+          // AVX2 with the VNNI products where the CPU has them, AVX2's madd
+          // alone, and the plain loops.
+          const auto vnni = run(true, true), avx2 = run(true, false), plain = run(false, false);
+          ASSERT_EQ(avx2.size(), plain.size());
+          ASSERT_EQ(vnni.size(), plain.size());
+          for (size_t i = 0; i < avx2.size(); ++i) {
+            ASSERT_EQ(avx2[i], plain[i]) << "dim " << dim << " setting " << setting << " n " << n << " output " << i
+                                         << " set " << int(set);
+            ASSERT_EQ(vnni[i], plain[i]) << "vnni: dim " << dim << " setting " << setting << " n " << n << " output " << i;
           }
-          const auto block = encode_block(p, x.data(), n);
-          out.push_back(block);
-          decode_block(p, block.data(), block.size(), n, y.data());
-          out.push_back(bytes_of(y));
-          for (DType raw : {DType::kF16, DType::kBF16})
-            out.push_back(encode_block_rows(p, rows.data(), stride, n, raw));
-          return out;
-        };
-        // AVX2 with the VNNI products where the CPU has them, AVX2's madd
-        // alone, and the plain loops.
-        const auto vnni = run(true, true), avx2 = run(true, false), plain = run(false, false);
-        ASSERT_EQ(avx2.size(), plain.size());
-        ASSERT_EQ(vnni.size(), plain.size());
-        for (size_t i = 0; i < avx2.size(); ++i) {
-          ASSERT_EQ(avx2[i], plain[i]) << "dim " << dim << " setting " << setting << " n " << n << " output " << i;
-          ASSERT_EQ(vnni[i], plain[i]) << "vnni: dim " << dim << " setting " << setting << " n " << n << " output " << i;
         }
       }
     }
@@ -949,6 +916,11 @@ void expect_same_kernels(const HeadKernels& a, const HeadKernels& b, const std::
   EXPECT_TRUE(same_bits({a.proj_unit, a.proj_scale, a.proj_max_abs, a.proj_max_sq},
                         {b.proj_unit, b.proj_scale, b.proj_max_abs, b.proj_max_sq}))
       << what;
+  EXPECT_EQ(a.proj8, b.proj8) << what;
+  EXPECT_EQ(a.proj8_w, b.proj8_w) << what;
+  EXPECT_EQ(a.proj8_bias, b.proj8_bias) << what;
+  EXPECT_TRUE(same_bits(a.proj8_qscale, b.proj8_qscale)) << what;
+  EXPECT_TRUE(same_bits({a.proj8_gate_m, a.proj8_gate_ss}, {b.proj8_gate_m, b.proj8_gate_ss})) << what;
   ASSERT_EQ(a.rans_decode.size(), b.rans_decode.size()) << what;
   for (size_t k = 0; k < a.rans_decode.size(); ++k) {
     const auto &x = a.rans_decode[k], &y = b.rans_decode[k];
@@ -1032,7 +1004,7 @@ TEST(Codec, HeldTransposedBasisGivesTheSameCodes) {
 }
 
 TEST(Codec, KernelsEqualTheirReference) {
-  int compared = 0, recon_on = 0, proj_on = 0, skip_on = 0;
+  int compared = 0, recon_on = 0, proj_on = 0, skip_on = 0, proj8_on = 0;
   for (int dim : {64, 128, 37}) {
     const auto x = correlated(320, dim, uint32_t(40 + dim));
     for (int setting = 0; setting < 4; ++setting) {
@@ -1049,12 +1021,14 @@ TEST(Codec, KernelsEqualTheirReference) {
         if (edit == 6) p.quant[1].step = std::ldexp(1.0f, -45);
         if (edit == 7) p.quant[2].levels = 16385, p.quant[2].zero = 0;
         if (edit == 8) p.basis[3] = -std::numeric_limits<float>::infinity();
-        for (KernelSet set : {KernelSet::kDecode, KernelSet::kEncode, KernelSet::kBoth}) {
+        for (KernelSet set : {KernelSet::kDecode, KernelSet::kEncode, KernelSet::kBoth,
+                              KernelSet::kEncode | KernelSet::kProjection8}) {
           const auto fast = HeadKernels::build(p, set), ref = HeadKernels::build_reference(p, set);
           expect_same_kernels(*fast, *ref,
                               "dim " + std::to_string(dim) + " setting " + std::to_string(setting) + " edit " +
                                   std::to_string(edit) + " set " + std::to_string(int(set)));
           ++compared, recon_on += ref->recon_int, proj_on += ref->proj_int, skip_on += ref->recon_skip_zeros;
+          proj8_on += ref->proj8;
         }
       }
     }
@@ -1063,6 +1037,8 @@ TEST(Codec, KernelsEqualTheirReference) {
   EXPECT_GT(recon_on, 40);  // the conditions pass and fail: both sides compared
   EXPECT_GT(proj_on, 40);
   EXPECT_GT(skip_on, 20);
+  EXPECT_GT(proj8_on, 10);
+  EXPECT_LT(proj8_on, proj_on);  // only where asked for
   EXPECT_LT(recon_on, compared);
   EXPECT_LT(skip_on, compared);
 }
