@@ -1437,6 +1437,7 @@ struct BlockScratch {
   std::vector<uint8_t> scaled8; // the 8-bit projection's rows, x + 128 [n, Dp4]
   std::vector<float> factor8;   // and their factors [n]
   std::vector<uint8_t> fits8;   // whether each row takes it [n]
+  std::vector<uint32_t> row_of8;  // the block row of each row it takes, gathered [m]
   std::vector<float> refused8;  // rows it refused [m, D]
   std::vector<uint16_t> refused8_codes;  // and their codes [m, K]
 };
@@ -1679,7 +1680,24 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
       s.scaled8.resize(size_t(n) * Dp4), s.factor8.resize(size_t(n)), s.fits8.resize(size_t(n));
       proj8_scale_rows(p, c, n, s.scaled8.data(), s.factor8.data(), s.fits8.data(), simd_avx2());
     }
-    proj8_codes(p, s.scaled8.data(), s.factor8.data(), n, codes);
+    // The rows it takes, gathered (a refused row's products would be
+    // thrown away: rows of outliers may be most of a block).
+    size_t m = 0;
+    for (int64_t t = 0; t < n; ++t) m += s.fits8[size_t(t)];
+    if (m == size_t(n)) {
+      proj8_codes(p, s.scaled8.data(), s.factor8.data(), n, codes);
+      return;
+    }
+    s.row_of8.resize(m);
+    for (size_t t = 0, j = 0; t < size_t(n); ++t) {
+      if (!s.fits8[t]) continue;
+      if (j != t) {
+        std::copy_n(s.scaled8.data() + t * Dp4, Dp4, s.scaled8.data() + j * Dp4);
+        s.factor8[j] = s.factor8[t];
+      }
+      s.row_of8[j++] = uint32_t(t);
+    }
+    proj8_codes(p, s.scaled8.data(), s.factor8.data(), int64_t(m), codes, s.row_of8.data());
     refused8_rows(p, c, n, s.fits8.data(), codes);
     return;
   }

@@ -274,6 +274,8 @@ struct Epilogue {
   const float* factor = nullptr;
   uint16_t* codes = nullptr;
   size_t K = 0;
+  const uint32_t* row_of = nullptr;  // the codes' row of each scaled row (null: the same)
+  size_t out_row(size_t i) const { return row_of ? row_of[i] : i; }
 };
 
 #ifdef KVCODEC_PROJ8_SIMD
@@ -287,7 +289,7 @@ inline void store_codes8(const Epilogue& e, size_t i, size_t k0, __m256i acc) {
   y = _mm256_min_ps(_mm256_loadu_ps(e.max_code + k0), y);
   const __m256i i32 = _mm256_cvttps_epi32(y);
   const __m128i u16 = _mm_packus_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
-  uint16_t* out = e.codes + i * e.K + k0;
+  uint16_t* out = e.codes + e.out_row(i) * e.K + k0;
   if (k0 + 8 <= e.K) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), u16);
   } else {
@@ -384,7 +386,8 @@ KVCODEC_VNNI_END
 
 }  // namespace
 
-void proj8_codes(const HeadParams& p, const uint8_t* x, const float* factor, int64_t n, uint16_t* codes, bool plain) {
+void proj8_codes(const HeadParams& p, const uint8_t* x, const float* factor, int64_t n, uint16_t* codes,
+                 const uint32_t* row_of, bool plain) {
   const HeadKernels& kern = p.derived();
   const size_t K = size_t(p.n_kept()), D = size_t(p.dim), Dp4 = proj8_row_len(D), dp4 = Dp4 / 4;
   const size_t K8 = round_up8(K), rows = size_t(n);
@@ -396,7 +399,7 @@ void proj8_codes(const HeadParams& p, const uint8_t* x, const float* factor, int
   }
 #ifdef KVCODEC_PROJ8_SIMD
   if (!plain && simd_avx2()) {
-    Epilogue e{nullptr, kern.proj8_qscale.data(), offset.data(), max_code.data(), factor, codes, K};
+    Epilogue e{nullptr, kern.proj8_qscale.data(), offset.data(), max_code.data(), factor, codes, K, row_of};
     const int8_t* w = kern.proj8_w.data();
     const size_t block_stride = dp4 * 32;
     size_t col = 0;
@@ -419,7 +422,7 @@ void proj8_codes(const HeadParams& p, const uint8_t* x, const float* factor, int
       int32_t acc = 0;
       for (size_t d = 0; d < D; ++d)
         acc += (int32_t(x[t * Dp4 + d]) - 128) * int32_t(kern.proj8_w[proj8_w_index(k, d, dp4)]);
-      codes[t * K + k] = proj8_code(acc, factor[t], kern.proj8_qscale[k], offset[k], max_code[k]);
+      codes[(row_of ? row_of[t] : t) * K + k] = proj8_code(acc, factor[t], kern.proj8_qscale[k], offset[k], max_code[k]);
     }
 }
 

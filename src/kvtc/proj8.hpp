@@ -36,10 +36,11 @@ void proj8_scale_rows(const HeadParams& p, const float* c, int64_t n, uint8_t* x
 // its factor; whether it takes the 8-bit projection (else x is 0).
 bool proj8_scale_row(const HeadParams& p, const float* c, float m, float ss, uint8_t* x, float& factor, bool simd);
 
-// codes [n, K] of scaled rows x + 128 [n, Dp4] (every row; a refused row's are
-// junk for the caller to replace): the VNNI tiles where simd_vnni(), the
-// AVX2 ones where simd_avx2(), the plain loops otherwise or with plain.
+// The codes of n scaled rows x + 128 [n, Dp4] with their factors [n], row
+// i's into codes' row row_of[i] ([?, K]; row_of null: row i): the VNNI
+// tiles where simd_vnni(), the AVX2 ones where simd_avx2(), the plain loops
+// otherwise or with plain.
 void proj8_codes(const HeadParams& p, const uint8_t* x, const float* factor, int64_t n, uint16_t* codes,
-                 bool plain = false);
+                 const uint32_t* row_of = nullptr, bool plain = false);
 
 }  // namespace kvcodec::kvtc

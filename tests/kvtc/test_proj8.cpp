@@ -102,6 +102,11 @@ TEST(Proj8, RefusedRowsTakeTheSixteenBitProjection) {
   std::vector<uint16_t> ref(got.size());
   quantize_block_int8_reference(p, block.data(), n, ref.data());
   EXPECT_EQ(got, ref);
+  for (int mode = 1; mode < 3; ++mode) {  // the AVX2 tiles and the plain loops (the rows taken gathered)
+    ScopedSimd simd(mode < 2);
+    ScopedVnni vnni(false);
+    EXPECT_EQ(codes_of(p, block.data(), n, QuantPath::kAuto), ref) << "mode " << mode;
+  }
   for (int64_t t = 0; t < n; ++t) {
     const bool refused = t == 2 || t == 5 || t == 7;
     const auto alone = codes_of(p, block.data() + t * dim, 1, refused ? QuantPath::kInteger : QuantPath::kInteger8);
