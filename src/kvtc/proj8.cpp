@@ -339,22 +339,23 @@ void avx2_panel(const uint8_t* x, size_t ldx, const int8_t* W, size_t block_stri
 KVCODEC_AVX2_END
 
 KVCODEC_VNNI_BEGIN
-// R rows x 32 components by vpdpbusd (u8 x s8, 4 products into each int32
-// lane: 32 per instruction) on the u8 rows x + 128; the epilogue takes 128 * sum_d W8 back (proj8_bias). EVEX
-// registers: 16 accumulators, 4 weight vectors and the broadcast.
-template <int R>
-inline void vnni_tile32(const uint8_t* X, size_t ldx, const int8_t* W, size_t block_stride, size_t dp4,
-                        const Epilogue& e, size_t row, size_t col) {
-  __m256i acc[R][4];
+// R rows x NV blocks of 8 components by vpdpbusd (u8 x s8, 4 products into
+// each int32 lane: 32 per instruction) on the u8 rows x + 128; the epilogue
+// takes 128 * sum_d W8 back (proj8_bias). EVEX registers: at 4 x 4, 16
+// accumulators, 4 weight vectors and the broadcast.
+template <int R, int NV>
+inline void vnni_tile(const uint8_t* X, size_t ldx, const int8_t* W, size_t block_stride, size_t dp4,
+                      const Epilogue& e, size_t row, size_t col) {
+  __m256i acc[R][NV];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_si256();
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_si256();
 #pragma GCC unroll 1
   for (size_t j = 0; j < dp4; ++j) {
-    __m256i w[4];
+    __m256i w[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v)
+    for (int v = 0; v < NV; ++v)
       w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + size_t(v) * block_stride + j * 32));
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -362,24 +363,25 @@ inline void vnni_tile32(const uint8_t* X, size_t ldx, const int8_t* W, size_t bl
       std::memcpy(&quad, X + size_t(r) * ldx + 4 * j, sizeof quad);
       const __m256i a = _mm256_set1_epi32(quad);  // a broadcast load: no shuffle port
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc[r][v]) : "v"(a), "v"(w[v]));
+      for (int v = 0; v < NV; ++v) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc[r][v]) : "v"(a), "v"(w[v]));
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) store_codes8(e, row + size_t(r), col + 8 * size_t(v), acc[r][v]);
+    for (int v = 0; v < NV; ++v) store_codes8(e, row + size_t(r), col + 8 * size_t(v), acc[r][v]);
 }
 
-void vnni_panel32(const uint8_t* x, size_t ldx, const int8_t* W, size_t block_stride, size_t dp4, size_t n,
-                  const Epilogue& e, size_t col) {
+template <int NV>
+void vnni_panel(const uint8_t* x, size_t ldx, const int8_t* W, size_t block_stride, size_t dp4, size_t n,
+                const Epilogue& e, size_t col) {
   size_t i = 0;
-  for (; i + 4 <= n; i += 4) vnni_tile32<4>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
+  for (; i + 4 <= n; i += 4) vnni_tile<4, NV>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
   if (i + 2 <= n) {
-    vnni_tile32<2>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
+    vnni_tile<2, NV>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
     i += 2;
   }
-  for (; i < n; ++i) vnni_tile32<1>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
+  for (; i < n; ++i) vnni_tile<1, NV>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
 }
 KVCODEC_VNNI_END
 #endif
@@ -404,12 +406,14 @@ void proj8_codes(const HeadParams& p, const uint8_t* x, const float* factor, int
     const size_t block_stride = dp4 * 32;
     size_t col = 0;
     if (simd_vnni()) {
-      e.bias = kern.proj8_bias.data();
       // Panels up to K8, the blocks proj8_w holds (pad columns are zero
       // weights; store_codes8 drops codes from K on).
-      for (; col + 32 <= K8; col += 32) vnni_panel32(x, Dp4, w + (col / 8) * block_stride, block_stride, dp4, rows, e, col);
-      // The rest by the AVX2 tiles, without the offset.
-      e.bias = nullptr;
+      e.bias = kern.proj8_bias.data();
+      const auto at = [&](size_t c) { return w + (c / 8) * block_stride; };
+      for (; col + 32 <= K8; col += 32) vnni_panel<4>(x, Dp4, at(col), block_stride, dp4, rows, e, col);
+      if (col + 16 <= K8) vnni_panel<2>(x, Dp4, at(col), block_stride, dp4, rows, e, col), col += 16;
+      if (col < K8) vnni_panel<1>(x, Dp4, at(col), block_stride, dp4, rows, e, col);
+      return;
     }
     for (; col + 16 <= K8; col += 16) avx2_panel<2>(x, Dp4, w + (col / 8) * block_stride, block_stride, dp4, rows, e, col);
     if (col < K8) avx2_panel<1>(x, Dp4, w + (col / 8) * block_stride, block_stride, dp4, rows, e, col);
