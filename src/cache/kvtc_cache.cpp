@@ -29,10 +29,12 @@ using cache_impl::varint_size;
 // key are version 1 (the same bytes).
 constexpr int kLayoutVersion = 1;
 
-// The encoder's kernels: with the 8-bit projection (HeadKernels::proj8),
-// twice the 16-bit one's products per instruction where rows allow it.
-constexpr kvtc::KernelSet kEncoder = kvtc::KernelSet::kEncode | kvtc::KernelSet::kProjection8;
-constexpr kvtc::KernelSet kBothHalves = kvtc::KernelSet::kBoth | kvtc::KernelSet::kProjection8;
+// The kernels: with the 8-bit projection and reconstruction
+// (HeadKernels::proj8, recon8), twice the 16-bit ones' products per
+// instruction; the fit measures its target with them (int8_kernels).
+constexpr kvtc::KernelSet kEncoder = kvtc::KernelSet::kEncode | kvtc::KernelSet::kInt8;
+constexpr kvtc::KernelSet kBothHalves = kvtc::KernelSet::kBoth | kvtc::KernelSet::kInt8;
+constexpr kvtc::KernelSet kDecoder = kvtc::KernelSet::kDecode | kvtc::KernelSet::kInt8;
 
 // One encoded block of `block` tokens: every (batch, head)'s payload.
 struct EncodedBlock {
@@ -302,7 +304,7 @@ KvtcCache::OpenHeads KvtcCache::fit() {
       const float* xh = &x[size_t(h * n) * size_t(D)];
       const auto& pca = pcas[size_t(h)];
       kvtc::CodecOptions codec = options_.codec;
-      codec.projection8 = true;  // the encoder's kernels (kEncoder), measured as the fit's
+      codec.int8_kernels = true;  // the encoder's kernels (kEncoder), measured as the fit's
       const double own_target = stream == &key_ ? options_.key_target_rel_mse : options_.value_target_rel_mse;
       if (own_target > 0.0) codec.target_rel_mse = own_target;
       if (options_.target_ratio > 0.0) {
@@ -469,15 +471,15 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   FetchOpeners::Lease openers;
   std::vector<const kvtc::HeadParams*> key_heads(static_cast<size_t>(heads)), value_heads(key_heads.size());
   if (!key_.blocks.empty()) {
-    kept = kept_.keep ? heads_for_call(kvtc::KernelSet::kDecode) : kept_.get();
+    kept = kept_.keep ? heads_for_call(kDecoder) : kept_.get();
     if (kept) {
       for (int64_t h = 0; h < heads; ++h) key_heads[size_t(h)] = &kept->key[size_t(h)];
       for (int64_t h = 0; h < heads; ++h) value_heads[size_t(h)] = &kept->value[size_t(h)];
     } else {
       std::vector<kvtc::HeadOpener>& op = openers.get(size_t(2 * heads));
       parallel_heads(heads, [&](int64_t h) {
-        key_heads[size_t(h)] = &open_held(key_, h, op[size_t(2 * h)], kvtc::KernelSet::kDecode);
-        value_heads[size_t(h)] = &open_held(value_, h, op[size_t(2 * h + 1)], kvtc::KernelSet::kDecode);
+        key_heads[size_t(h)] = &open_held(key_, h, op[size_t(2 * h)], kDecoder);
+        value_heads[size_t(h)] = &open_held(value_, h, op[size_t(2 * h + 1)], kDecoder);
       });
     }
   }
@@ -527,7 +529,7 @@ void KvtcCache::uncode_newest_block() {
   const int64_t B = options_.block, D = config_.head_dim;
   std::vector<float> x(size_t(B * D));
   std::vector<uint16_t> row(size_t(B * D));
-  const OpenHeads open = open_heads(kvtc::KernelSet::kDecode);
+  const OpenHeads open = open_heads(kDecoder);
   for (Stream* s : {&key_, &value_}) {
     const EncodedBlock& blk = s->blocks.back();
     for (int64_t h = 0; h < heads_total(); ++h) {
@@ -660,7 +662,7 @@ void KvtcCache::load(const uint8_t* data, size_t size) {
     auto& parsed = s == &fresh.key_ ? open.key : open.value;
     // Each head's parameters take bytes, so this loop is bounded by the section.
     if (fresh.fitted_)
-      for (int64_t h = 0; h < heads; ++h) parsed.push_back(kvtc::HeadParams::deserialize(params, D, kvtc::KernelSet::kDecode));
+      for (int64_t h = 0; h < heads; ++h) parsed.push_back(kvtc::HeadParams::deserialize(params, D, kDecoder));
     params.expect_end();
     hold_params(*s, parsed);
     auto blocks = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, layout.rows,

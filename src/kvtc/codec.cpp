@@ -15,6 +15,7 @@
 #include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
 #include "kvtc/proj8.hpp"
+#include "kvtc/recon8.hpp"
 #include "kvtc/raw_convert.hpp"
 
 // The AVX2/FMA/F16C kernels below are compiled for those alone and run
@@ -145,7 +146,7 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
                     const std::vector<float>& components, const std::vector<double>& eigenvalues,
                     const CodecOptions& options) {
   // The kernels the encoder will code with: the fit measures what they give.
-  const KernelSet kernels = options.projection8 ? KernelSet::kBoth | KernelSet::kProjection8 : KernelSet::kBoth;
+  const KernelSet kernels = options.int8_kernels ? KernelSet::kBoth | KernelSet::kInt8 : KernelSet::kBoth;
   if (n < 1 || dim < 1) throw Error(ErrorCode::kInvalidArgument, "kvtc fit needs tokens and dim >= 1");
   for (const int b : options.bit_choices)
     if (b < 0 || b > kMaxComponentBits)
@@ -768,6 +769,14 @@ void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
   };
   out.recon_int = decoding && recon(mean.finite && basis.finite);
   if (!out.recon_int) out.recon_zero2.clear(), out.recon_scale.clear(), out.recon_w.clear();
+  // The 8-bit reconstruction where asked for (build_recon8 clears its
+  // tables when it fails; a reused kernel object drops earlier ones here).
+  const bool int8 = uint8_t(which) & uint8_t(KernelSet::kInt8);
+  out.recon8 = out.recon_int && int8 && build_recon8(p, out, kPlain);
+  if (!(out.recon_int && int8)) {
+    std::vector<int8_t>().swap(out.recon8_w), std::vector<int32_t>().swap(out.recon8_bias2);
+    std::vector<float>().swap(out.recon8_scale);
+  }
   const auto proj = [&] {
 #ifdef KVCODEC_KVTC_GEMM
     if (!kPlain && simd_avx2()) return build_proj_int_avx2(p, out, basis.finite);
@@ -782,7 +791,7 @@ void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
   }
   // The 8-bit projection where asked for (build_proj8 clears its tables
   // when it fails; a reused kernel object drops earlier ones here).
-  const bool want8 = out.proj_int && (uint8_t(which) & uint8_t(KernelSet::kProjection8));
+  const bool want8 = out.proj_int && (uint8_t(which) & uint8_t(KernelSet::kInt8));
   out.proj8 = want8 && build_proj8(p, out, kPlain);
   if (!want8) {
     std::vector<int8_t>().swap(out.proj8_w), std::vector<int32_t>().swap(out.proj8_bias);
@@ -883,6 +892,7 @@ uint64_t HeadKernels::held_bytes() const {
        kvcodec::held_bytes(recon_lut_base) + kvcodec::held_bytes(recon_scale) +
        kvcodec::held_bytes(recon_w) + kvcodec::held_bytes(proj_w) + kvcodec::held_bytes(proj_qscale) +
        kvcodec::held_bytes(proj8_w) + kvcodec::held_bytes(proj8_bias) + kvcodec::held_bytes(proj8_qscale) +
+       kvcodec::held_bytes(recon8_w) + kvcodec::held_bytes(recon8_bias2) + kvcodec::held_bytes(recon8_scale) +
        kvcodec::held_bytes(basis_t);
   return n;
 }
@@ -1438,6 +1448,7 @@ struct BlockScratch {
   std::vector<float> factor8;   // and their factors [n]
   std::vector<uint8_t> fits8;   // whether each row takes it [n]
   std::vector<uint32_t> row_of8;  // the block row of each row it takes, gathered [m]
+  std::vector<uint8_t> codes8;  // codes as bytes [n, Kp4] (the 8-bit reconstruction)
   std::vector<float> refused8;  // rows it refused [m, D]
   std::vector<uint16_t> refused8_codes;  // and their codes [m, K]
 };
@@ -1673,7 +1684,7 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
   const bool eight = integer && proj8_ready(p);
   if (path == QuantPath::kInteger8 && !eight)
     throw Error(ErrorCode::kInvalidArgument,
-                "kvtc: the 8-bit projection needs HeadKernels::proj8 (build with KernelSet::kProjection8)");
+                "kvtc: the 8-bit projection needs HeadKernels::proj8 (build with KernelSet::kInt8)");
   if (eight && (path == QuantPath::kAuto || path == QuantPath::kInteger8)) {
     const size_t Dp4 = proj8_row_len(size_t(dim));
     if (prescaled != Prescaled::kInt8) {
@@ -1800,6 +1811,14 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
   if (path == ReconPath::kInteger && !integer)
     throw Error(ErrorCode::kInvalidArgument,
                 "kvtc: the integer reconstruction needs HeadKernels::recon_int (run build_decoders())");
+  const bool eight = integer && recon8_ready(p);
+  if (path == ReconPath::kInteger8 && !eight)
+    throw Error(ErrorCode::kInvalidArgument,
+                "kvtc: the 8-bit reconstruction needs HeadKernels::recon8 (build with KernelSet::kInt8)");
+  if (eight && (path == ReconPath::kAuto || path == ReconPath::kInteger8)) {
+    recon8_values(p, codes, n, out, s.codes8);
+    return;
+  }
   if (integer && (path == ReconPath::kAuto || path == ReconPath::kInteger)) {
     recon_int(p, codes, n, out, s.doubled);
     return;
@@ -1942,6 +1961,13 @@ void quantize_block_int8_reference(const HeadParams& p, const float* x, int64_t 
       codes[t * K + k] = proj8_code(acc, factor, kern.proj8_qscale[k], code_offset(q), float(q.levels - 1));
     }
   }
+}
+
+void dequantize_block_int8_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
+  if (!recon8_ready(p) || !recon_int_ready(p))
+    throw Error(ErrorCode::kInvalidArgument, "kvtc: the 8-bit reconstruction needs HeadKernels::recon8");
+  std::vector<uint8_t> unused;
+  recon8_values(p, codes, n, out, unused, /*plain=*/true);
 }
 
 void dequantize_block_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {

@@ -51,9 +51,9 @@ struct CodecOptions {
   // reaches on the fit tokens (||x - x_hat||^2 / ||x||^2) instead of the budget.
   double target_rel_mse = 0.0;
   // The fitted parameters' kernels include the 8-bit projection
-  // (KernelSet::kProjection8), and the fit measures its error (the target,
+  // (KernelSet::kInt8), and the fit measures its error (the target,
   // the coder's tables) with it: for an encoder that codes with them.
-  bool projection8 = false;
+  bool int8_kernels = false;
 };
 
 // One kept principal component: its uniform quantizer. code = clamp(round(c /
@@ -93,11 +93,12 @@ int centroid_class(double m);
 // (HeadKernels::basis_t), for parameters held for many calls (a
 // calibration), whose rows past the integer projection's range would
 // otherwise transpose the basis again in every block.
-// kProjection8, added to a set with kEncode: the 8-bit projection as well
-// (HeadKernels::proj8), which quantize_block then prefers. An encoder opts
-// in; the calibrated caches do not (the GPU encoder reproduces their codes
-// with the 16-bit projection).
-enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3, kHeld = 7, kProjection8 = 8 };
+// kInt8, added to a set: the 8-bit kernels as well (with kEncode the
+// projection, HeadKernels::proj8; with kDecode the reconstruction,
+// HeadKernels::recon8), which quantize_block and dequantize_block then
+// prefer. The local kvtc cache opts in; the calibrated caches do not (the
+// GPU reproduces their codes and values with the 16-bit kernels).
+enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3, kHeld = 7, kInt8 = 8 };
 constexpr KernelSet operator|(KernelSet a, KernelSet b) { return KernelSet(uint8_t(a) | uint8_t(b)); }
 
 struct HeadParams;
@@ -106,6 +107,8 @@ struct HeadParams;
 inline size_t proj_w_index(size_t k, size_t d, size_t dp2) { return ((k / 8) * dp2 + d / 2) * 16 + (k % 8) * 2 + d % 2; }
 // Index of W[k][d] in HeadKernels::recon_w ([ceil(D/8)][Kp/2][8][2]; kp2 = Kp / 2).
 inline size_t recon_w_index(size_t k, size_t d, size_t kp2) { return ((d / 8) * kp2 + k / 2) * 16 + (d % 8) * 2 + k % 2; }
+// Index of W8[k][d] in HeadKernels::recon8_w ([ceil(D/8)][Kp4/4][8][4]; kq = Kp4 / 4, Kp4 = K rounded up to 4).
+inline size_t recon8_w_index(size_t k, size_t d, size_t kq) { return ((d / 8) * kq + k / 4) * 32 + (d % 8) * 4 + k % 4; }
 // Index of W8[k][d] in HeadKernels::proj8_w ([ceil(K/8)][Dp4/4][8][4]; dp4 = Dp4 / 4, Dp4 = D rounded up to 4).
 inline size_t proj8_w_index(size_t k, size_t d, size_t dp4) { return ((k / 8) * dp4 + d / 4) * 32 + (k % 8) * 4 + d % 4; }
 
@@ -241,7 +244,7 @@ struct HeadKernels {
   float proj_max_abs = 0.0f;
   float proj_max_sq = 0.0f;
   bool proj_int = false;
-  // The 8-bit projection (kProjection8 sets; quantize_block's choice where
+  // The 8-bit projection (kInt8 sets; quantize_block's choice where
   // set, before proj_int): twice the products per VNNI instruction
   // (vpdpbusd: 32 per 256 bits, vpdpwssd's 16), at 7 bits of each row and
   // weight. A centred row c [D] with largest |c| m becomes x[d] =
@@ -263,6 +266,25 @@ struct HeadKernels {
   // sum_d W8[k][d]; the AVX2 one multiplies |x| by W8 with x's sign
   // (vpmaddubsw, no saturation at |x|, |W8| <= 127): the same sums as the
   // plain loops, so the same codes on every CPU.
+  // The 8-bit reconstruction (kInt8 sets with kDecode; dequantize_block's
+  // choice where set, before recon_int): vpdpbusd's 32 products per
+  // instruction on the codes themselves (u8: every level count <= 256)
+  // and weights W8[k][d] = round(step[k] * basis[k][d] * unit8[d]) (int8,
+  // unit8[d] = 127 / max_k |step[k] * basis[k][d]|): x[d] =
+  // fma(float(2 acc[d] - recon8_bias2[d]), recon8_scale[d], mean[d]) with
+  // the exact int32 sum acc[d] = sum_k code[k] * W8[k][d], recon8_bias2[d]
+  // = sum_k recon_zero2[k] * W8[k][d] (the doubled codes' zeros) and
+  // recon8_scale[d] = 1 / (2 unit8[d]). Its distance to the exact
+  // reconstruction is that of the weights' rounding, |x - exact| <= sum_k
+  // |code[k] - zero2[k] / 2| / (2 unit8[d]) (+ float rounding); ~1e-4 of
+  // ||x||^2 as a squared error at the 1% target on the head_dim-128 dump, which
+  // the fit measures (CodecOptions::int8_kernels). Only with recon_int, for
+  // lattice heads (no centroids) of K <= 16384; VNNI tiles, AVX2 tiles
+  // and plain loops give the same bits.
+  std::vector<int8_t> recon8_w;       // [ceil(D/8)][Kp4/4][8][4]: W8[k][d] at recon8_w_index(k, d, Kp4 / 4)
+  std::vector<int32_t> recon8_bias2;  // [D8]
+  std::vector<float> recon8_scale;    // [D8]
+  bool recon8 = false;
   std::vector<int8_t> proj8_w;        // [ceil(K/8)][Dp4/4][8][4]: W8[k][d] at proj8_w_index(k, d, Dp4 / 4)
   std::vector<int32_t> proj8_bias;    // [K8]
   std::vector<float> proj8_qscale;    // [K8]
@@ -416,7 +438,9 @@ void dequantize_block(const HeadParams& p, const uint16_t* codes, int64_t n, flo
 // bit); kSkipZeros skips zero terms whenever p.kernels->recon_skip_zeros (and the
 // AVX2 kernels are built); kInteger is the integer reconstruction
 // (Error(kInvalidArgument) without p.kernels->recon_int).
-enum class ReconPath { kAuto, kDense, kSkipZeros, kInteger };
+// kInteger8 the 8-bit reconstruction (Error(kInvalidArgument) without
+// p.kernels->recon8); kAuto takes it where set.
+enum class ReconPath { kAuto, kDense, kSkipZeros, kInteger, kInteger8 };
 void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path);
 
 // How the projection runs, for tests and benches: kAuto is quantize_block
@@ -449,5 +473,9 @@ void quantize_block_integer_reference(const HeadParams& p, const float* x, int64
 // quantize_block_integer_reference's paths. Error(kInvalidArgument) without
 // p.kernels->proj8.
 void quantize_block_int8_reference(const HeadParams& p, const float* x, int64_t n, uint16_t* codes);
+// Plain loops of the 8-bit reconstruction (see HeadKernels::recon8), which
+// the VNNI and AVX2 tiles equal bit for bit. Error(kInvalidArgument)
+// without p.kernels->recon8.
+void dequantize_block_int8_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out);
 
 }  // namespace kvcodec::kvtc

@@ -530,7 +530,7 @@ TEST(Codec, IntegerProjectionFallsBackWhereItCannotHold) {
 // holding NaN, infinities, f16 overflow and subnormals (the SIMD chunk
 // falls back to the scalar conversions); the integer projection's scaling
 // fused into the f16 centring pass gives scale_rows' values, and with the
-// 8-bit projection (kProjection8) its row statistics proj8_scale_rows'.
+// 8-bit projection (kInt8) its row statistics proj8_scale_rows'.
 TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
   for (int setting = 0; setting < 4; ++setting) {
     const int dim = setting % 2 ? 64 : 13;
@@ -545,7 +545,7 @@ TEST(Codec, EncodeBlockRowsEqualsRawRoundTrip) {
     }
     const HeadParams fitted = fit(x, n_fit, dim, o);
     ASSERT_TRUE(fitted.derived().proj_int);
-    for (KernelSet set : {KernelSet::kBoth, KernelSet::kBoth | KernelSet::kProjection8}) {
+    for (KernelSet set : {KernelSet::kBoth, KernelSet::kBoth | KernelSet::kInt8}) {
       HeadParams p = fitted;
       p.build_kernels(set);
       ASSERT_EQ(p.derived().proj8, set != KernelSet::kBoth);
@@ -632,7 +632,7 @@ TEST(Codec, AvxAndPlainPathsGiveTheSameBits) {
     const auto x = correlated(n_fit, dim, uint32_t(500 + dim));
     for (int setting = 0; setting < 4; ++setting) {
       const HeadParams fitted = fit(x, n_fit, dim, setting_options(setting, dim, dim / 2 + 1));
-      for (KernelSet set : {KernelSet::kBoth, KernelSet::kBoth | KernelSet::kProjection8}) {
+      for (KernelSet set : {KernelSet::kBoth, KernelSet::kBoth | KernelSet::kInt8}) {
         for (int64_t n : {int64_t(1), int64_t(7), int64_t(64)}) {
           HeadParams p = fitted;
           p.build_kernels(set);
@@ -661,8 +661,10 @@ TEST(Codec, AvxAndPlainPathsGiveTheSameBits) {
               out.push_back(bytes_of(codes));
             }
             std::vector<float> y(size_t(n * dim));
-            for (ReconPath r : {ReconPath::kDense, ReconPath::kSkipZeros, ReconPath::kInteger, ReconPath::kAuto}) {
+            for (ReconPath r : {ReconPath::kDense, ReconPath::kSkipZeros, ReconPath::kInteger, ReconPath::kInteger8,
+                                ReconPath::kAuto}) {
               if (r == ReconPath::kInteger && !p.derived().recon_int) continue;
+              if (r == ReconPath::kInteger8 && !p.derived().recon8) continue;
               dequantize_block_path(p, codes.data(), n, y.data(), r);
               out.push_back(bytes_of(y));
             }
@@ -917,6 +919,10 @@ void expect_same_kernels(const HeadKernels& a, const HeadKernels& b, const std::
                         {b.proj_unit, b.proj_scale, b.proj_max_abs, b.proj_max_sq}))
       << what;
   EXPECT_EQ(a.proj8, b.proj8) << what;
+  EXPECT_EQ(a.recon8, b.recon8) << what;
+  EXPECT_EQ(a.recon8_w, b.recon8_w) << what;
+  EXPECT_EQ(a.recon8_bias2, b.recon8_bias2) << what;
+  EXPECT_TRUE(same_bits(a.recon8_scale, b.recon8_scale)) << what;
   EXPECT_EQ(a.proj8_w, b.proj8_w) << what;
   EXPECT_EQ(a.proj8_bias, b.proj8_bias) << what;
   EXPECT_TRUE(same_bits(a.proj8_qscale, b.proj8_qscale)) << what;
@@ -1004,7 +1010,7 @@ TEST(Codec, HeldTransposedBasisGivesTheSameCodes) {
 }
 
 TEST(Codec, KernelsEqualTheirReference) {
-  int compared = 0, recon_on = 0, proj_on = 0, skip_on = 0, proj8_on = 0;
+  int compared = 0, recon_on = 0, proj_on = 0, skip_on = 0, proj8_on = 0, recon8_on = 0;
   for (int dim : {64, 128, 37}) {
     const auto x = correlated(320, dim, uint32_t(40 + dim));
     for (int setting = 0; setting < 4; ++setting) {
@@ -1022,13 +1028,13 @@ TEST(Codec, KernelsEqualTheirReference) {
         if (edit == 7) p.quant[2].levels = 16385, p.quant[2].zero = 0;
         if (edit == 8) p.basis[3] = -std::numeric_limits<float>::infinity();
         for (KernelSet set : {KernelSet::kDecode, KernelSet::kEncode, KernelSet::kBoth,
-                              KernelSet::kEncode | KernelSet::kProjection8}) {
+                              KernelSet::kEncode | KernelSet::kInt8, KernelSet::kDecode | KernelSet::kInt8}) {
           const auto fast = HeadKernels::build(p, set), ref = HeadKernels::build_reference(p, set);
           expect_same_kernels(*fast, *ref,
                               "dim " + std::to_string(dim) + " setting " + std::to_string(setting) + " edit " +
                                   std::to_string(edit) + " set " + std::to_string(int(set)));
           ++compared, recon_on += ref->recon_int, proj_on += ref->proj_int, skip_on += ref->recon_skip_zeros;
-          proj8_on += ref->proj8;
+          proj8_on += ref->proj8, recon8_on += ref->recon8;
         }
       }
     }
@@ -1038,6 +1044,8 @@ TEST(Codec, KernelsEqualTheirReference) {
   EXPECT_GT(proj_on, 40);
   EXPECT_GT(skip_on, 20);
   EXPECT_GT(proj8_on, 10);
+  EXPECT_GT(recon8_on, 10);
+  EXPECT_LT(recon8_on, recon_on);
   EXPECT_LT(proj8_on, proj_on);  // only where asked for
   EXPECT_LT(recon_on, compared);
   EXPECT_LT(skip_on, compared);

@@ -1,14 +1,19 @@
-// The 8-bit projection (HeadKernels::proj8, KernelSet::kProjection8): its
-// VNNI, AVX2 and plain kernels give the reference's codes; the rows its gate
-// refuses take the 16-bit projection, row by row; the noise it adds stays
-// within what the gate allows; it runs only where its kernels were built.
+// The 8-bit kernels (KernelSet::kInt8). The projection (HeadKernels::proj8):
+// its VNNI, AVX2 and plain kernels give the reference's codes; the rows its
+// gate refuses take the 16-bit projection, row by row; the noise it adds
+// stays within what the gate allows; it runs only where its kernels were
+// built. The reconstruction (HeadKernels::recon8): the same bits on every
+// path, within its rounding bound of the exact values, off where it cannot
+// hold.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "codec_fixtures.hpp"
 #include "core/cpu_features.hpp"
@@ -21,11 +26,13 @@ using namespace kvcodec::kvtc::fixtures;
 
 namespace {
 
-constexpr KernelSet kEncoder8 = KernelSet::kBoth | KernelSet::kProjection8;
+constexpr KernelSet kEncoder8 = KernelSet::kBoth | KernelSet::kInt8;
 
-HeadParams fit8(const std::vector<float>& x, int64_t n, int dim, const CodecOptions& o) {
+// A head fitted as the local cache fits (its target measured with the 8-bit kernels).
+HeadParams fit8(const std::vector<float>& x, int64_t n, int dim, CodecOptions o) {
+  o.int8_kernels = true;
   HeadParams p = fit(x, n, dim, o);
-  p.build_kernels(kEncoder8);
+  EXPECT_EQ(uint8_t(p.kernel_set()), uint8_t(kEncoder8));
   return p;
 }
 
@@ -37,7 +44,7 @@ std::vector<uint16_t> codes_of(const HeadParams& p, const float* x, int64_t n, Q
 
 }  // namespace
 
-// quantize_block with kProjection8 kernels == the plain-loop reference, bit
+// quantize_block with kInt8 kernels == the plain-loop reference, bit
 // for bit, by the VNNI tiles (where the CPU has them), the AVX2 tiles and the
 // plain loops: dims with ragged groups of 4, 8 and 32; K not a multiple of 8
 // or 32; blocks of 1 to fit_n rows (the tiles' row remainders). Its codes are
@@ -189,7 +196,7 @@ TEST(Proj8, TablesAreTheirDefinition) {
   }
 }
 
-// Without kProjection8 the kernels hold no 8-bit tables and quantize_block
+// Without kInt8 the kernels hold no 8-bit tables and quantize_block
 // keeps the 16-bit projection; asking for the 8-bit path there is an error
 // naming what is missing.
 TEST(Proj8, RunsOnlyWhereItsKernelsWereBuilt) {
@@ -210,11 +217,112 @@ TEST(Proj8, RunsOnlyWhereItsKernelsWereBuilt) {
   EXPECT_THROW(quantize_block_int8_reference(p, x.data(), 64, c.data()), Error);
   // Decode-only sets ignore the flag (it is the encoder's).
   HeadParams dec = p;
-  dec.build_kernels(KernelSet::kDecode | KernelSet::kProjection8);
+  dec.build_kernels(KernelSet::kDecode | KernelSet::kInt8);
   EXPECT_FALSE(dec.derived().proj8);
   // Rebuilt with it, then without: the tables come and go.
   HeadParams q = p;
   q.build_kernels(kEncoder8);
   EXPECT_TRUE(q.derived().proj8);
   EXPECT_GT(q.derived().held_bytes(), p.derived().held_bytes());
+}
+
+// dequantize_block with kInt8 kernels == the plain-loop reference, bit for
+// bit, by the VNNI tiles (where the CPU has them), the AVX2 tiles and the
+// plain loops: dims with ragged groups of 8 and 32, K not a multiple of 4;
+// blocks of 1 to 64 rows. Each value stays within the weights' rounding
+// bound of the exact reconstruction (double):
+//   |x[d] - exact[d]| <= sum_k |code[k] - zero2[k] / 2| * recon8_scale[d] (+ float rounding)
+// since |W8[k][d] / unit8[d] - step[k] basis[k][d]| <= 1 / (2 unit8[d]) = recon8_scale[d].
+TEST(Recon8, ValuesEqualThePlainReferenceAndStayWithinTheirBound) {
+  size_t heads = 0, on = 0;
+  for (int dim : {8, 13, 24, 37, 64, 72, 128, 130}) {
+    const int64_t fit_n = 4 * dim + 64;
+    const auto x = correlated(fit_n, dim, uint32_t(700 + dim));
+    for (int setting = 0; setting < 4; ++setting) {
+      const HeadParams p = fit8(x, fit_n, dim, setting_options(setting, dim, dim / 2 + 3));
+      ++heads;
+      if (!p.derived().recon8) continue;
+      ++on;
+      const size_t K = size_t(p.n_kept()), D = size_t(dim);
+      for (int64_t n : {int64_t(1), int64_t(3), int64_t(6), int64_t(64)}) {
+        std::vector<uint16_t> codes(size_t(n) * K);
+        quantize_block(p, x.data(), n, codes.data());
+        std::vector<float> ref(size_t(n) * D), got(ref.size());
+        dequantize_block_int8_reference(p, codes.data(), n, ref.data());
+        const std::string at = "dim " + std::to_string(dim) + " setting " + std::to_string(setting) + " n " +
+                               std::to_string(n);
+        for (int mode = 0; mode < 3; ++mode) {
+          ScopedSimd simd(mode < 2);
+          ScopedVnni vnni(mode == 0);
+          dequantize_block(p, codes.data(), n, got.data());
+          EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float))) << at << " mode " << mode;
+          dequantize_block_path(p, codes.data(), n, got.data(), ReconPath::kInteger8);
+          EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float))) << at << " mode " << mode;
+        }
+        for (int64_t t = 0; t < n; ++t)
+          for (size_t d = 0; d < D; ++d) {
+            double exact = p.mean[d], spread = 0;
+            for (size_t k = 0; k < K; ++k) {
+              const double c = double(codes[size_t(t) * K + k]) - double(p.derived().recon_zero2[k]) / 2.0;
+              exact += c * double(p.quant[k].step) * double(p.basis[k * D + d]);
+              spread += std::fabs(c);
+            }
+            const double bound = spread * double(p.derived().recon8_scale[d]) + 1e-5 * (std::fabs(exact) + 1.0);
+            ASSERT_LE(std::fabs(double(ref[size_t(t) * D + d]) - exact), bound) << at << " row " << t << " d " << d;
+          }
+      }
+    }
+  }
+  EXPECT_EQ(heads, 32u);
+  EXPECT_GE(on, 28u);  // the lattice heads of every allocator
+}
+
+// recon8 is off (the 16-bit reconstruction runs, and kInteger8 names what
+// is missing) where it cannot hold: a level count past 256 (codes would not
+// fit a byte), centroid reconstruction, kernels built without kInt8 or for
+// encoding only; the fit with int8_kernels measures its target with it.
+TEST(Recon8, IsOffWhereItCannotHold) {
+  const int dim = 32;
+  const auto x = correlated(192, dim, 9);
+  const HeadParams base = fit8(x, 192, dim, setting_options(0, dim, 0));
+  ASSERT_TRUE(base.derived().recon8);
+  const auto refused = [&](const HeadParams& p) {
+    std::vector<uint16_t> codes(64 * size_t(p.n_kept()), 0);
+    std::vector<float> out(64 * size_t(dim));
+    try {
+      dequantize_block_path(p, codes.data(), 64, out.data(), ReconPath::kInteger8);
+    } catch (const Error& e) {
+      return e.code() == ErrorCode::kInvalidArgument && std::string(e.what()).find("recon8") != std::string::npos;
+    }
+    return false;
+  };
+  EXPECT_FALSE(refused(base));
+  HeadParams wide = base;
+  wide.quant[1].levels = 300, wide.quant[1].zero = 150;
+  wide.build_kernels(kEncoder8);
+  EXPECT_TRUE(wide.derived().recon_int);
+  EXPECT_FALSE(wide.derived().recon8);
+  EXPECT_TRUE(refused(wide));
+  HeadParams centroid = base;
+  centroid.quant[0].centroid = {0.1f, 0.0f, 0.0f};
+  centroid.build_kernels(kEncoder8);
+  EXPECT_FALSE(centroid.derived().recon8);
+  HeadParams plain = base;
+  plain.build_kernels(KernelSet::kBoth);
+  EXPECT_FALSE(plain.derived().recon8);
+  EXPECT_TRUE(plain.derived().recon8_w.empty());
+  EXPECT_TRUE(refused(plain));
+  HeadParams enc = base;
+  enc.build_kernels(KernelSet::kEncode | KernelSet::kInt8);
+  EXPECT_FALSE(enc.derived().recon8);
+  EXPECT_TRUE(enc.derived().proj8);
+  std::vector<float> out(64 * size_t(dim));
+  std::vector<uint16_t> codes(64 * size_t(base.n_kept()), 0);
+  EXPECT_THROW(dequantize_block_int8_reference(plain, codes.data(), 64, out.data()), Error);
+  // The fit's target holds with the 8-bit kernels it was measured with.
+  std::vector<uint16_t> c(size_t(192) * size_t(base.n_kept()));
+  quantize_block(base, x.data(), 192, c.data());
+  std::vector<float> y(x.size());
+  dequantize_block(base, c.data(), 192, y.data());
+  EXPECT_LE(rel_mse(x, y), 0.01);
 }
