@@ -29,12 +29,13 @@ using cache_impl::varint_size;
 // key are version 1 (the same bytes).
 constexpr int kLayoutVersion = 1;
 
-// The kernels: with the 8-bit projection and reconstruction
-// (HeadKernels::proj8, recon8), twice the 16-bit ones' products per
-// instruction; the fit measures its target with them (int8_kernels).
-constexpr kvtc::KernelSet kEncoder = kvtc::KernelSet::kEncode | kvtc::KernelSet::kInt8;
-constexpr kvtc::KernelSet kBothHalves = kvtc::KernelSet::kBoth | kvtc::KernelSet::kInt8;
-constexpr kvtc::KernelSet kDecoder = kvtc::KernelSet::kDecode | kvtc::KernelSet::kInt8;
+// The kernel set `half` with the 8-bit projection and reconstruction
+// (HeadKernels::proj8, recon8: twice the 16-bit ones' products per
+// instruction) where the settings ask for them (int8, the default); the fit
+// measures its target with the same (CodecOptions::int8_kernels).
+kvtc::KernelSet with_int8(kvtc::KernelSet half, bool int8) {
+  return int8 ? half | kvtc::KernelSet::kInt8 : half;
+}
 
 // One encoded block of `block` tokens: every (batch, head)'s payload.
 struct EncodedBlock {
@@ -155,9 +156,10 @@ class KvtcCache final : public cache_impl::KvtcCacheBase {
   mutable KeptHeads kept_;
   // This call's heads: the kept ones, else built with `kernels` (kBoth and
   // kept when the cache keeps them).
+  kvtc::KernelSet kernels_for(kvtc::KernelSet half) const { return with_int8(half, options_.codec.int8_kernels); }
   std::shared_ptr<const OpenHeads> heads_for_call(kvtc::KernelSet kernels) const {
     if (auto kept = kept_.get()) return kept;
-    auto built = std::make_shared<const OpenHeads>(open_heads(kept_.keep ? kBothHalves : kernels));
+    auto built = std::make_shared<const OpenHeads>(open_heads(kept_.keep ? kernels_for(kvtc::KernelSet::kBoth) : kernels));
     if (kept_.keep) kept_.set(built);
     return built;
   }
@@ -197,7 +199,7 @@ const kvtc::HeadParams& KvtcCache::encoder_head(const OpenHeads* open, const Str
   // without the allocation and freeing of ~200 vectors a head
   // (HeadParams::deserialize) that were most of a bulk append's opening.
   thread_local kvtc::HeadOpener opener;
-  return open_held(s, h, opener, kEncoder);
+  return open_held(s, h, opener, kernels_for(kvtc::KernelSet::kEncode));
 }
 
 const kvtc::HeadParams& KvtcCache::open_held(const Stream& s, int64_t h, kvtc::HeadOpener& opener,
@@ -256,7 +258,7 @@ void KvtcCache::append(const TensorView& keys, const TensorView& values) {
   if (!kept_.keep) kept_.set(nullptr);
   std::shared_ptr<const OpenHeads> open;
   const auto need_encoder = [&] {
-    if (!open && kept_.keep) open = heads_for_call(kEncoder);
+    if (!open && kept_.keep) open = heads_for_call(kernels_for(kvtc::KernelSet::kEncode));
   };
   if (direct > 0) {
     need_encoder();
@@ -304,7 +306,6 @@ KvtcCache::OpenHeads KvtcCache::fit() {
       const float* xh = &x[size_t(h * n) * size_t(D)];
       const auto& pca = pcas[size_t(h)];
       kvtc::CodecOptions codec = options_.codec;
-      codec.int8_kernels = true;  // the encoder's kernels (kEncoder), measured as the fit's
       const double own_target = stream == &key_ ? options_.key_target_rel_mse : options_.value_target_rel_mse;
       if (own_target > 0.0) codec.target_rel_mse = own_target;
       if (options_.target_ratio > 0.0) {
@@ -471,15 +472,15 @@ void KvtcCache::for_each_block(const BlockVisitor& visit) const {
   FetchOpeners::Lease openers;
   std::vector<const kvtc::HeadParams*> key_heads(static_cast<size_t>(heads)), value_heads(key_heads.size());
   if (!key_.blocks.empty()) {
-    kept = kept_.keep ? heads_for_call(kDecoder) : kept_.get();
+    kept = kept_.keep ? heads_for_call(kernels_for(kvtc::KernelSet::kDecode)) : kept_.get();
     if (kept) {
       for (int64_t h = 0; h < heads; ++h) key_heads[size_t(h)] = &kept->key[size_t(h)];
       for (int64_t h = 0; h < heads; ++h) value_heads[size_t(h)] = &kept->value[size_t(h)];
     } else {
       std::vector<kvtc::HeadOpener>& op = openers.get(size_t(2 * heads));
       parallel_heads(heads, [&](int64_t h) {
-        key_heads[size_t(h)] = &open_held(key_, h, op[size_t(2 * h)], kDecoder);
-        value_heads[size_t(h)] = &open_held(value_, h, op[size_t(2 * h + 1)], kDecoder);
+        key_heads[size_t(h)] = &open_held(key_, h, op[size_t(2 * h)], kernels_for(kvtc::KernelSet::kDecode));
+        value_heads[size_t(h)] = &open_held(value_, h, op[size_t(2 * h + 1)], kernels_for(kvtc::KernelSet::kDecode));
       });
     }
   }
@@ -529,7 +530,7 @@ void KvtcCache::uncode_newest_block() {
   const int64_t B = options_.block, D = config_.head_dim;
   std::vector<float> x(size_t(B * D));
   std::vector<uint16_t> row(size_t(B * D));
-  const OpenHeads open = open_heads(kDecoder);
+  const OpenHeads open = open_heads(kernels_for(kvtc::KernelSet::kDecode));
   for (Stream* s : {&key_, &value_}) {
     const EncodedBlock& blk = s->blocks.back();
     for (int64_t h = 0; h < heads_total(); ++h) {
@@ -662,7 +663,7 @@ void KvtcCache::load(const uint8_t* data, size_t size) {
     auto& parsed = s == &fresh.key_ ? open.key : open.value;
     // Each head's parameters take bytes, so this loop is bounded by the section.
     if (fresh.fitted_)
-      for (int64_t h = 0; h < heads; ++h) parsed.push_back(kvtc::HeadParams::deserialize(params, D, kDecoder));
+      for (int64_t h = 0; h < heads; ++h) parsed.push_back(kvtc::HeadParams::deserialize(params, D, kernels_for(kvtc::KernelSet::kDecode)));
     params.expect_end();
     hold_params(*s, parsed);
     auto blocks = cache_impl::read_block_payloads(r.section(prefix + "blocks"), n_blocks, layout.rows,
@@ -712,7 +713,7 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
     if (!path || path->empty()) r.fail("calibration", "a calibration file path (required by mode=calibrated)");
     s.calibration = *path;
     for (const char* f : {"bit_budget", "bit_choices", "beta", "allocator", "target_ratio", "min_fit_tokens",
-                          "coder", "basis_bits"})
+                          "coder", "basis_bits", "int8"})
       if (r.find(f)) r.fail(f, "unset in calibrated mode (fixed by the calibration file: pass it to kvcodec calibrate)");
     s.rope_theta = r.get_double("rope_theta", config.rope_theta, 0.0, 1e12, /*lo_open=*/true);
     s.block = int(r.get_int("block", 64, 1, 1 << 16));
@@ -765,6 +766,7 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
     }
   s.codec.basis_bits = int(r.get_int("basis_bits", rate_field_given ? 16 : 8, 8, 16));
   if (s.codec.basis_bits != 8 && s.codec.basis_bits != 16) r.fail("basis_bits", "8 or 16");
+  s.codec.int8_kernels = r.get_choice("int8", "true", {"true", "false"}) == "true";
   const std::string* ratio = r.find("target_ratio");
   s.target_ratio = (ratio && *ratio != "none") ? r.get_double("target_ratio", 0.0, 1.0, 1000.0) : 0.0;
   s.min_fit_tokens = int(r.get_int("min_fit_tokens", 2 * int64_t(D), 1, 1 << 24));
@@ -804,6 +806,9 @@ MethodInfo kvtc_method_info() {
            {"whole_blocks", "false", "calibrated: code a block only when whole (each token coded once, a longer raw tail)"},
            {"coder", "rans", "rans, huffman, fixed or auto (strictly smallest on the fit tokens)"},
            {"basis_bits", "8", "16: f16 basis rows; 8: int8 rows with an f16 scale (default 8 in the preset, 16 otherwise)"},
+           {"int8", "true",
+            "local: encode and decode with 8-bit integer products (twice the 16-bit ones' per VNNI instruction; "
+            "the fit's target measured with them); false: the 16-bit kernels"},
            {"threads", "1", "OpenMP threads for fit, encode and decode"},
            {"calibration", "", "calibration file from kvcodec calibrate (implies mode=calibrated)"},
            {"rope_theta", "", "RoPE base for calibrated mode (default: the model's)"}}};

@@ -777,6 +777,13 @@ void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
     std::vector<int8_t>().swap(out.recon8_w), std::vector<int32_t>().swap(out.recon8_bias2);
     std::vector<float>().swap(out.recon8_scale);
   }
+  if (out.recon8) {
+    // recon8 takes every decode: the 16-bit tables it was built from would
+    // only be held (a decode loop keeps its heads, counted as resident).
+    out.recon_int = false;
+    std::vector<int16_t>().swap(out.recon_zero2), std::vector<float>().swap(out.recon_scale);
+    std::vector<int16_t>().swap(out.recon_w);
+  }
   const auto proj = [&] {
 #ifdef KVCODEC_KVTC_GEMM
     if (!kPlain && simd_avx2()) return build_proj_int_avx2(p, out, basis.finite);
@@ -1811,7 +1818,7 @@ void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, floa
   if (path == ReconPath::kInteger && !integer)
     throw Error(ErrorCode::kInvalidArgument,
                 "kvtc: the integer reconstruction needs HeadKernels::recon_int (run build_decoders())");
-  const bool eight = integer && recon8_ready(p);
+  const bool eight = recon8_ready(p);
   if (path == ReconPath::kInteger8 && !eight)
     throw Error(ErrorCode::kInvalidArgument,
                 "kvtc: the 8-bit reconstruction needs HeadKernels::recon8 (build with KernelSet::kInt8)");
@@ -1964,7 +1971,7 @@ void quantize_block_int8_reference(const HeadParams& p, const float* x, int64_t 
 }
 
 void dequantize_block_int8_reference(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
-  if (!recon8_ready(p) || !recon_int_ready(p))
+  if (!recon8_ready(p))
     throw Error(ErrorCode::kInvalidArgument, "kvtc: the 8-bit reconstruction needs HeadKernels::recon8");
   std::vector<uint8_t> unused;
   recon8_values(p, codes, n, out, unused, /*plain=*/true);

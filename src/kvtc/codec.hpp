@@ -278,9 +278,10 @@ struct HeadKernels {
   // reconstruction is that of the weights' rounding, |x - exact| <= sum_k
   // |code[k] - zero2[k] / 2| / (2 unit8[d]) (+ float rounding); ~1e-4 of
   // ||x||^2 as a squared error at the 1% target on the head_dim-128 dump, which
-  // the fit measures (CodecOptions::int8_kernels). Only with recon_int, for
-  // lattice heads (no centroids) of K <= 16384; VNNI tiles, AVX2 tiles
-  // and plain loops give the same bits.
+  // the fit measures (CodecOptions::int8_kernels). Built from recon_int's
+  // tables, for lattice heads (no centroids) of K <= 16384, which it then
+  // replaces (recon_int false, its tables released: they would only be
+  // held). VNNI tiles, AVX2 tiles and plain loops give the same bits.
   std::vector<int8_t> recon8_w;       // [ceil(D/8)][Kp4/4][8][4]: W8[k][d] at recon8_w_index(k, d, Kp4 / 4)
   std::vector<int32_t> recon8_bias2;  // [D8]
   std::vector<float> recon8_scale;    // [D8]

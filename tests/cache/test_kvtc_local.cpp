@@ -359,3 +359,37 @@ TEST(KvtcLocal, HeadsDecodeTogetherAsAlone) {
 }
 
 }  // namespace
+
+// Local kvtc codes with the 8-bit kernels by default (docs/kvtc.md "The
+// 8-bit kernels"); int8=false brings back the 16-bit ones. Both meet the
+// preset's target on the fit tokens (the fit measures with the kernels it
+// codes with), their bytes differ, and each decodes what it coded; a bad
+// value, or the field in calibrated mode, is refused by name.
+TEST(KvtcLocal, Int8KernelsAreTheDefaultAndCanBeTurnedOff) {
+  CacheConfig cfg;
+  cfg.n_kv_heads = 2;
+  cfg.head_dim = 64;
+  EXPECT_TRUE(parse_kvtc_settings({}, cfg).codec.int8_kernels);
+  EXPECT_FALSE(parse_kvtc_settings({{"int8", "false"}}, cfg).codec.int8_kernels);
+  const Tensor k = correlated(2, 256, 64, 21), v = correlated(2, 256, 64, 22);
+  std::vector<double> stored;
+  std::vector<KVPair> back;
+  for (const char* int8 : {"true", "false"}) {
+    auto cache = make_cache("kvtc", cfg, {{"int8", int8}, {"min_fit_tokens", "256"}});
+    cache->append(k.view(), v.view());
+    stored.push_back(double(cache->stats().compressed_bytes()));
+    back.push_back(cache->fetch(DType::kF32));
+    EXPECT_LE(rel_mse_f16(k, back.back().keys), kDefaultTargetRelMse) << "int8=" << int8;
+    EXPECT_LE(rel_mse_f16(v, back.back().values), kDefaultTargetRelMse) << "int8=" << int8;
+    EXPECT_GT(rel_mse_f16(k, back.back().keys), 0.5 * kDefaultTargetRelMse) << "int8=" << int8;
+  }
+  EXPECT_NE(std::memcmp(back[0].keys.data(), back[1].keys.data(), size_t(back[0].keys.numel()) * 4), 0);
+  EXPECT_NEAR(stored[0], stored[1], 0.05 * stored[1]);  // the same target, about the same size
+  try {
+    make_cache("kvtc", cfg, {{"int8", "yes"}});
+    ADD_FAILURE() << "int8=yes";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("int8"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parse_kvtc_settings({{"calibration", "/nonexistent.kvcal"}, {"int8", "false"}}, cfg), Error);
+}

@@ -263,7 +263,9 @@ TEST(Recon8, ValuesEqualThePlainReferenceAndStayWithinTheirBound) {
           for (size_t d = 0; d < D; ++d) {
             double exact = p.mean[d], spread = 0;
             for (size_t k = 0; k < K; ++k) {
-              const double c = double(codes[size_t(t) * K + k]) - double(p.derived().recon_zero2[k]) / 2.0;
+              const ComponentQuantizer& q = p.quant[k];
+              const double zero = q.half_offset ? double(q.levels - 1) / 2.0 : double(q.zero);
+              const double c = double(codes[size_t(t) * K + k]) - zero;
               exact += c * double(p.quant[k].step) * double(p.basis[k * D + d]);
               spread += std::fabs(c);
             }
@@ -300,8 +302,10 @@ TEST(Recon8, IsOffWhereItCannotHold) {
   HeadParams wide = base;
   wide.quant[1].levels = 300, wide.quant[1].zero = 150;
   wide.build_kernels(kEncoder8);
-  EXPECT_TRUE(wide.derived().recon_int);
+  EXPECT_TRUE(wide.derived().recon_int);  // the 16-bit reconstruction instead
   EXPECT_FALSE(wide.derived().recon8);
+  EXPECT_FALSE(base.derived().recon_int);  // replaced by recon8, its tables released
+  EXPECT_TRUE(base.derived().recon_w.empty());
   EXPECT_TRUE(refused(wide));
   HeadParams centroid = base;
   centroid.quant[0].centroid = {0.1f, 0.0f, 0.0f};
