@@ -1444,8 +1444,15 @@ struct BlockScratch {
   std::vector<uint16_t> codes2;  // the second block's of a pair (encode_block_pair)
   std::vector<float> a, b, c;
   std::vector<float> basis_t;   // the float projection's operand (transpose_basis)
-  std::vector<float> unfit;     // rows the integer projection does not take [m, D]
-  std::vector<uint16_t> unfit_codes;  // and their codes [m, K]
+  // Rows a projection does not take, gathered [m, D], and their codes by
+  // the next path [m, K] (rows_aside): the 16-bit projection's (for the
+  // float one) and the 8-bit one's (for the 16-bit one, which may set some
+  // aside in turn, hence two).
+  struct RowsAside {
+    std::vector<float> rows;
+    std::vector<uint16_t> codes;
+  };
+  RowsAside unfit, refused8;
   std::vector<float> vals;      // a row's nonzero coefficients (dequantize_sparse)
   std::vector<int32_t> offs;    // and their basis row offsets
   std::vector<int16_t> doubled; // doubled centred codes [n, Kp] (integer reconstruction)
@@ -1456,8 +1463,6 @@ struct BlockScratch {
   std::vector<uint8_t> fits8;   // whether each row takes it [n]
   std::vector<uint32_t> row_of8;  // the block row of each row it takes, gathered [m]
   std::vector<uint8_t> codes8;  // codes as bytes [n, Kp4] (the 8-bit reconstruction)
-  std::vector<float> refused8;  // rows it refused [m, D]
-  std::vector<uint16_t> refused8_codes;  // and their codes [m, K]
 };
 BlockScratch& scratch() {
   thread_local BlockScratch s;
@@ -1639,39 +1644,22 @@ enum class Prescaled { kNo, kInt16, kInt8 };
 void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path,
                       Prescaled prescaled = Prescaled::kNo);
 
-// The codes of the rows that did not fit the integer projection, by the
-// float projection, gathered into one call (a row's codes depend on that
-// row alone, so they are those of the rows one by one).
-void float_rows_unfit(const HeadParams& p, const float* c, int64_t n, const uint8_t* fits, uint16_t* codes) {
+// The codes of the rows a projection did not take (fits[t] false), by
+// `path`, gathered into one call (a row's codes depend on that row alone,
+// so they are those of the rows one by one) through `aside`.
+void rows_aside(const HeadParams& p, const float* c, int64_t n, const uint8_t* fits, uint16_t* codes,
+                QuantPath path, BlockScratch::RowsAside& aside) {
   const size_t D = size_t(p.dim), K = size_t(p.n_kept());
   size_t m = 0;
   for (int64_t t = 0; t < n; ++t) m += !fits[t];
   if (m == 0) return;
-  BlockScratch& s = scratch();
-  s.unfit.resize(m * D);
-  s.unfit_codes.resize(m * K);
+  aside.rows.resize(m * D);
+  aside.codes.resize(m * K);
   for (int64_t t = 0, j = 0; t < n; ++t)
-    if (!fits[t]) std::copy_n(c + size_t(t) * D, D, s.unfit.data() + size_t(j++) * D);
-  quantize_centred(p, s.unfit.data(), int64_t(m), s.unfit_codes.data(), QuantPath::kFloat);
+    if (!fits[t]) std::copy_n(c + size_t(t) * D, D, aside.rows.data() + size_t(j++) * D);
+  quantize_centred(p, aside.rows.data(), int64_t(m), aside.codes.data(), path);
   for (int64_t t = 0, j = 0; t < n; ++t)
-    if (!fits[t]) std::copy_n(s.unfit_codes.data() + size_t(j++) * K, K, codes + size_t(t) * K);
-}
-
-// The codes of the rows the 8-bit projection refused, by the 16-bit one
-// (then the float one), gathered into one call as float_rows_unfit's.
-void refused8_rows(const HeadParams& p, const float* c, int64_t n, const uint8_t* fits, uint16_t* codes) {
-  const size_t D = size_t(p.dim), K = size_t(p.n_kept());
-  size_t m = 0;
-  for (int64_t t = 0; t < n; ++t) m += !fits[t];
-  if (m == 0) return;
-  BlockScratch& s = scratch();
-  s.refused8.resize(m * D);
-  s.refused8_codes.resize(m * K);
-  for (int64_t t = 0, j = 0; t < n; ++t)
-    if (!fits[t]) std::copy_n(c + size_t(t) * D, D, s.refused8.data() + size_t(j++) * D);
-  quantize_centred(p, s.refused8.data(), int64_t(m), s.refused8_codes.data(), QuantPath::kInteger);
-  for (int64_t t = 0, j = 0; t < n; ++t)
-    if (!fits[t]) std::copy_n(s.refused8_codes.data() + size_t(j++) * K, K, codes + size_t(t) * K);
+    if (!fits[t]) std::copy_n(aside.codes.data() + size_t(j++) * K, K, codes + size_t(t) * K);
 }
 
 // Projection and quantisation of centred rows [n, dim] into codes [n, kept]
@@ -1716,7 +1704,8 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
       s.row_of8[j++] = uint32_t(t);
     }
     proj8_codes(p, s.scaled8.data(), s.factor8.data(), int64_t(m), codes, s.row_of8.data());
-    refused8_rows(p, c, n, s.fits8.data(), codes);
+    // The refused rows by the 16-bit projection (then the float one).
+    rows_aside(p, c, n, s.fits8.data(), codes, QuantPath::kInteger, s.refused8);
     return;
   }
   if (integer && path != QuantPath::kFloat) {
@@ -1731,7 +1720,7 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
     else
 #endif
       proj_int_loops(p, s.scaled.data(), n, codes);
-    float_rows_unfit(p, c, n, s.fits.data(), codes);
+    rows_aside(p, c, n, s.fits.data(), codes, QuantPath::kFloat, s.unfit);
     return;
   }
   const size_t K8 = round_up8(K);
@@ -1927,7 +1916,7 @@ void quantize_block_integer_reference(const HeadParams& p, const float* x, int64
       m = std::max(m, std::fabs(v));
       lane[d % 8] = std::fma(v, v, lane[d % 8]);
     }
-    const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    const float ss = lane_square_sum(lane);
     fits[t] = std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= p.derived().proj_max_abs &&
               ss * (sc * sc) <= p.derived().proj_max_sq;
     if (fits[t])
@@ -1954,7 +1943,7 @@ void quantize_block_int8_reference(const HeadParams& p, const float* x, int64_t 
       m = std::max(m, std::fabs(c[d]));
       lane[d % 8] = std::fma(c[d], c[d], lane[d % 8]);
     }
-    const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    const float ss = lane_square_sum(lane);
     if (!proj8_row_fits(m, ss, kern.proj8_gate_m, kern.proj8_gate_ss)) {
       quantize_block_integer_reference(p, x + t * D, 1, codes + t * K);
       continue;
@@ -2135,8 +2124,7 @@ void block_rows_codes(const HeadParams& p, const float* x, int64_t row_stride, i
                                 fuse8 ? &stats : nullptr);
         if (fuse && d == dim) continue;
         if (fuse8 && d == dim) {
-          const float ss = ((stats.lane[0] + stats.lane[4]) + (stats.lane[1] + stats.lane[5])) +
-                           ((stats.lane[2] + stats.lane[6]) + (stats.lane[3] + stats.lane[7]));
+          const float ss = lane_square_sum(stats.lane);
           s.fits8[size_t(t)] = uint8_t(proj8_scale_row(p, c, stats.m, ss, s.scaled8.data() + size_t(t) * Dp4,
                                                        s.factor8[size_t(t)], true));
           continue;

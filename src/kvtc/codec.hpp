@@ -117,8 +117,12 @@ inline size_t proj8_w_index(size_t k, size_t d, size_t dp4) { return ((k / 8) * 
 // Whether a centred row times sc fits the integer projection, from its
 // largest |c| m and its square-sum lanes [8] (lane l: the c[d]^2 of
 // d = l mod 8, summed in order by fmas; a fixed tree adds the lanes).
+// The square sum of a row's lanes [8], by the one fixed tree every path adds them in.
+inline float lane_square_sum(const float* lane) {
+  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
 inline bool scaled_row_fits(float m, const float* lane, float sc, float max_abs, float max_sq) {
-  const float ss = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  const float ss = lane_square_sum(lane);
   return std::fabs(ss) < std::numeric_limits<float>::infinity() && m * sc <= max_abs && ss * (sc * sc) <= max_sq;
 }
 // One code from the integer projection's exact sum: quantize's floor and
@@ -135,7 +139,7 @@ inline float code_offset(const ComponentQuantizer& q) {
 }
 // The 8-bit projection's steps (HeadKernels::proj8), shared by its kernels
 // and the plain loops: whether a centred row takes it, from its largest |c|
-// m and its square sum ss (scaled_row_fits' lanes and tree) ...
+// m and its square sum ss (lane_square_sum of scaled_row_fits' lanes) ...
 inline bool proj8_row_fits(float m, float ss, float gate_m, float gate_ss) {
   return std::fabs(ss) < std::numeric_limits<float>::infinity() && m * m * gate_m + ss * gate_ss <= 1.0f;
 }

@@ -1,5 +1,7 @@
 #include "kvtc/proj8.hpp"
 
+#include "kvtc/int8_tiles.hpp"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -17,7 +19,8 @@ namespace kvcodec::kvtc {
 
 namespace {
 
-size_t round_up8(size_t v) { return (v + 7) / 8 * 8; }
+using int8_tiles::round_even;
+using int8_tiles::round_up8;
 
 // The gates' weight: the added noise stays within (1/4)^2 of a step's.
 constexpr double kGateFraction = 0.25;
@@ -32,13 +35,6 @@ void clear(HeadKernels& out) {
 }  // namespace
 
 namespace {
-
-// round-to-nearest-even of |v| < 2^51 without a libm call (the baseline
-// build has no SSE4.1 round): the same double in every build.
-inline double round_even(double v) {
-  constexpr double kShift = 0x1.8p52;
-  return (v + kShift) - kShift;
-}
 
 // Row k's weights (into dst, row k's first byte in proj8_w's layout) and
 // its terms: |b|^2, |W8 / unit - b|^2, unit and sum_d W8. Four interleaved
@@ -169,10 +165,6 @@ void row_stats_plain(const float* row, size_t D, size_t d, float& m, float* lane
   }
 }
 
-float lane_tree(const float* lane) {
-  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-}
-
 #ifdef KVCODEC_PROJ8_SIMD
 KVCODEC_AVX2_BEGIN
 // The whole chunks of 8 of a row: m and the lanes as row_stats_plain
@@ -258,16 +250,20 @@ void proj8_scale_rows(const HeadParams& p, const float* c, int64_t n, uint8_t* x
     if (simd) d = row_stats_avx2(row, D, m, lane);
 #endif
     row_stats_plain(row, D, d, m, lane);
-    fits[t] = uint8_t(proj8_scale_row(p, row, m, lane_tree(lane), x + size_t(t) * Dp4, factor[t], simd));
+    fits[t] = uint8_t(proj8_scale_row(p, row, m, lane_square_sum(lane), x + size_t(t) * Dp4, factor[t], simd));
   }
 }
 
 namespace {
 
-// The codes' epilogue: per component its bias (VNNI's +128 offset), qscale,
-// offset and largest code, padded to K8; per row its factor.
-struct Epilogue {
-  const int32_t* bias = nullptr;  // null: no offset to take back
+#ifdef KVCODEC_PROJ8_SIMD
+KVCODEC_AVX2_BEGIN
+// The tiles' store (int8_tiles): proj8_code on the 8 sums of row i from
+// component k0, with per component its bias (the VNNI tiles' +128 offset
+// taken back; null for the AVX2 tiles), qscale, offset and largest code,
+// padded to K8, and per row its factor.
+struct StoreCodes {
+  const int32_t* bias = nullptr;
   const float* qscale = nullptr;
   const float* offset = nullptr;
   const float* max_code = nullptr;
@@ -275,115 +271,26 @@ struct Epilogue {
   uint16_t* codes = nullptr;
   size_t K = 0;
   const uint32_t* row_of = nullptr;  // the codes' row of each scaled row (null: the same)
-  size_t out_row(size_t i) const { return row_of ? row_of[i] : i; }
+
+  void operator()(size_t i, size_t k0, __m256i acc) const {
+    if (k0 >= K) return;
+    if (bias) acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + k0)));
+    const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(factor[i]));
+    __m256 y = _mm256_fmadd_ps(a, _mm256_loadu_ps(qscale + k0), _mm256_loadu_ps(offset + k0));
+    y = _mm256_min_ps(_mm256_loadu_ps(max_code + k0), y);
+    const __m256i i32 = _mm256_cvttps_epi32(y);
+    const __m128i u16 = _mm_packus_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+    uint16_t* out = codes + (row_of ? row_of[i] : i) * K + k0;
+    if (k0 + 8 <= K) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), u16);
+    } else {
+      alignas(16) uint16_t tmp[8];  // the row's last, partial group
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp), u16);
+      std::memcpy(out, tmp, (K - k0) * sizeof(uint16_t));
+    }
+  }
 };
-
-#ifdef KVCODEC_PROJ8_SIMD
-KVCODEC_AVX2_BEGIN
-// proj8_code on 8 sums of row i from component k0.
-inline void store_codes8(const Epilogue& e, size_t i, size_t k0, __m256i acc) {
-  if (k0 >= e.K) return;
-  if (e.bias) acc = _mm256_add_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.bias + k0)));
-  const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(e.factor[i]));
-  __m256 y = _mm256_fmadd_ps(a, _mm256_loadu_ps(e.qscale + k0), _mm256_loadu_ps(e.offset + k0));
-  y = _mm256_min_ps(_mm256_loadu_ps(e.max_code + k0), y);
-  const __m256i i32 = _mm256_cvttps_epi32(y);
-  const __m128i u16 = _mm_packus_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
-  uint16_t* out = e.codes + e.out_row(i) * e.K + k0;
-  if (k0 + 8 <= e.K) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), u16);
-  } else {
-    alignas(16) uint16_t tmp[8];  // the row's last, partial group
-    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), u16);
-    std::memcpy(out, tmp, (e.K - k0) * sizeof(uint16_t));
-  }
-}
-
-// R rows x NV blocks of 8 components by vpmaddubsw: |x| times W8 with x's
-// sign (pairs of products below 2 * 127 * 127: no saturation), then the
-// pairs summed into int32 by vpmaddwd.
-template <int R, int NV>
-inline void avx2_tile(const uint8_t* X, size_t ldx, const int8_t* W, size_t block_stride, size_t dp4,
-                      const Epilogue& e, size_t row, size_t col) {
-  __m256i acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i sign = _mm256_set1_epi8(char(0x80));
-  for (size_t j = 0; j < dp4; ++j) {
-    __m256i w[NV];
-    for (int v = 0; v < NV; ++v)
-      w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + size_t(v) * block_stride + j * 32));
-    for (int r = 0; r < R; ++r) {
-      int32_t quad;
-      std::memcpy(&quad, X + size_t(r) * ldx + 4 * j, sizeof quad);
-      const __m256i a = _mm256_xor_si256(_mm256_set1_epi32(quad), sign);  // x from x + 128
-      const __m256i abs_a = _mm256_abs_epi8(a);
-      for (int v = 0; v < NV; ++v) {
-        const __m256i pairs = _mm256_maddubs_epi16(abs_a, _mm256_sign_epi8(w[v], a));
-        acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store_codes8(e, row + size_t(r), col + 8 * size_t(v), acc[r][v]);
-}
-
-template <int NV>
-void avx2_panel(const uint8_t* x, size_t ldx, const int8_t* W, size_t block_stride, size_t dp4, size_t n,
-                const Epilogue& e, size_t col) {
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) avx2_tile<4, NV>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
-  for (; i < n; ++i) avx2_tile<1, NV>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
-}
 KVCODEC_AVX2_END
-
-KVCODEC_VNNI_BEGIN
-// R rows x NV blocks of 8 components by vpdpbusd (u8 x s8, 4 products into
-// each int32 lane: 32 per instruction) on the u8 rows x + 128; the epilogue
-// takes 128 * sum_d W8 back (proj8_bias). EVEX registers: at 4 x 4, 16
-// accumulators, 4 weight vectors and the broadcast.
-template <int R, int NV>
-inline void vnni_tile(const uint8_t* X, size_t ldx, const int8_t* W, size_t block_stride, size_t dp4,
-                      const Epilogue& e, size_t row, size_t col) {
-  __m256i acc[R][NV];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-  for (size_t j = 0; j < dp4; ++j) {
-    __m256i w[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + size_t(v) * block_stride + j * 32));
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      int32_t quad;
-      std::memcpy(&quad, X + size_t(r) * ldx + 4 * j, sizeof quad);
-      const __m256i a = _mm256_set1_epi32(quad);  // a broadcast load: no shuffle port
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc[r][v]) : "v"(a), "v"(w[v]));
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) store_codes8(e, row + size_t(r), col + 8 * size_t(v), acc[r][v]);
-}
-
-template <int NV>
-void vnni_panel(const uint8_t* x, size_t ldx, const int8_t* W, size_t block_stride, size_t dp4, size_t n,
-                const Epilogue& e, size_t col) {
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) vnni_tile<4, NV>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
-  if (i + 2 <= n) {
-    vnni_tile<2, NV>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
-    i += 2;
-  }
-  for (; i < n; ++i) vnni_tile<1, NV>(x + i * ldx, ldx, W, block_stride, dp4, e, i, col);
-}
-KVCODEC_VNNI_END
 #endif
 
 }  // namespace
@@ -401,22 +308,16 @@ void proj8_codes(const HeadParams& p, const uint8_t* x, const float* factor, int
   }
 #ifdef KVCODEC_PROJ8_SIMD
   if (!plain && simd_avx2()) {
-    Epilogue e{nullptr, kern.proj8_qscale.data(), offset.data(), max_code.data(), factor, codes, K, row_of};
-    const int8_t* w = kern.proj8_w.data();
-    const size_t block_stride = dp4 * 32;
-    size_t col = 0;
-    if (simd_vnni()) {
-      // Panels up to K8, the blocks proj8_w holds (pad columns are zero
-      // weights; store_codes8 drops codes from K on).
-      e.bias = kern.proj8_bias.data();
-      const auto at = [&](size_t c) { return w + (c / 8) * block_stride; };
-      for (; col + 32 <= K8; col += 32) vnni_panel<4>(x, Dp4, at(col), block_stride, dp4, rows, e, col);
-      if (col + 16 <= K8) vnni_panel<2>(x, Dp4, at(col), block_stride, dp4, rows, e, col), col += 16;
-      if (col < K8) vnni_panel<1>(x, Dp4, at(col), block_stride, dp4, rows, e, col);
-      return;
-    }
-    for (; col + 16 <= K8; col += 16) avx2_panel<2>(x, Dp4, w + (col / 8) * block_stride, block_stride, dp4, rows, e, col);
-    if (col < K8) avx2_panel<1>(x, Dp4, w + (col / 8) * block_stride, block_stride, dp4, rows, e, col);
+    // The VNNI tiles multiply x + 128 and take 128 sum_d W8 back (the bias);
+    // the AVX2 ones multiply x. Panels up to K8, the blocks proj8_w holds
+    // (pad columns are zero weights; the store drops codes from K on).
+    const bool vnni = simd_vnni();
+    const StoreCodes store{vnni ? kern.proj8_bias.data() : nullptr, kern.proj8_qscale.data(), offset.data(),
+                           max_code.data(), factor, codes, K, row_of};
+    if (vnni)
+      int8_tiles::vnni_products(x, Dp4, kern.proj8_w.data(), dp4 * 32, dp4, rows, K8, store);
+    else
+      int8_tiles::avx2_products(x, Dp4, kern.proj8_w.data(), dp4 * 32, dp4, rows, K8, store);
     return;
   }
 #endif
