@@ -29,6 +29,13 @@ void decode_codes(const HeadParams& p, const uint8_t* data, size_t size, int64_t
 // kvtc's encode). Callers look for the offending code only when it is set.
 bool any_code_past_levels(const HeadParams& p, const uint16_t* codes, int64_t n);
 
+// Whether p's entropy coder bounds the codes by itself: rANS or Huffman
+// with no table's alphabet larger than its quantizer's levels (never after
+// fit_head / deserialize). Their encoders reject a symbol outside the
+// alphabet and their decoders return none, so no code past the levels gets
+// through; fixed-width codes need any_code_past_levels.
+bool coder_bounds_codes(const HeadParams& p);
+
 // The coder switch alone, shared with kvtc::encode_block / decode_block
 // (which do their own range handling): no check of the codes against the
 // quantizers' levels (the coders still reject symbols outside their tables

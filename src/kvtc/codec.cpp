@@ -2192,20 +2192,12 @@ const std::vector<const entropy::RansDecodeTable*>& rans_decode_tables(const Hea
 
 // After entropy decoding: range check where needed, then reconstruction.
 void finish_block(const HeadParams& p, const uint16_t* codes, int64_t n, float* out) {
-  const int kept = p.n_kept();
   // A decoder may hand back a code past a component's levels on corrupt input
   // only if its table allowed it; reject so reconstruction stays in range.
   // (any_code_past_levels: one flag over the block, not a branch per code.)
-  // rANS and Huffman only return symbols of their tables' alphabets, so the
-  // per-code check is needed only when a table is larger than its
-  // quantizer (never after fit_head/deserialize) or for fixed-width codes.
-  bool check = p.coder != CoderChoice::kRans && p.coder != CoderChoice::kHuffman;
-  for (int k = 0; k < kept && !check; ++k) {
-    const uint32_t alphabet = p.coder == CoderChoice::kRans ? p.rans_tables[size_t(k)].alphabet_size
-                                                            : p.huffman_tables[size_t(k)].alphabet_size;
-    check = alphabet > p.quant[size_t(k)].levels;
-  }
-  if (check && any_code_past_levels(p, codes, n)) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
+  // (coder_bounds_codes: rANS and Huffman only return symbols of their
+  // tables' alphabets.)
+  if (!coder_bounds_codes(p) && any_code_past_levels(p, codes, n)) throw Error(ErrorCode::kFormat, "kvtc block: code out of range");
   dequantize_block(p, codes, n, out);
 }
 
