@@ -123,7 +123,28 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
   int64_t encoded_tokens() const override { return encoded_; }
   void cut_raw(int64_t count) override;
   void uncode_newest_block() override;
-  void encode_ready_blocks();
+  // An append's tokens, read where they are coded straight from the
+  // caller's rows rather than through the raw tail: positions
+  // [first, first + tokens) of keys / values [B, H, tokens, D].
+  struct NewTokens {
+    const TensorView& keys;
+    const TensorView& values;
+    int64_t first;
+    int64_t tokens;
+  };
+  // Codes the tokens that have left the window; `input` (nullptr: all are
+  // in the raw tails) holds the newest, which go to the tails only if they
+  // stay raw.
+  void encode_ready_blocks(const NewTokens* input);
+  // Rows x [m, V] (f32, rounded through raw_dtype_: the bits the raw tail
+  // gives) of positions [position, position + m) of batch row b: those
+  // before the input's from the tail, at its index raw_at; the rest from
+  // the input's rows, through `scratch`.
+  void gather_rows(bool is_key, int64_t b, int64_t position, int64_t m, int64_t raw_at, const NewTokens* input,
+                   std::vector<uint16_t>& scratch, float* x) const;
+  // Input tokens [from, to) (positions) of every batch row to the end of
+  // the raw tails; the caller has reserved their room (no allocation).
+  void input_to_raw(const NewTokens& input, int64_t from, int64_t to);
   // The tokens the next coding step of encode_ready_blocks takes when
   // `coded` tokens are coded and the newest block holds `held` of them
   // (0: a new block); 0 when none is ready.
@@ -171,29 +192,61 @@ void CalibratedKvtcCache::append(const TensorView& keys, const TensorView& value
   }
   const int64_t S = keys.shape[2];
   if (S == 0) return;
+  const NewTokens input{keys, values, offset_, S};
+  // The tokens this append codes are read from its rows (rounded to the raw
+  // dtype as the tail would hold them: the same codes and bytes), not
+  // written to the tail, read back and cut. Only rows that head_rows_to_raw
+  // converts without a buffer of its own, so that the tails' write after
+  // the coding (also on a throw) cannot fail: its room is reserved here.
+  const auto direct_rows = [&](const TensorView& t) {
+    return (t.strides[3] == 1 || t.shape[3] == 1) && (t.dtype == DType::kF32 || t.dtype == raw_dtype_);
+  };
+  const bool direct = direct_rows(keys) && direct_rows(values);
+  const int64_t V = vdim();
+  for (Stream* stream : {&key_, &value_})
+    for (auto& raw : stream->raw) grow_by_eighths(raw, raw.size() + size_t(S * V));
+  if (!direct) input_to_raw(input, input.first, input.first + S);
+  offset_ += S;
+  cover_positions(offset_);
+  encode_ready_blocks(direct ? &input : nullptr);
+}
+
+void CalibratedKvtcCache::input_to_raw(const NewTokens& input, int64_t from, int64_t to) {
+  if (from >= to) return;
   const int64_t H = config_.n_kv_heads, D = config_.head_dim;
   for (Stream* stream : {&key_, &value_}) {
-    const TensorView& src = stream == &key_ ? keys : values;
+    const TensorView& src = stream == &key_ ? input.keys : input.values;
     for (int64_t b = 0; b < batch_; ++b) {
       auto& raw = stream->raw[size_t(b)];
       const size_t base = raw.size();
-      grow_by_eighths(raw, base + size_t(S * H * D));
-      raw.resize(base + size_t(S * H * D));
+      raw.resize(base + size_t((to - from) * H * D));
       // [h][s][d] -> token-major [s][h][d]
       for (int64_t h = 0; h < H; ++h)
-        head_rows_to_raw(src, b, h, 0, S, raw.data() + base + size_t(h * D), size_t(H * D));
+        head_rows_to_raw(src, b, h, from - input.first, to - from, raw.data() + base + size_t(h * D), size_t(H * D));
     }
   }
-  offset_ += S;
-  cover_positions(offset_);
-  encode_ready_blocks();
 }
 
-void CalibratedKvtcCache::encode_ready_blocks() {
+void CalibratedKvtcCache::gather_rows(bool is_key, int64_t b, int64_t position, int64_t m, int64_t raw_at,
+                                      const NewTokens* input, std::vector<uint16_t>& scratch, float* x) const {
+  const int64_t V = vdim(), D = config_.head_dim;
+  const int64_t from_tail = input ? std::clamp<int64_t>(input->first - position, 0, m) : m;
+  const auto& raw = (is_key ? key_ : value_).raw[size_t(b)];
+  if (from_tail > 0) kvtc::raw_to_f32(raw.data() + size_t(raw_at * V), raw_dtype_, x, size_t(from_tail * V));
+  if (from_tail == m) return;
+  const TensorView& src = is_key ? input->keys : input->values;
+  const int64_t n = m - from_tail, first = position + from_tail - input->first;
+  scratch.resize(size_t(n * V));
+  for (int64_t h = 0; h < config_.n_kv_heads; ++h)
+    head_rows_to_raw(src, b, h, first, n, scratch.data() + size_t(h * D), size_t(V));
+  kvtc::raw_to_f32(scratch.data(), raw_dtype_, x + from_tail * V, size_t(n * V));
+}
+
+void CalibratedKvtcCache::encode_ready_blocks(const NewTokens* input) {
   const int64_t V = vdim();
   const bool refining = options_.refine > 0;
   std::vector<float> x, recon;
-  std::vector<uint16_t> fresh;
+  std::vector<uint16_t> fresh, in_rows;
   // A token leaves the raw tail once `window` newer tokens follow it (and,
   // with whole_blocks, a whole block of such tokens is there), into the
   // newest block: its codes are appended to the block's payload, so no
@@ -211,21 +264,34 @@ void CalibratedKvtcCache::encode_ready_blocks() {
     coded_at_end += m;
     held = held + m == options_.block ? 0 : held + m;
   }
-  // Tokens coded by this call, still in the raw tails after the sinks: cut
-  // once after the loop (cutting each step's tokens moved the whole tail per
-  // block, quadratic in a long prefill's length), and on a throw, so that
-  // the tails always match encoded_.
-  struct TakenTokens {
+  // Settles the raw tails once after the loop, and on a throw, so that they
+  // always match encoded_: the tokens this call coded from them are cut
+  // (cutting each step's tokens moved the whole tail per block, quadratic
+  // in a long prefill's length), then the input's tokens that stay raw
+  // (sinks, and those past the coded ones) are written (room reserved by
+  // append: no allocation, so no throw).
+  const int64_t sinks_held = input ? std::min<int64_t>(options_.sinks, input->first) : sink_tokens();
+  struct Tails {
     CalibratedKvtcCache& cache;
-    int64_t n = 0;
-    void cut() {
-      const int64_t sinks = cache.sink_tokens(), V = cache.vdim();
+    const NewTokens* input;
+    int64_t sinks_held;
+    int64_t tail_held;  // raw tokens past the sinks before the call
+    int64_t n = 0;      // tokens coded by this call
+    bool settled = false;
+    void settle() {
+      if (settled) return;
+      settled = true;
+      const int64_t V = cache.vdim(), cut = std::min(n, tail_held);
       for (Stream* stream : {&cache.key_, &cache.value_})
-        for (auto& raw : stream->raw) raw.erase(raw.begin() + sinks * V, raw.begin() + (sinks + n) * V);
-      n = 0;
+        for (auto& raw : stream->raw)
+          raw.erase(raw.begin() + sinks_held * V, raw.begin() + (sinks_held + cut) * V);
+      if (!input) return;
+      const int64_t sinks = cache.options_.sinks, end = input->first + input->tokens;
+      cache.input_to_raw(*input, input->first, std::min(end, sinks));
+      cache.input_to_raw(*input, std::max(input->first, sinks + cache.encoded_), end);
     }
-    ~TakenTokens() { cut(); }
-  } taken{*this};
+    ~Tails() { settle(); }
+  } taken{*this, input, sinks_held, int64_t(key_.raw.empty() ? 0 : key_.raw[0].size() / size_t(V)) - sinks_held};
   for (;;) {
     const bool grow = !key_.blocks.empty() && key_.blocks.back().tokens < options_.block;
     const int64_t held = grow ? key_.blocks.back().tokens : 0;
@@ -281,8 +347,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
       Block& blk = stream->blocks.back();
       x.resize(size_t(m * V));
       for (int64_t b = 0; b < batch_; ++b) {
-        const auto& raw = stream->raw[size_t(b)];
-        kvtc::raw_to_f32(raw.data() + size_t((sinks + taken.n) * V), raw_dtype_, x.data(), size_t(m * V));
+        gather_rows(is_key, b, first_position, m, sinks_held + taken.n, input, in_rows, x.data());
         if (is_key) rope_->rotate(x.data(), m, V, config_.n_kv_heads, first_position, /*inverse=*/true);
         if (const float* w = scale(is_key))
           for (int64_t t = 0; t < m; ++t)
@@ -319,7 +384,7 @@ void CalibratedKvtcCache::encode_ready_blocks() {
     taken.n += m;
     drop_aged_refinement();
   }
-  taken.cut();
+  taken.settle();
   // The tail now holds the sinks and the window (and, with whole_blocks, up
   // to a block more): held within an eighth of what it regrows to, not the
   // 2x slack of the loop's shrink (with the shipped settings the raw vectors
