@@ -713,7 +713,7 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
     if (!path || path->empty()) r.fail("calibration", "a calibration file path (required by mode=calibrated)");
     s.calibration = *path;
     for (const char* f : {"bit_budget", "bit_choices", "beta", "allocator", "target_ratio", "min_fit_tokens",
-                          "coder", "basis_bits", "int8"})
+                          "coder", "basis_bits"})
       if (r.find(f)) r.fail(f, "unset in calibrated mode (fixed by the calibration file: pass it to kvcodec calibrate)");
     s.rope_theta = r.get_double("rope_theta", config.rope_theta, 0.0, 1e12, /*lo_open=*/true);
     s.block = int(r.get_int("block", 64, 1, 1 << 16));
@@ -722,6 +722,7 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
     s.refine = int(r.get_int("refine", 0, 0, 1 << 24));
     s.whole_blocks = r.get_choice("whole_blocks", "false", {"false", "true"}) == "true";
     s.threads = int(r.get_int("threads", 1, 1, 256));
+    s.codec.int8_kernels = r.get_choice("int8", "true", {"true", "false"}) == "true";
     return s;
   }
   if (r.find("rope_theta")) r.fail("rope_theta", "unset (only calibrated mode uses it)");
@@ -808,7 +809,7 @@ MethodInfo kvtc_method_info() {
            {"basis_bits", "8", "16: f16 basis rows; 8: int8 rows with an f16 scale (default 8 in the preset, 16 otherwise)"},
            {"int8", "true",
             "local: encode and decode with 8-bit integer products (twice the 16-bit ones' per VNNI instruction; "
-            "the fit's target measured with them); false: the 16-bit kernels"},
+            "the fit's target measured with them); calibrated: encode with them; false: the 16-bit kernels"},
            {"threads", "1", "OpenMP threads for fit, encode and decode"},
            {"calibration", "", "calibration file from kvcodec calibrate (implies mode=calibrated)"},
            {"rope_theta", "", "RoPE base for calibrated mode (default: the model's)"}}};

@@ -118,6 +118,12 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
   const kvtc::HeadParams& refine_params(bool is_key) const {
     return (is_key ? calibration_->key_refine : calibration_->value_refine)[size_t(config_.layer)];
   }
+  // kvtc.int8: the calibration's 8-bit projection (KernelSet::kProj8) for
+  // the rows its gate takes, else the 16-bit one (where p has it: without
+  // it, neither is built and kAuto is the float projection).
+  kvtc::QuantPath projection(const kvtc::HeadParams& p) const {
+    return options_.codec.int8_kernels || !p.derived().proj_int ? kvtc::QuantPath::kAuto : kvtc::QuantPath::kInteger;
+  }
   void append_refinement(RefineGroup& g, bool is_key, int64_t b, const float* residual, int64_t m, bool closes);
   void drop_aged_refinement();
   int64_t encoded_tokens() const override { return encoded_; }
@@ -139,9 +145,9 @@ class CalibratedKvtcCache final : public cache_impl::KvtcCacheBase {
   // Rows x [m, V] (f32, rounded through raw_dtype_: the bits the raw tail
   // gives) of positions [position, position + m) of batch row b: those
   // before the input's from the tail, at its index raw_at; the rest from
-  // the input's rows, through `scratch`.
+  // the input's rows (f32 or raw_dtype_, rows contiguous: append's check).
   void gather_rows(bool is_key, int64_t b, int64_t position, int64_t m, int64_t raw_at, const NewTokens* input,
-                   std::vector<uint16_t>& scratch, float* x) const;
+                   float* x) const;
   // Input tokens [from, to) (positions) of every batch row to the end of
   // the raw tails; the caller has reserved their room (no allocation).
   void input_to_raw(const NewTokens& input, int64_t from, int64_t to);
@@ -228,25 +234,34 @@ void CalibratedKvtcCache::input_to_raw(const NewTokens& input, int64_t from, int
 }
 
 void CalibratedKvtcCache::gather_rows(bool is_key, int64_t b, int64_t position, int64_t m, int64_t raw_at,
-                                      const NewTokens* input, std::vector<uint16_t>& scratch, float* x) const {
+                                      const NewTokens* input, float* x) const {
   const int64_t V = vdim(), D = config_.head_dim;
   const int64_t from_tail = input ? std::clamp<int64_t>(input->first - position, 0, m) : m;
   const auto& raw = (is_key ? key_ : value_).raw[size_t(b)];
   if (from_tail > 0) kvtc::raw_to_f32(raw.data() + size_t(raw_at * V), raw_dtype_, x, size_t(from_tail * V));
   if (from_tail == m) return;
+  // [h][s][d] -> token-major [s][h][d], each row rounded to the raw dtype
+  // in registers (f32 input) or widened from it.
   const TensorView& src = is_key ? input->keys : input->values;
-  const int64_t n = m - from_tail, first = position + from_tail - input->first;
-  scratch.resize(size_t(n * V));
-  for (int64_t h = 0; h < config_.n_kv_heads; ++h)
-    head_rows_to_raw(src, b, h, first, n, scratch.data() + size_t(h * D), size_t(V));
-  kvtc::raw_to_f32(scratch.data(), raw_dtype_, x + from_tail * V, size_t(n * V));
+  const int64_t esize = int64_t(dtype_size(src.dtype)), row_bytes = src.strides[2] * esize;
+  for (int64_t h = 0; h < config_.n_kv_heads; ++h) {
+    const auto* row = static_cast<const uint8_t*>(src.data) + (b * src.strides[0] + h * src.strides[1]) * esize +
+                      (position + from_tail - input->first) * row_bytes;
+    for (int64_t t = from_tail; t < m; ++t, row += row_bytes) {
+      float* dst = x + t * V + h * D;
+      if (src.dtype == DType::kF32)
+        kvtc::round_through_raw(reinterpret_cast<const float*>(row), raw_dtype_, dst, size_t(D));
+      else
+        kvtc::raw_to_f32(reinterpret_cast<const uint16_t*>(row), raw_dtype_, dst, size_t(D));
+    }
+  }
 }
 
 void CalibratedKvtcCache::encode_ready_blocks(const NewTokens* input) {
   const int64_t V = vdim();
   const bool refining = options_.refine > 0;
   std::vector<float> x, recon;
-  std::vector<uint16_t> fresh, in_rows;
+  std::vector<uint16_t> fresh;
   // A token leaves the raw tail once `window` newer tokens follow it (and,
   // with whole_blocks, a whole block of such tokens is there), into the
   // newest block: its codes are appended to the block's payload, so no
@@ -347,13 +362,13 @@ void CalibratedKvtcCache::encode_ready_blocks(const NewTokens* input) {
       Block& blk = stream->blocks.back();
       x.resize(size_t(m * V));
       for (int64_t b = 0; b < batch_; ++b) {
-        gather_rows(is_key, b, first_position, m, sinks_held + taken.n, input, in_rows, x.data());
+        gather_rows(is_key, b, first_position, m, sinks_held + taken.n, input, x.data());
         if (is_key) rope_->rotate(x.data(), m, V, config_.n_kv_heads, first_position, /*inverse=*/true);
         if (const float* w = scale(is_key))
           for (int64_t t = 0; t < m; ++t)
             for (int64_t d = 0; d < V; ++d) x[size_t(t * V + d)] *= w[d];
         fresh.resize(size_t(m) * K);
-        kvtc::quantize_block(p, x.data(), m, fresh.data());
+        kvtc::quantize_block_path(p, x.data(), m, fresh.data(), projection(p));
         coded_symbols_ += cache_impl::grow_block_payload(p, blk.payload[size_t(b)], held, fresh.data(), m, block_closes);
         if (refining && any_kept) {
           // The residual after the base reconstruction the reader will see.
@@ -409,7 +424,7 @@ void CalibratedKvtcCache::append_refinement(RefineGroup& g, bool is_key, int64_t
                                             int64_t m, bool closes) {
   const kvtc::HeadParams& rp = refine_params(is_key);
   std::vector<uint16_t> codes(size_t(m) * size_t(rp.n_kept()));
-  kvtc::quantize_block(rp, residual, m, codes.data());
+  kvtc::quantize_block_path(rp, residual, m, codes.data(), projection(rp));
   coded_symbols_ +=
       cache_impl::grow_block_payload(rp, g.codes.payload[size_t(b)], g.codes.tokens, codes.data(), m, closes);
 }

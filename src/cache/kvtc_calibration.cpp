@@ -102,7 +102,9 @@ KvtcCalibration KvtcCalibration::parse(const uint8_t* data, size_t size, const s
     ByteReader in(r.section(name), "calibration " + name);
     kvtc::HeadParams p;
     try {
-      p = kvtc::HeadParams::deserialize(in, dim, kvtc::KernelSet::kHeld);  // held by every cache using it
+      // Held by every cache using it; the 8-bit projection for the caches'
+      // encoders that take it (kvtc.int8).
+      p = kvtc::HeadParams::deserialize(in, dim, kvtc::KernelSet::kHeld | kvtc::KernelSet::kProj8);
     } catch (const Error& e) {
       throw Error(e.code(), "calibration " + label + ", section " + name + ": " + e.what());
     }

@@ -798,7 +798,7 @@ void build_kernels(const HeadParams& p, KernelSet which, HeadKernels& out) {
   }
   // The 8-bit projection where asked for (build_proj8 clears its tables
   // when it fails; a reused kernel object drops earlier ones here).
-  const bool want8 = out.proj_int && (uint8_t(which) & uint8_t(KernelSet::kInt8));
+  const bool want8 = out.proj_int && (uint8_t(which) & uint8_t(KernelSet::kInt8 | KernelSet::kProj8));
   out.proj8 = want8 && build_proj8(p, out, kPlain);
   if (!want8) {
     std::vector<int8_t>().swap(out.proj8_w), std::vector<int32_t>().swap(out.proj8_bias);
@@ -1679,7 +1679,7 @@ void quantize_centred(const HeadParams& p, const float* c, int64_t n, uint16_t* 
   const bool eight = integer && proj8_ready(p);
   if (path == QuantPath::kInteger8 && !eight)
     throw Error(ErrorCode::kInvalidArgument,
-                "kvtc: the 8-bit projection needs HeadKernels::proj8 (build with KernelSet::kInt8)");
+                "kvtc: the 8-bit projection needs HeadKernels::proj8 (build with KernelSet::kInt8 or kProj8)");
   if (eight && (path == QuantPath::kAuto || path == QuantPath::kInteger8)) {
     const size_t Dp4 = proj8_row_len(size_t(dim));
     if (prescaled != Prescaled::kInt8) {

@@ -96,9 +96,12 @@ int centroid_class(double m);
 // kInt8, added to a set: the 8-bit kernels as well (with kEncode the
 // projection, HeadKernels::proj8; with kDecode the reconstruction,
 // HeadKernels::recon8), which quantize_block and dequantize_block then
-// prefer. The local kvtc cache opts in; the calibrated caches do not (the
-// GPU reproduces their codes and values with the 16-bit kernels).
-enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3, kHeld = 7, kInt8 = 8 };
+// prefer. The local kvtc cache opts in.
+// kProj8, added to a set: the 8-bit projection alone (no recon8). The
+// calibrations hold it (KvtcCalibration::parse): the calibrated caches
+// encode with it (their kvtc.int8) and decode with the 16-bit kernels, the
+// values the GPU format's decoder reproduces.
+enum class KernelSet : uint8_t { kNone = 0, kDecode = 1, kEncode = 2, kBoth = 3, kHeld = 7, kInt8 = 8, kProj8 = 16 };
 constexpr KernelSet operator|(KernelSet a, KernelSet b) { return KernelSet(uint8_t(a) | uint8_t(b)); }
 
 struct HeadParams;

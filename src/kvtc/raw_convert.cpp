@@ -66,6 +66,20 @@ size_t f32_to_f16_avx2(const float* src, uint16_t* dst, size_t n) {
   }
   return i;
 }
+
+// The same for round_through_raw's f16 loop: both conversions in registers.
+size_t round_through_f16_avx2(const float* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(src + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+      for (size_t j = i; j < i + 8; ++j) dst[j] = f16_to_f32(f32_to_f16(src[j]));
+      continue;
+    }
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  }
+  return i;
+}
 KVCODEC_AVX2_END
 #endif
 
@@ -100,6 +114,22 @@ void f32_to_raw(const float* src, uint16_t* dst, DType raw, size_t n) {
   if (simd_avx2()) i = f32_to_f16_avx2(src, dst, n);
 #endif
   for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+}
+
+void round_through_raw(const float* src, DType raw, float* dst, size_t n) {
+  if (raw == DType::kBF16) {
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t u = uint32_t(bf16_round(src[i])) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+    return;
+  }
+  if (raw != DType::kF16) bad_raw(raw);
+  size_t i = 0;
+#ifdef KVCODEC_RAW_SIMD
+  if (simd_avx2()) i = round_through_f16_avx2(src, dst, n);
+#endif
+  for (; i < n; ++i) dst[i] = f16_to_f32(f32_to_f16(src[i]));
 }
 
 }  // namespace kvcodec::kvtc

@@ -17,6 +17,10 @@ namespace kvcodec::kvtc {
 void raw_to_f32(const uint16_t* src, DType raw, float* dst, size_t n);
 void f32_to_raw(const float* src, uint16_t* dst, DType raw, size_t n);
 
+// raw_to_f32(f32_to_raw(src)) without the raw buffer: src [n] rounded to
+// the raw dtype's values, as f32 (the same bits).
+void round_through_raw(const float* src, DType raw, float* dst, size_t n);
+
 // Whether the SIMD path is compiled in (for the tests' report).
 bool raw_convert_has_simd();
 

@@ -364,7 +364,7 @@ TEST(KvtcLocal, HeadsDecodeTogetherAsAlone) {
 // 8-bit kernels"); int8=false brings back the 16-bit ones. Both meet the
 // preset's target on the fit tokens (the fit measures with the kernels it
 // codes with), their bytes differ, and each decodes what it coded; a bad
-// value, or the field in calibrated mode, is refused by name.
+// value is refused by name; calibrated mode reads the field too.
 TEST(KvtcLocal, Int8KernelsAreTheDefaultAndCanBeTurnedOff) {
   CacheConfig cfg;
   cfg.n_kv_heads = 2;
@@ -391,5 +391,8 @@ TEST(KvtcLocal, Int8KernelsAreTheDefaultAndCanBeTurnedOff) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("int8"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(parse_kvtc_settings({{"calibration", "/nonexistent.kvcal"}, {"int8", "false"}}, cfg), Error);
+  // Calibrated mode takes it too (its encoder's projection), true by default.
+  EXPECT_FALSE(parse_kvtc_settings({{"calibration", "/nonexistent.kvcal"}, {"int8", "false"}}, cfg).codec.int8_kernels);
+  EXPECT_TRUE(parse_kvtc_settings({{"calibration", "/nonexistent.kvcal"}}, cfg).codec.int8_kernels);
+  EXPECT_THROW(parse_kvtc_settings({{"calibration", "/nonexistent.kvcal"}, {"int8", "no"}}, cfg), Error);
 }

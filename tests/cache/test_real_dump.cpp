@@ -84,4 +84,55 @@ TEST(RealDump, MethodsOnTinycodeLayers) {
   }
 }
 
+// Calibrated kvtc's 8-bit projection (kvtc.int8, the default) against the
+// 16-bit one on the dump with the shipped calibration (no refinement, so
+// the base codes alone): it takes most rows (the bytes differ) and adds at
+// most its gate's share, 1/16 of each kept component's quantisation noise,
+// to the error; the sizes stay within 1%.
+TEST(RealDump, CalibratedInt8ProjectionAddsWithinItsGate) {
+  const std::string path = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << "no KV dump at " << path << " (shared folder absent)";
+  const SafetensorsFile f = SafetensorsFile::open(path);
+  const std::string calibration = std::string(KVCODEC_SOURCE_DIR) + "/models/tinycode/kvtc.kvcal";
+  double err[2][2] = {}, energy[2] = {}, stored[2] = {};
+  int layers_differ = 0;
+  for (int layer = 0; layer < 6; ++layer) {
+    const TensorView k = f.view4("layers." + std::to_string(layer) + ".key");
+    const TensorView v = f.view4("layers." + std::to_string(layer) + ".value");
+    CacheConfig cfg;
+    cfg.layer = layer;
+    cfg.n_layers = 6;
+    cfg.n_kv_heads = int(k.heads());
+    cfg.head_dim = int(k.head_dim());
+    std::vector<uint8_t> saved[2];
+    for (const int int8 : {0, 1}) {
+      auto cache = make_cache("kvtc", cfg,
+                              {{"calibration", calibration}, {"sinks", "4"}, {"window", "8"},
+                               {"int8", int8 ? "true" : "false"}});
+      cache->append(k, v);
+      const KVPair out = cache->fetch(DType::kF32);
+      for (const bool is_key : {true, false}) {
+        const double r = rel_mse(is_key ? k : v, is_key ? out.keys : out.values);
+        const Tensor ref = Tensor::from_view(is_key ? k : v, DType::kF32);
+        double e = 0;
+        for (int64_t i = 0; i < ref.numel(); ++i) e += double(ref.data_as<float>()[i]) * ref.data_as<float>()[i];
+        err[int8][is_key] += r * e;
+        if (int8) energy[is_key] += e;
+      }
+      stored[int8] += double(cache->stats().compressed_bytes());
+      saved[int8] = cache->save();
+    }
+    layers_differ += saved[0] != saved[1];
+  }
+  EXPECT_EQ(layers_differ, 6);
+  for (const bool is_key : {true, false}) {
+    const double r16 = err[0][is_key] / energy[is_key], r8 = err[1][is_key] / energy[is_key];
+    std::printf("[real dump] calibrated kvtc %s rel_mse: 16-bit projection %.5f, 8-bit %.5f (x%.4f)\n",
+                is_key ? "keys" : "values", r16, r8, r8 / r16);
+    EXPECT_LE(r8, r16 * (1.0 + 1.0 / 16.0)) << (is_key ? "keys" : "values");
+  }
+  std::printf("[real dump] calibrated kvtc bytes: 16-bit projection %.0f, 8-bit %.0f\n", stored[0], stored[1]);
+  EXPECT_NEAR(stored[1], stored[0], 0.01 * stored[0]);
+}
+
 }  // namespace

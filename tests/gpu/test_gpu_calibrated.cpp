@@ -149,6 +149,56 @@ TEST(KvtcCalibratedVariant, AgreesWithTheCpuCalibratedCodec) {
   }
 }
 
+// On the KV dump with the shipped calibration: the format's codes are the
+// CPU codec's 16-bit projection's (kvtc.int8=false), every one; the CPU
+// cache's default 8-bit projection (KernelSet::kProj8) differs from them by
+// at most one step, on the share of coefficients its gate's rounding moves
+// across a cell boundary (printed; bounded at 5%).
+TEST(KvtcCalibratedVariant, TheCachesEightBitProjectionIsWithinAStepOnTheKvDump) {
+  const std::string dump = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
+  const std::string cal_path = std::string(KVCODEC_SOURCE_DIR) + "/models/tinycode/kvtc.kvcal";
+  if (!std::filesystem::exists(dump)) GTEST_SKIP() << "no KV dump at " << dump << " (shared folder absent)";
+  const KvtcCalibration cal = KvtcCalibration::read_file(cal_path);
+  const SafetensorsFile f = SafetensorsFile::open(dump);
+  size_t total = 0, differ8 = 0, differ16 = 0;
+  int worst = 0;
+  for (int layer = 0; layer < cal.n_layers; ++layer) {
+    const FlatKvtcTables t = flatten_calibration(cal, {layer}, 1, 2048, 0, 0);
+    for (const bool is_key : {true, false}) {
+      const Tensor tt = f.tensor("layers." + std::to_string(layer) + (is_key ? ".key" : ".value"), DType::kBF16);
+      const Shape4 sh = tt.shape();  // [1, H, S, D] -> [S, H * D]
+      const int64_t S = sh[2], V = sh[1] * sh[3];
+      std::vector<uint16_t> x;
+      for (int64_t i = 0; i < S; ++i)
+        for (int64_t hh = 0; hh < sh[1]; ++hh)
+          x.insert(x.end(), tt.data_as<uint16_t>() + (hh * S + i) * sh[3], tt.data_as<uint16_t>() + (hh * S + i + 1) * sh[3]);
+      const int h = is_key ? 0 : 1;
+      const kvtc::HeadParams& p = (is_key ? cal.keys : cal.values)[size_t(layer)];
+      ASSERT_TRUE(p.derived().proj8) << "read_file builds the 8-bit projection";
+      std::vector<float> rows(size_t(S * V));
+      weighted_rows_reference(t, h, x.data(), S, rows.data(), 0);
+      const size_t n = size_t(S) * size_t(p.n_kept());
+      std::vector<uint16_t> ref(n), c16(n), c8(n);
+      quantize_reference(t, h, x.data(), S, ref.data(), 0);
+      kvtc::quantize_block_path(p, rows.data(), S, c16.data(), kvtc::QuantPath::kInteger);
+      kvtc::quantize_block(p, rows.data(), S, c8.data());
+      for (size_t i = 0; i < n; ++i) {
+        differ16 += c16[i] != ref[i];
+        differ8 += c8[i] != ref[i];
+        worst = std::max(worst, std::abs(int(c8[i]) - int(ref[i])));
+      }
+      total += n;
+    }
+  }
+  std::printf("KV dump, shipped calibration: %zu coefficients; the CPU's 16-bit projection differs on %zu, its 8-bit "
+              "one (the cache's default) on %zu (%.3f%%), by at most %d step\n",
+              total, differ16, differ8, 100.0 * double(differ8) / double(total), worst);
+  EXPECT_EQ(differ16, 0u);
+  EXPECT_GT(differ8, 0u);  // the 8-bit projection did take rows
+  EXPECT_LE(worst, 1);
+  EXPECT_LE(double(differ8), 0.05 * double(total));
+}
+
 TEST(KvtcCalibratedVariant, RejectsLayoutsItCannotCode) {
   const Synthetic s = synthetic(1, 128, 3);
   EXPECT_THROW(flatten_calibration(s.cal, {1}, 1, 128, 4, 0), Error);   // no layer 1

@@ -64,6 +64,12 @@ TEST(RawConvert, F32ToRawMatchesCoreOnEveryRoundingCase) {
     size_t bad = 0;
     for (size_t i = 0; i < v.size(); ++i) bad += fast[i] != ref[i];
     EXPECT_EQ(bad, 0u) << dtype_name(raw) << " (simd: " << kvtc::raw_convert_has_simd() << ")";
+    // Both ways at once (the calibrated cache's rows from an append): the
+    // core's f32 of its raw value, NaN payloads included.
+    std::vector<float> through(v.size()), back(v.size());
+    kvtc::round_through_raw(v.data(), raw, through.data(), v.size());
+    convert(ref.data(), raw, back.data(), DType::kF32, v.size());
+    EXPECT_EQ(f32_bits(through), f32_bits(back)) << dtype_name(raw);
   }
 }
 
@@ -72,4 +78,5 @@ TEST(RawConvert, RejectsF32AsRawStorage) {
   uint16_t h = 0;
   EXPECT_THROW(kvtc::f32_to_raw(&f, &h, DType::kF32, 1), Error);
   EXPECT_THROW(kvtc::raw_to_f32(&h, DType::kF32, &f, 1), Error);
+  EXPECT_THROW(kvtc::round_through_raw(&f, DType::kF32, &f, 1), Error);
 }

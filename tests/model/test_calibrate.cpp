@@ -459,6 +459,7 @@ TEST_F(CalibrateTiny, CalibratedCacheReadPathMatchesAPlainDecode) {
         (std::filesystem::temp_directory_path() / ("kvcodec_test_calibrate_" + std::to_string(variant) + ".kvcal"))
             .string();
     cal.write_file(path);
+    const KvtcCalibration cal_read = KvtcCalibration::read_file(path);
 
     // 2 rows of batch, 150 tokens appended in pieces: sinks 3, window 5,
     // block 16 -> 142 coded tokens: 8 blocks and a partial one of 14 (grown
@@ -528,7 +529,9 @@ TEST_F(CalibrateTiny, CalibratedCacheReadPathMatchesAPlainDecode) {
             const float* w = cal.weighted() ? (is_key ? cal.key_scale : cal.value_scale)[1].data() : nullptr;
             if (w)
               for (int64_t i = 0; i < bn * V; ++i) x[size_t(i)] *= w[i % V];
-            const auto& p = (is_key ? cal.keys : cal.values)[1];
+            // The parameters as the cache holds them (read from the file,
+            // with their 8-bit projection: kvtc.int8's default).
+            const auto& p = (is_key ? cal_read.keys : cal_read.values)[1];
             const auto bytes = kvtc::encode_block(p, x.data(), bn);
             kvtc::decode_block(p, bytes.data(), bytes.size(), bn, y.data());
             if (w)
