@@ -77,6 +77,32 @@ void grow_by_eighths(std::vector<T>& v, size_t need) {
   if (v.capacity() < need) v.reserve(need + need / 8);
 }
 
+// dst[i] += add[i] (refinement) or, with add null, dst[t * V + d] *= w[d]
+// (the weights applied on encode, their inverses on decode), for n rows of
+// V: one IEEE add or product per element, so the plain loops and their AVX2
+// compilation (the vectoriser under KVCODEC_TARGET_AVX2, picked at run
+// time) give the same bits.
+__attribute__((always_inline)) inline void update_rows_body(float* dst, const float* add, const float* w, int64_t n,
+                                                            int64_t V) {
+  if (add) {
+    for (int64_t i = 0; i < n * V; ++i) dst[i] += add[i];
+    return;
+  }
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < V; ++d) dst[t * V + d] *= w[d];
+}
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+KVCODEC_TARGET_AVX2 void update_rows_avx2(float* dst, const float* add, const float* w, int64_t n, int64_t V) {
+  update_rows_body(dst, add, w, n, V);
+}
+#endif
+void update_rows(float* dst, const float* add, const float* w, int64_t n, int64_t V) {
+#ifdef KVCODEC_HAVE_AVX2_PATHS
+  if (simd_avx2()) return update_rows_avx2(dst, add, w, n, V);
+#endif
+  update_rows_body(dst, add, w, n, V);
+}
+
 struct Stream {
   std::vector<Block> blocks;
   std::deque<RefineGroup> refine;  // oldest first, contiguous up to the newest coded token
@@ -242,17 +268,26 @@ void CalibratedKvtcCache::gather_rows(bool is_key, int64_t b, int64_t position, 
   if (from_tail == m) return;
   // [h][s][d] -> token-major [s][h][d], each row rounded to the raw dtype
   // in registers (f32 input) or widened from it.
+  // A bulk append's input is read from memory once (cold): each row asks
+  // for its row of the next step (m rows on) into L2 meanwhile, so that it
+  // comes in while this step is projected and entropy-coded. Spread over
+  // the rows, not in a burst that would stall on the line fill buffers.
   const TensorView& src = is_key ? input->keys : input->values;
   const int64_t esize = int64_t(dtype_size(src.dtype)), row_bytes = src.strides[2] * esize;
+  const int64_t first = position + from_tail - input->first;
+  const int64_t ahead = std::clamp<int64_t>(src.shape[2] - (first + m - from_tail), 0, m - from_tail);
   for (int64_t h = 0; h < config_.n_kv_heads; ++h) {
     const auto* row = static_cast<const uint8_t*>(src.data) + (b * src.strides[0] + h * src.strides[1]) * esize +
-                      (position + from_tail - input->first) * row_bytes;
+                      first * row_bytes;
     for (int64_t t = from_tail; t < m; ++t, row += row_bytes) {
       float* dst = x + t * V + h * D;
       if (src.dtype == DType::kF32)
         kvtc::round_through_raw(reinterpret_cast<const float*>(row), raw_dtype_, dst, size_t(D));
       else
         kvtc::raw_to_f32(reinterpret_cast<const uint16_t*>(row), raw_dtype_, dst, size_t(D));
+      if (t - from_tail < ahead)
+        for (int64_t at = 0; at < D * esize; at += 64)
+          __builtin_prefetch(row + (m - from_tail) * row_bytes + at, 0, /*L2: prefetcht2*/ 1);
     }
   }
 }
@@ -364,9 +399,7 @@ void CalibratedKvtcCache::encode_ready_blocks(const NewTokens* input) {
       for (int64_t b = 0; b < batch_; ++b) {
         gather_rows(is_key, b, first_position, m, sinks_held + taken.n, input, x.data());
         if (is_key) rope_->rotate(x.data(), m, V, config_.n_kv_heads, first_position, /*inverse=*/true);
-        if (const float* w = scale(is_key))
-          for (int64_t t = 0; t < m; ++t)
-            for (int64_t d = 0; d < V; ++d) x[size_t(t * V + d)] *= w[d];
+        if (const float* w = scale(is_key)) update_rows(x.data(), nullptr, w, m, V);
         fresh.resize(size_t(m) * K);
         kvtc::quantize_block_path(p, x.data(), m, fresh.data(), projection(p));
         coded_symbols_ += cache_impl::grow_block_payload(p, blk.payload[size_t(b)], held, fresh.data(), m, block_closes);
@@ -477,35 +510,6 @@ void CalibratedKvtcCache::decode_run(bool is_key, const Block* blocks, size_t co
   }
 }
 
-namespace {
-
-// dst[i] += add[i] (refinement) or, with add null, dst[t * V + d] *=
-// inverse[d] (weights undone), for n rows of V: one IEEE add or product per
-// element, so the plain loops and their AVX2 compilation (the vectoriser
-// under KVCODEC_TARGET_AVX2, picked at run time) give the same bits.
-__attribute__((always_inline)) inline void finish_rows_body(float* dst, const float* add, const float* inverse,
-                                                            int64_t n, int64_t V) {
-  if (add) {
-    for (int64_t i = 0; i < n * V; ++i) dst[i] += add[i];
-    return;
-  }
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < V; ++d) dst[t * V + d] *= inverse[d];
-}
-#ifdef KVCODEC_HAVE_AVX2_PATHS
-KVCODEC_TARGET_AVX2 void finish_rows_avx2(float* dst, const float* add, const float* inverse, int64_t n, int64_t V) {
-  finish_rows_body(dst, add, inverse, n, V);
-}
-#endif
-void finish_rows(float* dst, const float* add, const float* inverse, int64_t n, int64_t V) {
-#ifdef KVCODEC_HAVE_AVX2_PATHS
-  if (simd_avx2()) return finish_rows_avx2(dst, add, inverse, n, V);
-#endif
-  finish_rows_body(dst, add, inverse, n, V);
-}
-
-}  // namespace
-
 void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t first_coded, int64_t b,
                                         float* out) const {
   const Stream& stream = is_key ? key_ : value_;
@@ -528,12 +532,12 @@ void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t f
         fine2.resize(fine.size());
         kvtc::decode_block_pair(rp, gp.data(), gp.size(), fine.data(), rp, hp.data(), hp.size(), fine2.data(),
                                 g.codes.tokens);
-        finish_rows(out + (h->first - first_coded) * vdim(), fine2.data(), nullptr, h->codes.tokens, vdim());
+        update_rows(out + (h->first - first_coded) * vdim(), fine2.data(), nullptr, h->codes.tokens, vdim());
         ++i;
       } else {
         cache_impl::decode_block_payload(rp, gp.data(), gp.size(), g.codes.tokens, g.codes.open, fine.data());
       }
-      finish_rows(out + (g.first - first_coded) * vdim(), fine.data(), nullptr, g.codes.tokens, vdim());
+      update_rows(out + (g.first - first_coded) * vdim(), fine.data(), nullptr, g.codes.tokens, vdim());
     }
   }
   if (const float* w = scale(is_key)) {
@@ -541,7 +545,7 @@ void CalibratedKvtcCache::finish_decode(bool is_key, const Block& blk, int64_t f
     // layer and sequence, where a block's decode is 64 x V products).
     std::vector<float> inverse(static_cast<size_t>(vdim()));
     for (int64_t d = 0; d < vdim(); ++d) inverse[size_t(d)] = 1.0f / w[d];
-    finish_rows(out, nullptr, inverse.data(), blk.tokens, vdim());
+    update_rows(out, nullptr, inverse.data(), blk.tokens, vdim());
   }
   if (is_key)
     rope_->rotate(out, blk.tokens, vdim(), config_.n_kv_heads, sink_tokens() + first_coded, /*inverse=*/false);
