@@ -78,29 +78,41 @@ void grow_by_eighths(std::vector<T>& v, size_t need) {
 }
 
 // dst[i] += add[i] (refinement) or, with add null, dst[t * V + d] *= w[d]
-// (the weights applied on encode, their inverses on decode), for n rows of
-// V: one IEEE add or product per element, so the plain loops and their AVX2
-// compilation (the vectoriser under KVCODEC_TARGET_AVX2, picked at run
-// time) give the same bits.
-__attribute__((always_inline)) inline void update_rows_body(float* dst, const float* add, const float* w, int64_t n,
-                                                            int64_t V) {
+// (the weights applied on encode, their inverses on decode), then, with
+// mean, dst[t * V + d] -= mean[d] (the encoder's centring), for n rows of
+// V: one IEEE add, product or difference per step, so the plain loops and
+// their AVX2 compilation (the vectoriser under KVCODEC_TARGET_AVX2, picked
+// at run time) give the same bits as separate passes. In place: a second
+// array here was 4K-aliased with the first (loads stalled on its stores).
+__attribute__((always_inline)) inline void update_rows_body(float* __restrict dst, const float* __restrict add,
+                                                            const float* __restrict w, const float* __restrict mean,
+                                                            int64_t n, int64_t V) {
   if (add) {
     for (int64_t i = 0; i < n * V; ++i) dst[i] += add[i];
     return;
   }
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < V; ++d) dst[t * V + d] *= w[d];
+  if (w && mean) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < V; ++d) dst[t * V + d] = dst[t * V + d] * w[d] - mean[d];
+  } else if (w) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < V; ++d) dst[t * V + d] *= w[d];
+  } else if (mean) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < V; ++d) dst[t * V + d] -= mean[d];
+  }
 }
 #ifdef KVCODEC_HAVE_AVX2_PATHS
-KVCODEC_TARGET_AVX2 void update_rows_avx2(float* dst, const float* add, const float* w, int64_t n, int64_t V) {
-  update_rows_body(dst, add, w, n, V);
+KVCODEC_TARGET_AVX2 void update_rows_avx2(float* dst, const float* add, const float* w, const float* mean, int64_t n,
+                                          int64_t V) {
+  update_rows_body(dst, add, w, mean, n, V);
 }
 #endif
-void update_rows(float* dst, const float* add, const float* w, int64_t n, int64_t V) {
+void update_rows(float* dst, const float* add, const float* w, int64_t n, int64_t V, const float* mean = nullptr) {
 #ifdef KVCODEC_HAVE_AVX2_PATHS
-  if (simd_avx2()) return update_rows_avx2(dst, add, w, n, V);
+  if (simd_avx2()) return update_rows_avx2(dst, add, w, mean, n, V);
 #endif
-  update_rows_body(dst, add, w, n, V);
+  update_rows_body(dst, add, w, mean, n, V);
 }
 
 struct Stream {
@@ -399,9 +411,16 @@ void CalibratedKvtcCache::encode_ready_blocks(const NewTokens* input) {
       for (int64_t b = 0; b < batch_; ++b) {
         gather_rows(is_key, b, first_position, m, sinks_held + taken.n, input, x.data());
         if (is_key) rope_->rotate(x.data(), m, V, config_.n_kv_heads, first_position, /*inverse=*/true);
-        if (const float* w = scale(is_key)) update_rows(x.data(), nullptr, w, m, V);
         fresh.resize(size_t(m) * K);
-        kvtc::quantize_block_path(p, x.data(), m, fresh.data(), projection(p));
+        if (refining && any_kept) {
+          // x (weighted) is kept for the residual below.
+          if (const float* w = scale(is_key)) update_rows(x.data(), nullptr, w, m, V);
+          kvtc::quantize_block_path(p, x.data(), m, fresh.data(), projection(p));
+        } else {
+          // Weighted and centred in one pass, in place.
+          update_rows(x.data(), nullptr, scale(is_key), m, V, p.mean.data());
+          kvtc::quantize_centred_block(p, x.data(), m, fresh.data(), projection(p));
+        }
         coded_symbols_ += cache_impl::grow_block_payload(p, blk.payload[size_t(b)], held, fresh.data(), m, block_closes);
         if (refining && any_kept) {
           // The residual after the base reconstruction the reader will see.

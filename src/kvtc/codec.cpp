@@ -1790,6 +1790,12 @@ void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_
   quantize_centred(p, s.centred.data(), n, codes, path);
 }
 
+void quantize_centred_block(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path) {
+  require_kernels(p, KernelSet::kEncode, "kvtc quantize_centred_block");
+  if (n == 0 || p.n_kept() == 0) return;
+  quantize_centred(p, c, n, codes, path);
+}
+
 namespace {
 
 void dequantize_impl(const HeadParams& p, const uint16_t* codes, int64_t n, float* out, ReconPath path) {

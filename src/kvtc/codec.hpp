@@ -461,6 +461,10 @@ void dequantize_block_path(const HeadParams& p, const uint16_t* codes, int64_t n
 // it too where p.kernels->proj8.
 enum class QuantPath { kAuto, kFloat, kInteger, kInteger8 };
 void quantize_block_path(const HeadParams& p, const float* x, int64_t n, uint16_t* codes, QuantPath path);
+// quantize_block_path of rows the caller has centred, c [n, D] = x - p.mean
+// (one IEEE subtraction per value, as quantize_block_path's own: the same
+// codes), for callers that centre in a pass they make anyway.
+void quantize_centred_block(const HeadParams& p, const float* c, int64_t n, uint16_t* codes, QuantPath path);
 
 // Plain-loop reference of quantize_block + dequantize_block (projection and
 // reconstruction by naive loops in double), for testing the fast path.

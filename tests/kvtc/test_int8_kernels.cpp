@@ -226,6 +226,30 @@ TEST(Proj8, RunsOnlyWhereItsKernelsWereBuilt) {
   EXPECT_GT(q.derived().held_bytes(), p.derived().held_bytes());
 }
 
+// KernelSet::kProj8 (what a loaded calibration holds): the 8-bit
+// projection alone, the 16-bit reconstruction kept; and
+// quantize_centred_block on rows centred by the caller gives
+// quantize_block_path's codes on every path.
+TEST(Proj8, ProjectionAloneAndCentredRowsGiveTheSameCodes) {
+  const int dim = 64;
+  const int64_t n = 4 * dim + 64;
+  const auto x = correlated(n, dim, 17);
+  HeadParams p = fit(x, n, dim, setting_options(1, dim, dim / 2 + 3));
+  p.build_kernels(KernelSet::kHeld | KernelSet::kProj8);
+  ASSERT_TRUE(p.derived().proj8);
+  EXPECT_FALSE(p.derived().recon8);
+  EXPECT_TRUE(p.derived().recon_int);
+  std::vector<float> c(x.size());
+  for (int64_t t = 0; t < n; ++t)
+    for (int d = 0; d < dim; ++d) c[size_t(t * dim + d)] = x[size_t(t * dim + d)] - p.mean[size_t(d)];
+  for (const QuantPath path : {QuantPath::kAuto, QuantPath::kFloat, QuantPath::kInteger, QuantPath::kInteger8}) {
+    std::vector<uint16_t> centred(size_t(n) * size_t(p.n_kept()));
+    quantize_centred_block(p, c.data(), n, centred.data(), path);
+    EXPECT_EQ(centred, codes_of(p, x.data(), n, path)) << int(path);
+  }
+  EXPECT_NE(codes_of(p, x.data(), n, QuantPath::kAuto), codes_of(p, x.data(), n, QuantPath::kInteger));
+}
+
 // dequantize_block with kInt8 kernels == the plain-loop reference, bit for
 // bit, by the VNNI tiles (where the CPU has them), the AVX2 tiles and the
 // plain loops: dims with ragged groups of 8 and 32, K not a multiple of 4;
