@@ -2,14 +2,13 @@
 # Regenerates, at the checked-out commit, the figures README.md and docs/eval.md
 # quote from docs/data/. Each part runs on its own (a full run is long on a
 # loaded machine); no part given: all of them.
-#   main    docs/data/main_job.tsv: the README's eval (window 0 of the default
-#           corpus, context 1024, score 128), every method. Needs only the
-#           repository and the install step (no ../shared).
-#   corpus  docs/data/default_corpus.tsv: every method on windows 0-8 of the
-#           default corpus, ppl change with its spread across windows (se).
-#           0-8 are the reported windows: 9-17 chose the shipped calibration's
-#           target (models/tinycode/CALIBRATION.md) and palu's defaults
-#           (docs/eval.md). Needs no ../shared.
+#   main    docs/data/main_job.tsv: the README's eval, every method on
+#           windows 0-8 of the default corpus (context 1024, score 128), ppl
+#           change with its spread across windows (se). 0-8 are the reported
+#           windows: 9-17 chose the shipped calibration's target
+#           (models/tinycode/CALIBRATION.md) and palu's defaults
+#           (docs/eval.md). Needs only the repository and the install step
+#           (no ../shared).
 #   local   docs/data/local_kvtc_{choose,report}.tsv: local kvtc's default
 #           preset chosen on windows 9-17 (rate allocator targets, the earlier
 #           dp defaults), reported on 0-8 (docs/kvtc.md "Defaults"). No ../shared.
@@ -23,7 +22,7 @@
 #           against zstd -3 in the same run), and the two kvtc settings
 #           docs/caches.md compares (the earlier dp defaults; the rate
 #           allocator at int4's errors). Needs ../shared.
-# Usage: scripts/figures.sh [--build DIR (build)] [main] [corpus] [local] [speed] [dump]
+# Usage: scripts/figures.sh [--build DIR (build)] [main] [local] [speed] [dump]
 # Other docs' figures (the calibrated tables, the GPU) come from the
 # commands written in those docs.
 # The stored-prefix table of docs/history/calibrated-sessions.md (issue 21): scripts/stored_prefix_figures.sh.
@@ -36,11 +35,11 @@ parts=()
 while (($#)); do
   case "$1" in
     --build) build=$2; shift 2 ;;
-    main|corpus|local|speed|dump) parts+=("$1"); shift ;;
-    *) echo "figures.sh: unknown argument '$1' (parts: main corpus local speed dump; --build DIR)" >&2; exit 2 ;;
+    main|local|speed|dump) parts+=("$1"); shift ;;
+    *) echo "figures.sh: unknown argument '$1' (parts: main local speed dump; --build DIR)" >&2; exit 2 ;;
   esac
 done
-((${#parts[@]})) || parts=(main corpus local speed dump)
+((${#parts[@]})) || parts=(main local speed dump)
 methods=fp16,int8,int4,kivi2,palu,kvtc
 out=docs/data
 tmp=$(mktemp -d)
@@ -65,15 +64,9 @@ PY
 }
 
 part_main() {
-  "$build/kvcodec" eval "${eval_flags[@]}" --windows 1 > "$tmp/main.json"
-  eval_tsv "$tmp/main.json" "$out/main_job.tsv" 1 \
-    "the README's eval: window 0 of the default corpus, context 1024, score 128, --threads 1"
-}
-
-part_corpus() {
-  "$build/kvcodec" eval "${eval_flags[@]}" --first-window 0 --windows 9 > "$tmp/corpus.json"
-  eval_tsv "$tmp/corpus.json" "$out/default_corpus.tsv" 9 \
-    "windows 0-8 of the default corpus, context 1024, score 128, --threads 1; se: standard error of the per-window ppl change"
+  "$build/kvcodec" eval "${eval_flags[@]}" --first-window 0 --windows 9 > "$tmp/main.json"
+  eval_tsv "$tmp/main.json" "$out/main_job.tsv" 9 \
+    "the README's eval: windows 0-8 of the default corpus, context 1024, score 128, --threads 1; se: standard error of the per-window ppl change"
 }
 
 # Local kvtc's default preset (issue 17 item 3): distortion targets of the
