@@ -14,15 +14,24 @@ using namespace kvcodec;
 
 namespace {
 
-double rel_mse(const TensorView& ref, const Tensor& got) {
+// The squared error of got against ref and ref's energy.
+struct ErrorSums {
+  double err = 0, energy = 0;
+};
+ErrorSums error_sums(const TensorView& ref, const Tensor& got) {
   const Tensor r = Tensor::from_view(ref, DType::kF32), g = got.to(DType::kF32);
-  double num = 0, den = 0;
+  ErrorSums s;
   for (int64_t i = 0; i < r.numel(); ++i) {
     const double d = double(r.data_as<float>()[i]) - g.data_as<float>()[i];
-    num += d * d;
-    den += double(r.data_as<float>()[i]) * r.data_as<float>()[i];
+    s.err += d * d;
+    s.energy += double(r.data_as<float>()[i]) * r.data_as<float>()[i];
   }
-  return num / den;
+  return s;
+}
+
+double rel_mse(const TensorView& ref, const Tensor& got) {
+  const ErrorSums s = error_sums(ref, got);
+  return s.err / s.energy;
 }
 
 TEST(RealDump, MethodsOnTinycodeLayers) {
@@ -112,12 +121,9 @@ TEST(RealDump, CalibratedInt8ProjectionAddsWithinItsGate) {
       cache->append(k, v);
       const KVPair out = cache->fetch(DType::kF32);
       for (const bool is_key : {true, false}) {
-        const double r = rel_mse(is_key ? k : v, is_key ? out.keys : out.values);
-        const Tensor ref = Tensor::from_view(is_key ? k : v, DType::kF32);
-        double e = 0;
-        for (int64_t i = 0; i < ref.numel(); ++i) e += double(ref.data_as<float>()[i]) * ref.data_as<float>()[i];
-        err[int8][is_key] += r * e;
-        if (int8) energy[is_key] += e;
+        const ErrorSums e = error_sums(is_key ? k : v, is_key ? out.keys : out.values);
+        err[int8][is_key] += e.err;
+        if (int8) energy[is_key] += e.energy;
       }
       stored[int8] += double(cache->stats().compressed_bytes());
       saved[int8] = cache->save();
