@@ -14,6 +14,7 @@
 #include "kvcodec/tensor.hpp"
 #include "core/held_bytes.hpp"
 #include "kvtc/block_codes.hpp"
+#include "kvtc/step_error.hpp"
 #include "kvtc/proj8.hpp"
 #include "kvtc/recon8.hpp"
 #include "kvtc/raw_convert.hpp"
@@ -262,13 +263,7 @@ HeadParams fit_head(const float* x, int64_t n, int dim, const std::vector<float>
       for (int64_t i = 0; i < n * dim; ++i) energy += double(x[i]) * x[i];
       const double allowed = options.target_rel_mse * energy;
       auto distortion_at = [&](double step) {
-        double err = 0.0;
-        for (int64_t i = 0; i < coeffs.size(); ++i) {
-          const double c = coeffs.data()[i];
-          const double r = c - step * std::floor(c / step + 0.5);
-          err += r * r;
-        }
-        return err;
+        return step_rounding_error(coeffs.data(), int64_t(coeffs.size()), step, /*simd=*/true);
       };
       auto coarsest_step = [&](double target, double a, double b) {
         for (int it = 0; it < 40; ++it) {
