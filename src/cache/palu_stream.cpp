@@ -204,6 +204,25 @@ class PaluStream final : public TokenStream {
     if (calibrated()) e[prefix + "calibration_bytes"] = double(opt_.calibration->layer_bytes(opt_.layer, opt_.is_key));
   }
 
+  std::vector<PaluGroupLayout> layouts() const {
+    std::vector<PaluGroupLayout> out;
+    if (!fitted_) return out;
+    for (const Group& g : groups_) {
+      PaluGroupLayout l;
+      l.first_head = g.first_head;
+      l.n_heads = g.n_heads;
+      l.joint = opt_.joint;
+      l.rows = g.rows;
+      l.group_size = opt_.group_size;
+      l.quantize = opt_.quantize;
+      l.first_token = calibrated() ? opt_.sinks : 0;
+      l.rope_removed = calibrated() && opt_.is_key;
+      l.projection = g.proj;
+      out.push_back(std::move(l));
+    }
+    return out;
+  }
+
   void add_shared(std::map<std::string, uint64_t>& shared) const override {
     if (!calibrated()) return;
     char id[32];
@@ -372,5 +391,10 @@ class PaluStream final : public TokenStream {
 }  // namespace
 
 std::unique_ptr<TokenStream> make_palu_stream(const PaluOptions& opt) { return std::make_unique<PaluStream>(opt); }
+
+std::vector<PaluGroupLayout> palu_groups(const KVCache& cache, bool keys) {
+  const auto* s = dynamic_cast<const PaluStream*>(stream_of(cache, keys));
+  return s ? s->layouts() : std::vector<PaluGroupLayout>{};
+}
 
 }  // namespace kvcodec::cache_impl

@@ -41,6 +41,7 @@ class StreamCache final : public KVCache {
 
   std::string method() const override { return method_; }
   const CacheConfig& config() const override { return cfg_; }
+  const TokenStream& stream(bool keys) const { return keys ? *keys_ : *values_; }
 
   void append(const TensorView& keys, const TensorView& values) override {
     cache_impl::check_append(keys, values, cfg_, shaped_ ? batch_ : 0, method_ + " cache");
@@ -245,6 +246,11 @@ std::unique_ptr<KVCache> make_stream_cache(const std::string& method, const Cach
                                            const Settings& settings, std::unique_ptr<TokenStream> keys,
                                            std::unique_ptr<TokenStream> values) {
   return std::make_unique<StreamCache>(method, config, settings, std::move(keys), std::move(values));
+}
+
+const TokenStream* stream_of(const KVCache& cache, bool keys) {
+  const auto* c = dynamic_cast<const StreamCache*>(&cache);
+  return c ? &c->stream(keys) : nullptr;
 }
 
 }  // namespace kvcodec::cache_impl

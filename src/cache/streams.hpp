@@ -113,6 +113,28 @@ struct PaluOptions {
 };
 std::unique_ptr<TokenStream> make_palu_stream(const PaluOptions& opt);
 
+// A fitted PALU head group as its stream codes it, so that code outside the
+// cache (the C API's palu codec, gpu::PaluGpuCodec) writes the very token
+// groups the stream stores: latents of x [rows, tokens, dim] (shared: row b *
+// n_heads + h is head first_head + h of batch row b, dim = D; joint: row b,
+// the group's heads concatenated, dim = n_heads * D).
+struct PaluGroupLayout {
+  int first_head = 0, n_heads = 0;
+  bool joint = false;
+  int64_t rows = 0;
+  int64_t group_size = 0;
+  bool quantize = true;         // false: the latents stay f16, no token groups
+  int64_t first_token = 0;      // the cache token of latent 0 (calibrated: after the raw sinks)
+  bool rope_removed = false;    // calibrated keys: projected with RoPE removed
+  palu::Projection projection;  // a copy: the stream's is replaced at load
+};
+// The head groups of a "palu" cache's keys (keys = true) or values, in head
+// order; empty for another method, or before the projections are fitted.
+std::vector<PaluGroupLayout> palu_groups(const KVCache& cache, bool keys);
+// The key or value stream of a cache made by make_stream_cache; nullptr for
+// any other cache.
+const TokenStream* stream_of(const KVCache& cache, bool keys);
+
 // The cache every method in this folder is: two streams behind KVCache.
 std::unique_ptr<KVCache> make_stream_cache(const std::string& method, const CacheConfig& config,
                                            const Settings& settings, std::unique_ptr<TokenStream> keys,
