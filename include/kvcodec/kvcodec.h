@@ -295,6 +295,85 @@ KVCODEC_API kvcodec_status kvcodec_prefix_decode(kvcodec_prefix_codec* codec, co
  * check found; KVCODEC_OK at once on the CPU. */
 KVCODEC_API kvcodec_status kvcodec_prefix_check(kvcodec_prefix_codec* codec, void* cuda_stream);
 
+/* --- PALU latent codec, on the CPU or a CUDA GPU -----------------------------
+ *
+ * One head group of a PALU cache's keys or values coded outside the cache
+ * with the projection that cache fitted: every token group of group_size
+ * tokens becomes exactly the bytes the cache itself stores for it
+ * (palu::encode_latent_group: latents z = U^T x rounded to f16, per (row,
+ * latent channel) an f16 min and scale over the group's tokens, then every
+ * code bit-packed at its channel's width), and decodes back to bf16
+ * x_hat = U z, as the cache reconstructs it. Made from a cache of method
+ * "palu" once it has fitted its projections (when its appends have brought
+ * min_fit_tokens tokens; a calibrated cache at its first append); the codec
+ * copies the projection, so the cache may change or be freed after.
+ *
+ * Layout: x [rows, tokens, dim] bf16, contiguous, tokens a multiple of
+ * group_size. Shared mode (group_mode=shared): rows = B * n_heads, dim = D,
+ * row b * n_heads + h = head first_head + h of batch row b, i.e. heads
+ * [first_head, first_head + n_heads) of a [B, H_kv, S, D] tensor. Joint
+ * mode: rows = B, dim = n_heads * D, each token's heads concatenated (the
+ * group's heads transposed to [B, S, n_heads, D]). Packed: [tokens /
+ * group_size, group_bytes] bytes, token group after token group.
+ *
+ * Which bytes: the cache's token group i holds its latent tokens [i *
+ * group_size, (i + 1) * group_size), latent 0 being cache token first_token
+ * (0; a calibrated cache's sinks stay raw before it). A calibrated cache
+ * projects keys with RoPE removed (keys_without_rope = 1): the codec does
+ * not, so such keys must come without RoPE to give the cache's bytes.
+ *
+ * Where: KVCODEC_DEVICE_CPU codes on the host in every build (the CPU
+ * reference of src/gpu/palu_reference.cpp); KVCODEC_DEVICE_CUDA on the
+ * calling thread's current CUDA device, x and the packed bytes in device
+ * memory (4-byte aligned), queued on cuda_stream (a cudaStream_t, NULL: the
+ * default stream) and returning at once. Both write the same bytes and
+ * decode to the same bf16, bit for bit. A library built without CUDA
+ * refuses KVCODEC_DEVICE_CUDA with KVCODEC_ERROR_UNSUPPORTED; cuda_stream
+ * must be NULL on the CPU. Both devices take the same groups: group_size a
+ * multiple of 32 up to 1024 and rank <= 256 (the GPU kernels' limits). */
+
+/* The same numbers as kvcodec_prefix_device. */
+typedef enum kvcodec_device { KVCODEC_DEVICE_CPU = 0, KVCODEC_DEVICE_CUDA = 1 } kvcodec_device;
+typedef enum kvcodec_kv_part { KVCODEC_KEYS = 0, KVCODEC_VALUES = 1 } kvcodec_kv_part;
+
+typedef struct kvcodec_palu_codec kvcodec_palu_codec;
+
+typedef struct kvcodec_palu_layout {
+  int32_t first_head;        /* the group's kv heads: [first_head, first_head + n_heads) */
+  int32_t n_heads;
+  int32_t joint;             /* 1: joint mode, 0: shared mode (the layout above) */
+  int32_t rows;              /* B * n_heads (shared) or B (joint) */
+  int32_t dim;               /* D (shared) or n_heads * D (joint) */
+  int32_t rank;              /* latent channels r */
+  int32_t group_size;        /* tokens per token group */
+  int32_t keys_without_rope; /* 1: the cache projects these keys with RoPE removed */
+  int64_t first_token;       /* the cache token of latent token 0 */
+  int64_t max_tokens;        /* the most tokens one call takes */
+  uint64_t group_bytes;      /* bytes of one packed token group */
+} kvcodec_palu_layout;
+
+/* Head groups of a fitted palu cache's keys and values (the same count). */
+KVCODEC_API kvcodec_status kvcodec_palu_head_groups(const kvcodec_cache* cache, int32_t* n_groups);
+/* A codec for head group `head_group` of the cache's keys or values
+ * (part: a kvcodec_kv_part), calls of up to max_tokens tokens, on `device`
+ * (a kvcodec_device). KVCODEC_ERROR_INVALID_ARGUMENT for a cache of another
+ * method, one not fitted yet, a bad part, group or max_tokens;
+ * KVCODEC_ERROR_UNSUPPORTED for value latents kept f16 (quantize_values=
+ * false: no token groups) and groups past the kernels' limits. */
+KVCODEC_API kvcodec_status kvcodec_palu_codec_create(const kvcodec_cache* cache, int32_t part, int32_t head_group,
+                                                     int64_t max_tokens, int32_t device, kvcodec_palu_codec** out);
+/* NULL is a no-op. */
+KVCODEC_API void kvcodec_palu_codec_free(kvcodec_palu_codec* codec);
+KVCODEC_API kvcodec_status kvcodec_palu_codec_layout(const kvcodec_palu_codec* codec, kvcodec_palu_layout* out);
+/* x [rows, tokens, dim] bf16 -> packed (capacity bytes, at least tokens /
+ * group_size * group_bytes; all of them are written). */
+KVCODEC_API kvcodec_status kvcodec_palu_encode(kvcodec_palu_codec* codec, const void* x, int64_t tokens,
+                                               void* packed, uint64_t capacity, void* cuda_stream);
+/* packed (size bytes: exactly tokens / group_size * group_bytes, else
+ * KVCODEC_ERROR_FORMAT) -> x [rows, tokens, dim] bf16. */
+KVCODEC_API kvcodec_status kvcodec_palu_decode(kvcodec_palu_codec* codec, const void* packed, uint64_t size,
+                                               int64_t tokens, void* x, void* cuda_stream);
+
 #ifdef __cplusplus
 }
 #endif

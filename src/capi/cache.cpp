@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cache/kvtc_calibrated.hpp"
+#include "capi/cache_handle.hpp"
 #include "capi/calibration_handle.hpp"
 #include "capi/guard.hpp"
 #include "capi/settings_text.hpp"
@@ -18,24 +19,6 @@ using kvcodec::ErrorCode;
 using kvcodec::TensorView;
 using kvcodec::capi::guarded;
 using kvcodec::capi::require;
-
-struct kvcodec_cache {
-  std::unique_ptr<kvcodec::KVCache> cache;
-  std::string method;
-  // B of the history: known from the first append; after a load it is read
-  // from the first block the first time it is needed (-1 until then).
-  mutable int64_t batch = -1;
-  // save_size() serialises here so save() need not do it again; dropped by
-  // save() and by any change of the cache.
-  std::vector<uint8_t> saved;
-  bool saved_current = false;
-
-  void changed() {
-    saved_current = false;
-    saved.clear();
-    saved.shrink_to_fit();
-  }
-};
 
 namespace {
 
