@@ -7,16 +7,18 @@ and Hugging Face transformers, over libkvcodec.so's C API.
     cache.compressed_key_bytes, cache.fp16_key_bytes
 
 kvcodec.hf.KVCodecCache is a transformers Cache made of these;
-kvcodec.PrefixCodec codes a layer's whole prefix at once, on the CPU or a
-CUDA GPU (torch tensors in and out).
+kvcodec.PrefixCodec codes a layer's whole prefix at once, and
+kvcodec.PaluCodec a palu cache's head group, on the CPU or a CUDA GPU
+(torch tensors in and out).
 """
 from ._lib import KVCodecError, lib as _clib, path as library_path
 from .cache import Cache, Calibration
 from .prefix import EncodedPrefix, PrefixCodec, cuda_device_count
+from .palu_codec import PaluCodec
 from .block_cache import BlockCache
 
-__all__ = ["BlockCache", "Cache", "Calibration", "EncodedPrefix", "KVCodecError", "PrefixCodec", "cuda_device_count",
-           "methods", "version", "library_path"]
+__all__ = ["BlockCache", "Cache", "Calibration", "EncodedPrefix", "KVCodecError", "PaluCodec", "PrefixCodec",
+           "cuda_device_count", "methods", "version", "library_path"]
 
 
 def version():

@@ -47,6 +47,13 @@ class Stats(ctypes.Structure):
                 ("shared_bytes", ctypes.c_uint64), ("compression_ratio", ctypes.c_double)]
 
 
+class PaluLayout(ctypes.Structure):
+    _fields_ = [("first_head", ctypes.c_int32), ("n_heads", ctypes.c_int32), ("joint", ctypes.c_int32),
+                ("rows", ctypes.c_int32), ("dim", ctypes.c_int32), ("rank", ctypes.c_int32),
+                ("group_size", ctypes.c_int32), ("keys_without_rope", ctypes.c_int32), ("first_token", ctypes.c_int64),
+                ("max_tokens", ctypes.c_int64), ("group_bytes", ctypes.c_uint64)]
+
+
 BLOCK_VISITOR = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Tensor),
                                  ctypes.POINTER(Tensor))
 EXTRA_VISITOR = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_double)
@@ -113,6 +120,12 @@ _signatures = {
                                         _c.POINTER(_c.c_uint64)]),
     "kvcodec_prefix_decode": (_status, [_P, _P, _c.c_uint64, _P, _c.c_int64, _c.c_int64, _P, _P]),
     "kvcodec_prefix_check": (_status, [_P, _P]),
+    "kvcodec_palu_head_groups": (_status, [_P, _c.POINTER(_c.c_int32)]),
+    "kvcodec_palu_codec_create": (_status, [_P, _c.c_int32, _c.c_int32, _c.c_int64, _c.c_int32, _c.POINTER(_P)]),
+    "kvcodec_palu_codec_free": (None, [_P]),
+    "kvcodec_palu_codec_layout": (_status, [_P, _c.POINTER(PaluLayout)]),
+    "kvcodec_palu_encode": (_status, [_P, _P, _c.c_int64, _P, _c.c_uint64, _P]),
+    "kvcodec_palu_decode": (_status, [_P, _P, _c.c_uint64, _c.c_int64, _P, _P]),
 }
 for _name, (_res, _args) in _signatures.items():
     _f = getattr(lib, _name)
