@@ -779,7 +779,7 @@ KvtcSettings parse_kvtc_settings(const Settings& settings, const CacheConfig& co
 }
 
 MethodInfo kvtc_method_info() {
-  // The preset's target as the help prints it (%g: "0.01").
+  // The preset's target as the help prints it (%g: "0.0075").
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", kDefaultTargetRelMse);
   const std::string preset = buf;

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <iomanip>
 #include <random>
@@ -155,7 +156,9 @@ TEST(KvtcLocal, DefaultsAreTheRatePresetUnlessARateFieldIsGiven) {
   EXPECT_EQ(per_field.codec.target_rel_mse, 0.0);
   EXPECT_EQ(per_field.codec.basis_bits, 16);
   // The preset codes as its fields written out do, and meets its target.
-  Settings explicit_fields = {{"allocator", "rate"}, {"target_rel_mse", "0.01"}, {"basis_bits", "8"}};
+  char target[32];
+  std::snprintf(target, sizeof target, "%.17g", kDefaultTargetRelMse);
+  Settings explicit_fields = {{"allocator", "rate"}, {"target_rel_mse", target}, {"basis_bits", "8"}};
   auto by_default = make_cache("kvtc", cfg, {{"block", "16"}, {"min_fit_tokens", "64"}});
   explicit_fields["block"] = "16";
   explicit_fields["min_fit_tokens"] = "64";
