@@ -3,11 +3,13 @@
 # machine with an NVIDIA GPU,
 # CUDA, torch and Python 3 (no Debian packages, no network): the Python
 # package's GPU == CPU tests of kvcodec.PaluCodec (tests/python/
-# test_palu_codec.py), the whole-prefix codec (test_prefix.py) and the GPU
-# block cache (test_block_cache.py), against the CUDA libkvcodec.so carried
-# here (built at 802053b from a clean worktree as build-capi-cuda is
+# test_palu_codec.py), the GPU palu cache (test_palu_block_cache.py), the
+# whole-prefix codec (test_prefix.py) and the GPU block cache
+# (test_block_cache.py), against the CUDA libkvcodec.so carried here
+# (built at 802053b from a clean worktree as build-capi-cuda is
 # configured: Release, -DKVCODEC_CUDA=ON, sm_90, static cudart, no
-# -march=native) with the KV dump the tests read. pytest where installed,
+# -march=native; no C++ change since bears on these tests) with the KV
+# dump the tests read. pytest where installed,
 # else run_tests.py (a stand-in) if the folder has it. The folder
 # (KVCODEC_DEVICE_DIR, default out/palu_dev): lib/ (libkvcodec.so of a
 # -DKVCODEC_CUDA=ON build, libgomp.so.1, libxxhash.so.0), fallback/ (this
@@ -39,7 +41,7 @@ print('cuda devices', n, 'built with cuda', built, 'torch sees', torch.cuda.is_a
 sys.exit(0 if n > 0 and built and torch.cuda.is_available() else 2)" || [ -n "${ALLOW_NO_GPU:-}" ] ||
   { echo "no usable GPU: the GPU tests would skip (ALLOW_NO_GPU=1 runs them anyway)"; exit 2; }
 cd tests/python
-tests="test_palu_codec.py test_prefix.py test_block_cache.py"
+tests="test_palu_codec.py test_palu_block_cache.py test_prefix.py test_block_cache.py"
 if python3 -c "import pytest" 2>/dev/null; then
   python3 -m pytest -v -rs -p no:cacheprovider $tests
 else

@@ -9,16 +9,18 @@ and Hugging Face transformers, over libkvcodec.so's C API.
 kvcodec.hf.KVCodecCache is a transformers Cache made of these;
 kvcodec.PrefixCodec codes a layer's whole prefix at once, and
 kvcodec.PaluCodec a palu cache's head group, on the CPU or a CUDA GPU
-(torch tensors in and out).
+(torch tensors in and out); kvcodec.BlockCache (calibrated kvtc) and
+kvcodec.PaluBlockCache (palu) keep a layer compressed on that device.
 """
 from ._lib import KVCodecError, lib as _clib, path as library_path
 from .cache import Cache, Calibration
 from .prefix import EncodedPrefix, PrefixCodec, cuda_device_count
 from .palu_codec import PaluCodec
 from .block_cache import BlockCache
+from .palu_block_cache import PaluBlockCache
 
-__all__ = ["BlockCache", "Cache", "Calibration", "EncodedPrefix", "KVCodecError", "PaluCodec", "PrefixCodec",
-           "cuda_device_count", "methods", "version", "library_path"]
+__all__ = ["BlockCache", "Cache", "Calibration", "EncodedPrefix", "KVCodecError", "PaluBlockCache", "PaluCodec",
+           "PrefixCodec", "cuda_device_count", "methods", "version", "library_path"]
 
 
 def version():
