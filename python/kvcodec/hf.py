@@ -19,6 +19,7 @@ from . import _lib
 from ._lib import KVCodecError
 from .block_cache import BlockCache
 from .cache import Cache, Calibration
+from .palu_block_cache import PaluBlockCache
 
 try:
     from transformers.cache_utils import Cache as _HFCache
@@ -160,26 +161,40 @@ class KVCodecCache(_HFCache):
 
 class KVCodecGpuCache(KVCodecCache):
     """KVCodecGpuCache(calibration, max_tokens, config=None, sinks=4,
-    window=32, block=256, reconstruction="exact").
+    window=32, block=256, reconstruction="exact"), or
+    KVCodecGpuCache(max_tokens=N, method="palu", settings=...).
 
-    The same transformers Cache, whose layers are kvcodec.BlockCache on the
-    device the model's keys and values are on: with a CUDA build of
-    libkvcodec and a model on the GPU, the history is kept compressed in GPU
-    memory (calibrated kvtc, blocks coded once at their positions) and never
-    leaves it; each update() decodes the layer's blocks on the GPU into the
-    history it returns (attention's transient input). calibration: a
-    per-layer calibration of this model; max_tokens: the longest sequence.
+    The same transformers Cache, whose layers stay compressed on the device
+    the model's keys and values are on: with a CUDA build of libkvcodec and
+    a model on the GPU, the history is kept compressed in GPU memory and
+    each update() decodes the layer on the GPU into the history it returns
+    (attention's transient input). method "kvtc" (calibrated): layers are
+    kvcodec.BlockCache (blocks coded once at their positions; calibration:
+    a per-layer calibration of this model; sinks, window, block,
+    reconstruction are theirs), nothing crosses to the host. method "palu":
+    layers are kvcodec.PaluBlockCache (settings: palu's), which copy their
+    first tokens to the host once for the fit (host_copy_bytes) and
+    nothing after. max_tokens: the longest sequence.
     """
 
-    def __init__(self, calibration, max_tokens, config=None, sinks=4, window=32, block=256,
-                 reconstruction="exact"):
-        super().__init__("kvtc", calibration=calibration, config=config)
-        if self.calibration is None:
+    def __init__(self, calibration=None, max_tokens=None, config=None, sinks=4, window=32, block=256,
+                 reconstruction="exact", method="kvtc", settings=None):
+        if method not in ("kvtc", "palu"):
+            raise KVCodecError(_lib.INVALID_ARGUMENT, f"KVCodecGpuCache method {method!r} is not 'kvtc' or 'palu'")
+        if max_tokens is None:
+            raise KVCodecError(_lib.INVALID_ARGUMENT, "KVCodecGpuCache needs max_tokens (the longest sequence)")
+        if method == "palu" and calibration is not None:
+            raise KVCodecError(_lib.INVALID_ARGUMENT, "KVCodecGpuCache(method='palu') takes no kvtc calibration")
+        super().__init__(method, settings=settings, calibration=calibration, config=config)
+        if method == "kvtc" and self.calibration is None:
             raise KVCodecError(_lib.INVALID_ARGUMENT, "KVCodecGpuCache needs a calibration")
         self.max_tokens, self.sinks, self.window, self.block = int(max_tokens), sinks, window, block
         self.reconstruction = reconstruction
 
     def _make_layer(self, key_states, layer_idx, calibration_layer=None):
+        if self.method == "palu":
+            return PaluBlockCache(self.settings, n_kv_heads=key_states.shape[1], head_dim=key_states.shape[3],
+                                  max_tokens=self.max_tokens, device=key_states.device)
         return BlockCache(self.calibration, layer_idx if calibration_layer is None else calibration_layer,
                           max_tokens=self.max_tokens, batch=key_states.shape[0], sinks=self.sinks,
                           window=self.window, block=self.block, device=key_states.device,

@@ -8,7 +8,7 @@ import torch
 
 import kvcodec
 from kvcodec import _lib
-from kvcodec.hf import KVCodecCache
+from kvcodec.hf import KVCodecCache, KVCodecGpuCache
 
 
 class ReferenceCache:
@@ -107,6 +107,36 @@ def test_every_method_runs_a_generation(method, settings, max_rel):
     assert cache.get_seq_length(2) == 160 + 1 + 7
     assert cache.compression_ratio > 1.5, cache.compression_ratio
     assert cache.compressed_key_bytes > 0 and cache.fp16_value_bytes > cache.compressed_value_bytes
+
+
+def test_gpu_cache_with_palu_runs_a_generation_with_the_host_caches_fit():
+    """KVCodecGpuCache(method="palu") on the CPU (CI; the GPU is
+    test_palu_block_cache.py's): its layers are PaluBlockCaches whose
+    prefill is their one host copy, and whose coded tokens are the host
+    palu cache's bit for bit (bf16 keys, as a bf16 model's)."""
+    model = TinyModel(kv_dtype=torch.bfloat16)
+    prompt = torch.randint(0, 50, (1, 160), generator=torch.Generator().manual_seed(2))
+    ref_logits = model.forward(prompt, ReferenceCache())
+    cache = KVCodecGpuCache(max_tokens=256, method="palu", settings="n_head_groups=2")
+    host = KVCodecCache("palu", "n_head_groups=2")
+    logits = model.forward(prompt, cache)
+    model.forward(prompt, host)
+    assert 0 < float((logits - ref_logits).norm() / ref_logits.norm()) < 0.5  # palu's bound above
+    for ours, theirs in zip(cache.caches, host.caches):
+        assert isinstance(ours, kvcodec.PaluBlockCache) and ours.coded_tokens == 160 and ours.host is None
+        k, _ = ours.fetch()
+        assert torch.equal(k, theirs.fetch("bf16", kind="torch")[0])
+    prefill = 3 * 2 * 160 * 2 * 64 * 2  # layers x (keys, values) x tokens x heads x dim x 2 bytes
+    model.generate(prompt[:, -1:], cache, 8)
+    assert cache.get_seq_length(2) == 160 + 1 + 7 and cache.host_copy_bytes == prefill
+    assert cache.compression_ratio > 1.5 and cache.fp16_value_bytes > cache.compressed_value_bytes
+    cache.crop(150)
+    assert [c.offset for c in cache.caches] == [150] * 3
+    for bad, words in [(dict(max_tokens=16, method="int8"), "not 'kvtc' or 'palu'"),
+                       (dict(method="palu"), "needs max_tokens"),
+                       (dict(calibration="x.kvcal", max_tokens=16, method="palu"), "no kvtc calibration")]:
+        with pytest.raises(kvcodec.KVCodecError, match=words):
+            KVCodecGpuCache(**bad)
 
 
 def test_crop_reset_and_refused_batch_operations():
