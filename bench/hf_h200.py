@@ -9,7 +9,9 @@ Parts (--parts, comma-separated):
   ppl    LlamaForCausalLM.from_pretrained(--model) in float32 through
          KVCodecCache, for each method (kvtc-gpu: KVCodecGpuCache, the
          history kept compressed on the GPU, sinks 4, window 32, blocks of
-         64, needs a CUDA build of libkvcodec), with `kvcodec eval`'s protocol
+         64, needs a CUDA build of libkvcodec; palu-gpu: KVCodecGpuCache
+         with method "palu", kvcodec.PaluBlockCache, palu's defaults), with
+         `kvcodec eval`'s protocol
          (docs/eval.md): per window of --tokens, a prefill of --context
          tokens, then --score - 1 decode steps fed the true tokens; NLL of
          the --score tokens after the context; ppl = exp(mean NLL over all
@@ -74,6 +76,9 @@ def _ppl_window(task):
         cache = KVCodecGpuCache(calibration, max_tokens=context + score, config=model.config,
                                 sinks=int(kw.get("sinks", 4)), window=int(kw.get("window", 32)),
                                 block=int(kw.get("block", 64)), reconstruction=kw.get("reconstruction", "exact"))
+    elif method == "palu-gpu":  # palu kept on the GPU (kvcodec.PaluBlockCache; fitted from a host copy once)
+        from kvcodec.hf import KVCodecGpuCache
+        cache = KVCodecGpuCache(max_tokens=context + score, config=model.config, method="palu", settings=settings)
     else:
         cache = KVCodecCache(method, settings, calibration=calibration, config=model.config, host_round_trip=True)
     t0 = time.time()
@@ -98,7 +103,7 @@ def ppl_part(a, emit):
     cal = os.path.join(a.model, "kvtc.kvcal")
     methods = [("palu", "", None), ("kvtc", "sinks=4;window=8;refine=128", cal), ("kivi2", "", None),
                ("int4", "", None), ("int8", "", None), ("fp16", "", None),
-               ("kvtc-gpu", "sinks=4;window=32;block=64", cal)]
+               ("kvtc-gpu", "sinks=4;window=32;block=64", cal), ("palu-gpu", "", None)]
     methods = [m for m in methods if m[0] in a.methods.split(",")]
     tasks = [(m, s, c, a.tokens, w, a.context, a.score) for m, s, c in methods for w in range(a.windows)]
     os.environ["OMP_NUM_THREADS"] = "1"
