@@ -14,7 +14,8 @@ kvcodec.PaluBlockCache (palu) keep a layer compressed on that device.
 """
 from ._lib import KVCodecError, lib as _clib, path as library_path
 from .cache import Cache, Calibration
-from .prefix import EncodedPrefix, PrefixCodec, cuda_device_count
+from ._device import cuda_device_count
+from .prefix import EncodedPrefix, PrefixCodec
 from .palu_codec import PaluCodec
 from .block_cache import BlockCache
 from .palu_block_cache import PaluBlockCache

@@ -40,7 +40,7 @@ from . import _lib
 from ._lib import KVCodecError
 from .cache import Cache, settings_text
 from .palu_codec import PaluCodec
-from .prefix import cuda_device_count
+from ._device import cuda_device_count, resolve_device
 
 try:
     import torch
@@ -70,18 +70,10 @@ class PaluBlockCache:
             raise KVCodecError(_lib.UNSUPPORTED, "palu.calibration: a calibrated palu cache projects keys with "
                                                  "RoPE removed, which PaluBlockCache does not do on the device; "
                                                  "use kvcodec.Cache for it")
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise _invalid(f"device {device!r} is not a torch device: {e}") from None
-        if self.device.type not in ("cpu", "cuda"):
-            raise _invalid(f"device {self.device} is neither the CPU nor a CUDA device")
-        if self.device.type == "cuda":
-            if not cuda_device_count()[1]:
-                raise KVCodecError(_lib.UNSUPPORTED, "device cuda: this libkvcodec was built without CUDA "
-                                                     "(configure with -DKVCODEC_CUDA=ON)")
-            if self.device.index is None:  # tensors name their device with its index
-                self.device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        self.device = resolve_device(device)
+        if self.device.type == "cuda" and not cuda_device_count()[1]:
+            raise KVCodecError(_lib.UNSUPPORTED, "device cuda: this libkvcodec was built without CUDA "
+                                                 "(configure with -DKVCODEC_CUDA=ON)")
         self.settings, self.n_kv_heads, self.head_dim = settings, int(n_kv_heads), int(head_dim)
         self.max_tokens = int(max_tokens)
         self.host_copy_bytes = 0  # bytes handed to the host cache for the fits, over the cache's life

@@ -20,7 +20,7 @@ import ctypes
 from . import _lib
 from ._lib import KVCodecError
 from .cache import Cache
-from .prefix import _NoContext, cuda_device_count
+from ._device import cuda_device_count, on_device, resolve_device, stream_of
 
 try:
     import torch
@@ -55,14 +55,7 @@ class PaluCodec:
             raise _invalid(f"cache must be a kvcodec.Cache, not {type(cache).__name__}")
         if part not in _PARTS:
             raise _invalid(f"part {part!r} is not 'keys' or 'values'")
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise _invalid(f"device {device!r} is not a torch device: {e}") from None
-        if self.device.type not in ("cpu", "cuda"):
-            raise _invalid(f"device {self.device} is neither the CPU nor a CUDA device")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        self.device = resolve_device(device)
         on_gpu = self.device.type == "cuda"
         if on_gpu and cuda_device_count()[1] and not torch.cuda.is_available():
             raise KVCodecError(_lib.UNSUPPORTED, "device cuda: torch sees no CUDA device")
@@ -94,12 +87,10 @@ class PaluCodec:
             self._h = None
 
     def _on_device(self):
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            return torch.cuda.device(self.device)
-        return _NoContext()
+        return on_device(self.device)
 
     def _stream(self):
-        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        return stream_of(self.device)
 
     def _check_tensor(self, x, name):
         if not isinstance(x, torch.Tensor):

@@ -18,19 +18,13 @@ import ctypes
 
 from . import _lib
 from ._lib import KVCodecError
+from ._device import cuda_device_count, on_device, resolve_device, stream_of
 from .cache import Calibration
 
 try:
     import torch
 except ImportError:  # pragma: no cover - CI has torch
     torch = None
-
-
-def cuda_device_count():
-    """(devices this libkvcodec can use, whether it was built with CUDA)."""
-    compiled = ctypes.c_int()
-    n = _lib.lib.kvcodec_cuda_device_count(ctypes.byref(compiled))
-    return n, bool(compiled.value)
 
 
 def _invalid(message):
@@ -80,14 +74,7 @@ class PrefixCodec:
         if not isinstance(calibration, Calibration):
             calibration = Calibration(calibration)
         self.calibration = calibration  # kept alive: the codec reads its tables
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise _invalid(f"device {device!r} is not a torch device: {e}") from None
-        if self.device.type not in ("cpu", "cuda"):
-            raise _invalid(f"device {self.device} is neither the CPU nor a CUDA device")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        self.device = resolve_device(device)
         self.layer, self.batch, self.max_tokens = int(layer), int(batch), int(max_tokens)
         self.sinks, self.window = int(sinks), int(window)
         on_gpu = self.device.type == "cuda"
@@ -111,12 +98,10 @@ class PrefixCodec:
             self._h = None
 
     def _on_device(self):
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            return torch.cuda.device(self.device)
-        return _NoContext()
+        return on_device(self.device)
 
     def _stream(self):
-        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        return stream_of(self.device)
 
     def _check_kv(self, keys, values):
         cal = self.calibration
@@ -205,11 +190,3 @@ class PrefixCodec:
         the first damaged stream since the last check (no-op on the CPU)."""
         with self._on_device():
             _lib.check(_lib.lib.kvcodec_prefix_check(self._h, self._stream()))
-
-
-class _NoContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
