@@ -11,6 +11,7 @@
 
 #include "cache/streams.hpp"
 #include "capi/cache_handle.hpp"
+#include "capi/cuda_device.hpp"
 #include "capi/guard.hpp"
 #include "gpu/palu_reference.hpp"
 #include "kvcodec/gpu.hpp"
@@ -125,12 +126,7 @@ KVCODEC_API kvcodec_status kvcodec_palu_codec_create(const kvcodec_cache* cache,
     l.max_tokens = max_tokens;
     l.group_bytes = kvcodec::palu::latent_group_bytes(g.projection, g.rows, g.group_size);
     if (device == KVCODEC_DEVICE_CUDA) {
-      if (!kvcodec::gpu::cuda_compiled())
-        throw Error(ErrorCode::kUnsupported,
-                    "device KVCODEC_DEVICE_CUDA: this libkvcodec was built without CUDA (configure with "
-                    "-DKVCODEC_CUDA=ON); KVCODEC_DEVICE_CPU codes the same bytes on the host");
-      if (kvcodec::gpu::device_count() == 0)
-        throw Error(ErrorCode::kUnsupported, "device KVCODEC_DEVICE_CUDA: no usable CUDA device");
+      kvcodec::capi::require_cuda_device("KVCODEC_DEVICE_CUDA", "KVCODEC_DEVICE_CPU");
       c->cuda = std::make_unique<kvcodec::gpu::PaluGpuCodec>(g.projection, int(g.rows), int(g.group_size),
                                                               max_tokens);
     }

@@ -10,6 +10,7 @@
 
 #include "cache/kvtc_calibrated.hpp"
 #include "capi/calibration_handle.hpp"
+#include "capi/cuda_device.hpp"
 #include "capi/guard.hpp"
 #include "gpu/kvtc_variant.hpp"
 #include "kvcodec/gpu.hpp"
@@ -101,12 +102,7 @@ KVCODEC_API kvcodec_status kvcodec_prefix_codec_create(const kvcodec_calibration
     // max_tokens <= 2^24, sinks and window >= 0) and give the CPU its tables.
     c->host = kvcodec::gpu::flatten_calibration(*c->calibration, {layer}, batch, max_tokens, sinks, window);
     if (device == KVCODEC_PREFIX_CUDA) {
-      if (!kvcodec::gpu::cuda_compiled())
-        throw Error(ErrorCode::kUnsupported,
-                    "device KVCODEC_PREFIX_CUDA: this libkvcodec was built without CUDA (configure with "
-                    "-DKVCODEC_CUDA=ON); KVCODEC_PREFIX_CPU codes the same bytes on the host");
-      if (kvcodec::gpu::device_count() == 0)
-        throw Error(ErrorCode::kUnsupported, "device KVCODEC_PREFIX_CUDA: no usable CUDA device");
+      kvcodec::capi::require_cuda_device("KVCODEC_PREFIX_CUDA", "KVCODEC_PREFIX_CPU");
       kvcodec::gpu::CalibratedLayout layout;
       layout.layers = {layer};
       layout.batch = batch;

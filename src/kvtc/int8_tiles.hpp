@@ -79,8 +79,9 @@ KVCODEC_AVX2_END
 KVCODEC_VNNI_BEGIN
 // R rows x NV blocks of 8 columns by vpdpbusd (u8 x s8, 4 products into
 // each int32 lane: 32 per instruction) on the u8 rows as they are, each
-// row's 4 bytes broadcast from memory (a load, no shuffle port). EVEX
-// registers: at 4 x 4, 16 accumulators, 4 weight vectors and the broadcast.
+// row's 4 bytes broadcast from memory (a load, no shuffle port).
+// vnni_products runs it for a panel's last 8 columns only (NV = 1); the
+// rest goes through vnni_tile_zmm below.
 template <int R, int NV, class Store>
 inline void vnni_tile(const uint8_t* X, size_t ldx, const int8_t* W, size_t block_stride, size_t steps,
                       const Store& store, size_t row, size_t col) {
