@@ -187,6 +187,12 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
     const float* off = tb.code_offset + size_t(h) * KP;
     const float* mx = tb.max_code + size_t(h) * KP;
     const int groups = (K + 7) / 8;
+    // The thread's two tokens (rows g and g + 8 of the warp's 16) are the
+    // same in every group: their checks and code slots are found once, and
+    // each group's two components' quantizers come in one 8-byte load each.
+    const int ta = m0 + g, tb8 = ta + 8;
+    const bool ok[2] = {ta < n && fit[ta] != 0, tb8 < n && fit[tb8] != 0};
+    const int slot[2] = {code_slot(ta, 0, KP), code_slot(tb8, 0, KP)};
     for (int ng = 0; ng < groups; ++ng) {
       // Four accumulators (independent chains of D/32 steps: the m16n8k32
       // latency, not its throughput, bounds a chain).
@@ -200,13 +206,18 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
         imma<true, false>(lh, al[ks], b.x, b.y);
         imma<true, true>(ll, al[ks], b.z, b.w);
       }
+      const int k0 = ng * 8 + q4 * 2;  // even: its pair (k0, k0 + 1) is 8-byte aligned
+      if (k0 >= K) continue;
+      const float2 q2 = __ldg(reinterpret_cast<const float2*>(qs + k0));
+      const float2 o2 = __ldg(reinterpret_cast<const float2*>(off + k0));
+      const float2 x2 = __ldg(reinterpret_cast<const float2*>(mx + k0));
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int t = m0 + g + (r >> 1) * 8, k = ng * 8 + q4 * 2 + (r & 1);
-        if (t >= n || k >= K || !fit[t]) continue;
+        const int i = r >> 1, k = k0 + (r & 1);  // token row g + 8 i, component k
+        if (!ok[i] || k >= K) continue;
         const int32_t acc = int32_t((hh[r] << 16) + ((hl[r] + lh[r]) << 8) + ll[r]);
-        const float y = fminf(mx[k], __fmaf_rn(float(acc), qs[k], off[k]));
-        cs[code_slot(t, k, KP)] = y >= 0.0f ? CodeT(__float2int_rz(y)) : CodeT(0);
+        const float y = fminf(r & 1 ? x2.y : x2.x, __fmaf_rn(float(acc), r & 1 ? q2.y : q2.x, r & 1 ? o2.y : o2.x));
+        cs[slot[i] + k * kT] = y >= 0.0f ? CodeT(__float2int_rz(y)) : CodeT(0);
       }
     }
   }
