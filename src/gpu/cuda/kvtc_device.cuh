@@ -185,23 +185,30 @@ __device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a,
 // of two consecutive tokens: 8 distinct 4-bank groups, no conflict (one
 // token's q and q + 4 hit the same banks). With pad = D + 8 (rows 8 banks
 // apart) odd tokens load the upper half of their 8 floats first for that.
+// A thread's pair group and token parity are the same in every round (the
+// CTA's threads are a multiple of 2 QP), so its dims and RoPE frequencies are
+// found once, before the loop over its tokens (they were re-derived per
+// item, with a division by rope_dim).
 template <int D, bool kMeanAdded = false, typename Skip>
 __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, const float* os, int pad, int n,
                                              int64_t t_first, uint16_t* __restrict__ yh, Skip skip) {
-  const float* mean = tb.mean + size_t(h) * D;
-  const float* isc = tb.inv_scale + size_t(h) * D;
+  constexpr int QP = D / 16;  // pair groups per token
+  static_assert(kProjThreads % (2 * QP) == 0, "a thread keeps its pair group");
   const bool rope = tb.rope[h] != 0;
   const int half = tb.rope_dim / 2;
-  constexpr int QP = D / 16;  // pair groups per token
-  for (int v = threadIdx.x; v < (n + 1) / 2 * 2 * QP; v += blockDim.x) {
-    const int r = v % (2 * QP);
-    const int t = 2 * (v / (2 * QP)) + ((r / 4) & 1), q = r % 4 + 4 * (r / 8);
-    const int lo = pair_group_lo(tb, q), hi = lo + half;
-    if (t >= n || skip(t)) continue;
+  const int r = int(threadIdx.x) % (2 * QP);
+  const int parity = (r / 4) & 1, q = r % 4 + 4 * (r / 8);
+  const int lo = pair_group_lo(tb, q), hi = lo + half, freq0 = lo % tb.rope_dim;
+  const bool upper_first = pad % 32 == 8 && parity;
+  const float* mean = tb.mean + size_t(h) * D;
+  const float* isc = tb.inv_scale + size_t(h) * D;
+  const int64_t pos = tb.pos0 + tb.tok0 + t_first;
+  for (int t = 2 * (int(threadIdx.x) / (2 * QP)) + parity; t < n; t += 2 * (int(blockDim.x) / (2 * QP))) {
+    if (skip(t)) continue;
     float a[8], b[8];
-    const bool upper_first = pad % 32 == 8 && (t & 1);
     load_f32x8_ordered(os + t * pad + lo, upper_first, a);
     load_f32x8_ordered(os + t * pad + hi, upper_first, b);
+    // Loaded per token, not held: 32 more live registers spill here.
     float ml[8] = {}, mh[8] = {}, sl[8], sh[8];
     if constexpr (!kMeanAdded) {
       ldg_f32x8(mean + lo, ml);
@@ -214,7 +221,7 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
       a[e] = __fmul_rn(kMeanAdded ? a[e] : __fadd_rn(a[e], ml[e]), sl[e]);
       b[e] = __fmul_rn(kMeanAdded ? b[e] : __fadd_rn(b[e], mh[e]), sh[e]);
     }
-    if (rope) rope_pairs(tb, tb.pos0 + tb.tok0 + t_first + t, lo % tb.rope_dim, /*remove=*/false, a, b);
+    if (rope) rope_pairs(tb, pos + t, freq0, /*remove=*/false, a, b);
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + lo), pack_bf16x8(a));
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + hi), pack_bf16x8(b));
   }
