@@ -5,7 +5,8 @@
 // [S, H * D] per head. Times encode, exact decode, fused TF32 decode, the
 // two-kernel TF32 decode and the integer decode (both also pipelined over
 // 2, 4 and 8 head ranges) against a device-to-device copy in the same run; checks two heads (layer 0's key and value of row 0) against the CPU
-// reference: bytes, exact reconstruction, TF32 bound. Prints one JSON line.
+// reference: bytes, exact reconstruction, TF32 bound; the fused integer
+// decode against the two-kernel one. Prints one JSON line.
 // Usage: gpu_bench_calibrated CAL.kvcal KV_DUMP [BATCH=21] [S=16384] [SINKS=4] [WINDOW=128]
 #include <cstdio>
 #include <cstdlib>
@@ -101,6 +102,14 @@ int main(int argc, char** argv) {
   codec.check_errors();
   std::vector<uint16_t> y_int(elems);
   CK(cudaMemcpy(y_int.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  // Fused: rANS decode into shared memory, reconstruction from there.
+  codec.set_fused_decode(true);
+  const double dec_int_fused_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+  codec.check_errors();
+  std::vector<uint16_t> y_int_fused(elems);
+  CK(cudaMemcpy(y_int_fused.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  codec.set_fused_decode(false);
+  const bool int_fused_equal = y_int_fused == y_int;
   // Pipelined too: its rANS decode (issue-bound) and integer MMAs use
   // different units, so ranges side by side might overlap where TF32's did not.
   const std::string int_piped_json = pipelined(y_int);
@@ -166,7 +175,8 @@ int main(int argc, char** argv) {
       "\"fused_equals_split\": %s, \"tc_checked_outputs\": %zu, \"tc_outputs_differ\": %zu, "
       "\"tc_bound_violations\": %zu, \"decode_int_ms\": %.3f, \"decode_int_gb_s\": %.1f, \"decode_int_frac_copy\": %.3f, "
       "\"decode_int_phases_ms\": [%.3f, %.3f], \"decode_int_pipelined_chunks_ms\": [%s], \"int_equal_cpu\": %s, "
-      "\"rel_mse_int\": %.3g}\n",
+      "\"rel_mse_int\": %.3g, \"decode_int_fused_ms\": %.3f, \"decode_int_fused_frac_copy\": %.3f, "
+      "\"int_fused_equals_split\": %s}\n",
       argv[1], L, B, (long long)S, D, sinks, window, bytes, (unsigned long long)total, double(bytes) / double(total),
       bench::rel_mse(x.data(), y.data(), elems), copy_ms, bytes * gbs / copy_ms, enc_ms, bytes * gbs / enc_ms, copy_ms / enc_ms, dec_ms,
       bytes * gbs / dec_ms, copy_ms / dec_ms, dec_tc_ms, bytes * gbs / dec_tc_ms, copy_ms / dec_tc_ms, dec_split_ms,
@@ -176,6 +186,9 @@ int main(int argc, char** argv) {
       bytes_equal ? "true" : "false", recon_equal ? "true" : "false", fused_equals_split ? "true" : "false",
       y2_tc.size(), tc_diff, tc_viol, dec_int_ms, bytes * gbs / dec_int_ms, copy_ms / dec_int_ms,
       int_ph.size() > 1 ? int_ph[0] : -1.0, int_ph.size() > 1 ? int_ph[1] : -1.0, int_piped_json.c_str(), int_equal ? "true" : "false",
-      bench::rel_mse(x.data(), y_int.data(), elems));
-  return bytes_equal && recon_equal && fused_equals_split && piped_equal && tc_viol == 0 && int_equal ? 0 : 2;
+      bench::rel_mse(x.data(), y_int.data(), elems), dec_int_fused_ms, copy_ms / dec_int_fused_ms,
+      int_fused_equal ? "true" : "false");
+  return bytes_equal && recon_equal && fused_equals_split && piped_equal && tc_viol == 0 && int_equal && int_fused_equal
+             ? 0
+             : 2;
 }

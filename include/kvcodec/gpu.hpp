@@ -120,8 +120,11 @@ class KvtcGpuCodec {
   // by default), its int32 sums exact on the tensor cores: before the
   // weights and RoPE every output equals the CPU codec's for the same codes
   // (tested; gpu::reconstruct_int_f32_reference). Heads without the
-  // integer tables, and batches with 16-bit codes, take the TF32 path;
-  // always two kernels (set_fused_decode is for TF32).
+  // integer tables, and batches with 16-bit codes, take the TF32 path.
+  // With set_fused_decode(true), where every head has the integer tables
+  // and the codes are 8-bit, the kInteger decode is ONE kernel too (rANS
+  // into shared memory, reconstructed from there; same outputs, bit for
+  // bit, tested); measured slower than the two kernels (docs/gpu.md).
   enum class Reconstruction { kExactFp32 = 0, kTf32TensorCores = 1, kInteger = 2 };
   void set_reconstruction(Reconstruction r);
   void set_fused_decode(bool on);

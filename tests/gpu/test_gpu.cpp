@@ -359,6 +359,16 @@ void gpu_matches_cpu(const Batch& b, int chunks_for_decode = 8) {
   }
   EXPECT_EQ(int_bad, 0u) << "of " << y_int.size() << " integer-path outputs (" << int_heads << " integer heads)";
   std::printf("integer reconstruction: %zu of %d heads on the integer path\n", int_heads, t.n_heads);
+  // Fused (one kernel where every head has the integer tables and the codes
+  // are 8-bit; the two kernels otherwise): the same outputs.
+  std::vector<uint16_t> y_int_fused(b.x.size());
+  codec.set_fused_decode(true);
+  ASSERT_EQ(cudaMemset(dy.p, 0xff, y.size() * 2), cudaSuccess);
+  codec.decode(dout.p, ref.payload.size(), doff.p, b.tokens, dy.p);
+  codec.check_errors();
+  ASSERT_EQ(cudaMemcpy(y_int_fused.data(), dy.p, y_int_fused.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  codec.set_fused_decode(false);
+  EXPECT_TRUE(y_int_fused == y_int) << "fused and two-kernel integer decodes differ";
   codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kExactFp32);
   EXPECT_THROW(codec.set_reconstruction(KvtcGpuCodec::Reconstruction(7)), Error);
 

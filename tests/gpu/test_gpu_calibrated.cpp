@@ -289,6 +289,14 @@ void calibrated_gpu_matches_cpu(const KvtcCalibration& cal, const std::vector<ui
   EXPECT_EQ(int_bad, 0u) << "of " << y_int.size() << " integer-path outputs differ from the reference";
   std::printf("calibrated integer decode: %zu of %zu bf16 outputs differ from the exact fp32 path\n", int_diff,
               y_int.size());
+  // The fused integer decode (rANS into shared memory, reconstruction from
+  // there): the same outputs, and a cut stream is still reported.
+  std::vector<uint16_t> y_int_fused(x.size());
+  codec.set_fused_decode(true);
+  decode_into(y_int_fused);
+  EXPECT_TRUE(y_int_fused == y_int) << "fused and two-kernel integer decodes differ";
+  expect_truncation_flagged(codec, ref.offsets, doff.p, dout.p, total, S, dy.p);
+  codec.set_fused_decode(false);
   codec.set_reconstruction(KvtcGpuCodec::Reconstruction::kTf32TensorCores);
 
   expect_truncation_flagged(codec, ref.offsets, doff.p, dout.p, total, S, dy.p);

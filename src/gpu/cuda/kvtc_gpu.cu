@@ -26,8 +26,9 @@
 //   scan of the sizes (cub), one wait for the total, pack_kernel copies the
 //   slots to the output (16-byte words where the alignment allows).
 // decode
-//   rans_decode_kernel  one warp per stream, 4 streams of one head per CTA,
-//                   the head's cum tables and decoder guide in shared memory;
+//   rans_decode_kernel  one warp per stream, 8 streams of one head per CTA,
+//                   the head's cum tables and decoder guide in shared memory,
+//                   each stream's bytes copied there first (<= 2.5 KB);
 //                   symbol by a guide look-up (>= 4 buckets per symbol) and a
 //                   short scan up cum (no 2^scale-entry slot tables: their 32
 //                   scattered look-ups per step bound v2.0 by L1 throughput;
@@ -49,6 +50,11 @@
 //                   m16n8k32 as they are, exact int32 sums; equal to the CPU
 //                   codec's outputs. Heads without its tables: the TF32
 //                   product in the same CTA.
+//   decode_int_fused_kernel  (kInteger with set_fused_decode(true), every
+//                   head on the integer tables, u8 codes) one kernel: each
+//                   warp rANS-decodes a stream into shared memory, then the
+//                   CTA reconstructs its 8 streams from there (measured
+//                   slower than the two kernels: docs/gpu.md).
 #include <algorithm>
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -245,15 +251,17 @@ struct KvtcGpuCodec::Impl {
   template <typename CodeT>
   void launch_rans_decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, int h0,
                           int h1, cudaStream_t s) {
-    const int64_t nb = n_blocks(tokens, kT), groups = (nb + kRansWarps - 1) / kRansWarps;
+    const int64_t nb = n_blocks(tokens, kT), groups = (nb + kRansDecodeWarps - 1) / kRansDecodeWarps;
     const unsigned grid = unsigned(int64_t(h1 - h0) * groups);
     CodeT* c = static_cast<CodeT*>(codes);
+    const uint32_t stage_offset = uint32_t(fused_table_bytes());
+    const size_t smem = rans_decode_smem();
     if (cum_smem > 0)
-      rans_decode_kernel<CodeT, true><<<grid, 32 * kRansWarps, cum_smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
-                                                                            groups, c, bad, err);
+      rans_decode_kernel<CodeT, true><<<grid, 32 * kRansDecodeWarps, smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
+                                                                        groups, stage_offset, c, bad, err);
     else
-      rans_decode_kernel<CodeT, false><<<grid, 32 * kRansWarps, 0, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
-                                                                      groups, c, bad, err);
+      rans_decode_kernel<CodeT, false><<<grid, 32 * kRansDecodeWarps, smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
+                                                                         groups, stage_offset, c, bad, err);
     check_cuda(cudaGetLastError(), "rans_decode_kernel launch");
   }
   template <typename CodeT>
@@ -290,6 +298,8 @@ struct KvtcGpuCodec::Impl {
       reconstruct_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
     check_cuda(cudaGetLastError(), "reconstruct_kernel launch");
   }
+  // Shared memory of rans_decode_kernel: the head's tables, then each warp's stream stage.
+  size_t rans_decode_smem() const { return fused_table_bytes() + size_t(kRansDecodeWarps) * kRansStageBytes; }
   // Shared memory of decode_fused_kernel: the head's tables, each warp's codes.
   size_t fused_table_bytes() const { return (cum_smem + 15) / 16 * 16; }
   size_t fused_smem(size_t code_bytes) const {
@@ -310,6 +320,26 @@ struct KvtcGpuCodec::Impl {
                                                                       groups, in_smem, fused_table_bytes(), bad, err, y);
     check_cuda(cudaGetLastError(), "decode_fused_kernel launch");
   }
+
+  // The fused integer decode (decode_int_fused_kernel): only where every
+  // head has the integer tables and the codes are u8 (all_recon_int).
+  size_t int_fused_smem_bytes() const { return int_fused_smem(fused_table_bytes(), flat.k_pad, flat.dim); }
+  void launch_int_fused_decode(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, int h0,
+                               int h1, uint16_t* y, cudaStream_t s) {
+    const int64_t nb = n_blocks(tokens, kT), groups = (nb + kFusedStreams - 1) / kFusedStreams;
+    const unsigned grid = unsigned(int64_t(h1 - h0) * groups);
+    const size_t smem = int_fused_smem_bytes();
+    const int in_smem = cum_smem > 0 ? 1 : 0;
+    const uint32_t tb = uint32_t(fused_table_bytes()), sb = uint32_t(int_slot_bytes(flat.k_pad));
+    if (flat.dim == 64)
+      decode_int_fused_kernel<64><<<grid, kProjThreads, smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0, groups,
+                                                                  in_smem, tb, sb, bad, err, y);
+    else
+      decode_int_fused_kernel<128><<<grid, kProjThreads, smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0, groups,
+                                                                   in_smem, tb, sb, bad, err, y);
+    check_cuda(cudaGetLastError(), "decode_int_fused_kernel launch");
+  }
+  bool all_recon_int = false;  // every head has the integer reconstruction tables
 
   // Runs stage1(h0, h1, stream) for every range on `stream` and stage2 of the
   // same range on the side stream once stage 1 is done; `stream` then waits
@@ -346,7 +376,7 @@ struct KvtcGpuCodec::Impl {
   template <typename CodeT>
   void decode_all(const uint8_t* in, uint64_t in_size, const uint64_t* offsets, int64_t tokens, uint16_t* y,
                   cudaStream_t stream) {
-    if (recon == Reconstruction::kTf32TensorCores && fused) {  // (kInteger: always two kernels)
+    if (recon == Reconstruction::kTf32TensorCores && fused) {
       // Fused: one kernel per head range (phase timing: one phase).
       pipeline(
           stream,
@@ -354,12 +384,21 @@ struct KvtcGpuCodec::Impl {
           [&](int, int, cudaStream_t) {});
       return;
     }
+    if constexpr (sizeof(CodeT) == 1) {
+      if (recon == Reconstruction::kInteger && fused && all_recon_int) {
+        pipeline(
+            stream,
+            [&](int h0, int h1, cudaStream_t s) { launch_int_fused_decode(in, in_size, offsets, tokens, h0, h1, y, s); },
+            [&](int, int, cudaStream_t) {});
+        return;
+      }
+    }
     pipeline(
         stream,
         [&](int h0, int h1, cudaStream_t s) { launch_rans_decode<CodeT>(in, in_size, offsets, tokens, h0, h1, s); },
         [&](int h0, int h1, cudaStream_t s) { launch_reconstruct<CodeT>(tokens, h0, h1, y, s); });
   }
-  bool fused = false;  // set_fused_decode: the one-kernel TF32 decode (measured slower; docs/gpu.md)
+  bool fused = false;  // set_fused_decode: the one-kernel TF32 / integer decode (docs/gpu.md)
 
   void init(FlatKvtcTables tables, int64_t max_tokens);
 };
@@ -450,6 +489,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   // The integer reconstruction's tables (kvtc_recon_int.cuh).
   m.dev.recon_frag = upload(recon_fragments(f), m.owned);
   m.dev.recon_int = upload(f.recon_int, m.owned);
+  m.all_recon_int = std::all_of(f.recon_int.begin(), f.recon_int.end(), [](uint8_t r) { return r != 0; });
   m.dev.recon_z = upload(f.recon_z, m.owned);
   m.dev.recon_scale = upload(f.recon_scale, m.owned);
   m.dev.inv_step = upload(f.inv_step, m.owned);
@@ -549,6 +589,11 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   const int ri_smem = int(int_smem_bytes(f.k_pad, f.dim));
   const int fused8 = int(m.fused_smem(1)), fused16 = int(m.fused_smem(2));
   const auto attr = raise_dynamic_smem_limit;
+  const int rd_smem = int(m.rans_decode_smem());
+  attr(reinterpret_cast<const void*>(rans_decode_kernel<uint8_t, true>), rd_smem);
+  attr(reinterpret_cast<const void*>(rans_decode_kernel<uint8_t, false>), rd_smem);
+  attr(reinterpret_cast<const void*>(rans_decode_kernel<uint16_t, true>), rd_smem);
+  attr(reinterpret_cast<const void*>(rans_decode_kernel<uint16_t, false>), rd_smem);
   if (f.dim == 64) {
     attr(reinterpret_cast<const void*>(project_kernel<64, uint8_t>), proj_smem);
     attr(reinterpret_cast<const void*>(project_kernel<64, uint16_t>), proj_smem);
@@ -559,6 +604,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint8_t>), tc_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<64, uint16_t>), tc_smem);
     attr(reinterpret_cast<const void*>(reconstruct_int_kernel<64>), ri_smem);
+    attr(reinterpret_cast<const void*>(decode_int_fused_kernel<64>), int(m.int_fused_smem_bytes()));
     attr(reinterpret_cast<const void*>(decode_fused_kernel<64, uint8_t>), fused8);
     attr(reinterpret_cast<const void*>(decode_fused_kernel<64, uint16_t>), fused16);
   } else {
@@ -571,6 +617,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint8_t>), tc_smem);
     attr(reinterpret_cast<const void*>(reconstruct_tc_kernel<128, uint16_t>), tc_smem);
     attr(reinterpret_cast<const void*>(reconstruct_int_kernel<128>), ri_smem);
+    attr(reinterpret_cast<const void*>(decode_int_fused_kernel<128>), int(m.int_fused_smem_bytes()));
     attr(reinterpret_cast<const void*>(decode_fused_kernel<128, uint8_t>), fused8);
     attr(reinterpret_cast<const void*>(decode_fused_kernel<128, uint16_t>), fused16);
   }

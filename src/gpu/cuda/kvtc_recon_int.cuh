@@ -45,11 +45,6 @@
 namespace kvcodec::gpu {
 namespace {
 
-// Row stride of the staged codes: 18 words, so the A loads of a warp (rows
-// k + 4 q + i, word 8 (w % 2) + g: bank 18 (4 q + i) + g + const = 8 q + g
-// + const mod 32) hit 32 distinct banks.
-constexpr int kIntCodeStride = 72;
-
 // o[j] = byte j of w0, w1, w2, w3 (byte i of o[j] from w_i): a 4 x 4 byte
 // transpose in 8 byte permutes.
 __device__ __forceinline__ void transpose_bytes_4x4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
@@ -62,17 +57,10 @@ __device__ __forceinline__ void transpose_bytes_4x4(uint32_t w0, uint32_t w1, ui
   o[3] = __byte_perm(t1, t3, 0x7632);
 }
 
-// KS = ceil(K / 32) k-steps (a template parameter: the A fragments of all
-// of them sit in registers).
-template <int D, int KS>
-__device__ __forceinline__ void int_reconstruct_stream(const DeviceTables& tb, int h, const uint8_t* cs, int n,
-                                                       int64_t t0, uint16_t* __restrict__ y, unsigned char* smem) {
-  constexpr int WN = 4;           // warps along the dims
-  constexpr int NT = D / 8 / WN;  // 8-dim tiles per warp
-  constexpr int kOutPad = D + 8;  // as tc_reconstruct_stream: conflict-free 64-bit stores
-  const int K = tb.kept[h], KSP = (tb.k_pad + 31) / 32;
-
-  // 1. Stage the codes, each half's tokens reordered.
+// 1. A stream's codes (global, [K][kT]) into the staged rows of smem, each
+// half's tokens reordered; rows K .. 32 KS are 0.
+template <int KS>
+__device__ __forceinline__ void stage_int_codes(int K, const uint8_t* cs, unsigned char* smem) {
   for (int j = threadIdx.x; j < KS * 64; j += blockDim.x) {
     const int k = j / 2, half = j % 2;
     uint32_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -91,6 +79,20 @@ __device__ __forceinline__ void int_reconstruct_stream(const DeviceTables& tb, i
     dst[3] = make_uint2(hi[2], hi[3]);
   }
   __syncthreads();
+}
+
+// 2-3. KS = ceil(K / 32) k-steps (a template parameter: the A fragments of
+// all of them sit in registers). One stream's reconstruction from its staged codes (codes) by the
+// CTA's 8 warps, the fp32 output staged in os_mem (may be codes: the codes
+// are in registers before it is written).
+template <int D, int KS>
+__device__ __forceinline__ void int_reconstruct_staged(const DeviceTables& tb, int h, const unsigned char* codes,
+                                                       unsigned char* os_mem, int n, int64_t t0,
+                                                       uint16_t* __restrict__ y) {
+  constexpr int WN = 4;           // warps along the dims
+  constexpr int NT = D / 8 / WN;  // 8-dim tiles per warp
+  constexpr int kOutPad = D + 8;  // as tc_reconstruct_stream: conflict-free 64-bit stores
+  const int KSP = (tb.k_pad + 31) / 32;
 
   // 2. A fragments of every k-step into registers (KS <= D / 32: at most 32
   // registers), then the codes' memory becomes the output staging.
@@ -103,7 +105,7 @@ __device__ __forceinline__ void int_reconstruct_stream(const DeviceTables& tb, i
     for (int c2 = 0; c2 < 2; ++c2) {
       // A of tile mt, register r = hr + 2 c2: row g + 8 hr (token 16 mt + g +
       // 8 hr of the half), components ks 32 + 16 c2 + 4 q + i in byte i.
-      const unsigned char* r = smem + wm * 32 + 4 * g + (ks * 32 + c2 * 16 + 4 * q) * kIntCodeStride;
+      const unsigned char* r = codes + wm * 32 + 4 * g + (ks * 32 + c2 * 16 + 4 * q) * kIntCodeStride;
       uint32_t o[4];
       transpose_bytes_4x4(*reinterpret_cast<const uint32_t*>(r), *reinterpret_cast<const uint32_t*>(r + kIntCodeStride),
                           *reinterpret_cast<const uint32_t*>(r + 2 * kIntCodeStride),
@@ -120,7 +122,7 @@ __device__ __forceinline__ void int_reconstruct_stream(const DeviceTables& tb, i
   // and the CPU codec's x = fmaf(float(acc), recon_scale, mean) into the
   // fp32 staging [kT][D + 8]. One tile's 16 accumulators live at a time (all
   // tiles' 64 held the kernel to 2 CTAs per SM).
-  float* os = reinterpret_cast<float*>(smem);
+  float* os = reinterpret_cast<float*>(os_mem);
   const size_t hd = size_t(h) * D;
   const uint4* bsrc = tb.recon_frag + (size_t(h) * KSP * (D / 8) + size_t(wn) * NT) * 32 + lane;
 #pragma unroll 1
@@ -179,16 +181,92 @@ __global__ void __launch_bounds__(kProjThreads, D <= 64 ? 4 : 3) reconstruct_int
   // k-steps: K <= k_pad <= D, so at most D / 32 (a zero-K head codes nothing:
   // one k-step of zero codes gives its -Z, as none would).
   const int ks = (tb.kept[s.h] + 31) / 32;
+  const int K = tb.kept[s.h];
   if (ks <= 1) {
-    int_reconstruct_stream<D, 1>(tb, s.h, cs, s.n, s.t0, y, smem);
+    stage_int_codes<1>(K, cs, smem);
+    int_reconstruct_staged<D, 1>(tb, s.h, smem, smem, s.n, s.t0, y);
   } else if (ks == 2) {
-    int_reconstruct_stream<D, 2>(tb, s.h, cs, s.n, s.t0, y, smem);
+    stage_int_codes<2>(K, cs, smem);
+    int_reconstruct_staged<D, 2>(tb, s.h, smem, smem, s.n, s.t0, y);
   } else if constexpr (D >= 128) {
-    if (ks == 3)
-      int_reconstruct_stream<D, 3>(tb, s.h, cs, s.n, s.t0, y, smem);
-    else
-      int_reconstruct_stream<D, 4>(tb, s.h, cs, s.n, s.t0, y, smem);
+    if (ks == 3) {
+      stage_int_codes<3>(K, cs, smem);
+      int_reconstruct_staged<D, 3>(tb, s.h, smem, smem, s.n, s.t0, y);
+    } else {
+      stage_int_codes<4>(K, cs, smem);
+      int_reconstruct_staged<D, 4>(tb, s.h, smem, smem, s.n, s.t0, y);
+    }
   }
+}
+
+// The fused integer decode (set_fused_decode(true) with kInteger, every
+// head on the integer tables and u8 codes): a CTA takes kFusedStreams
+// consecutive streams of one head. Each warp rANS-decodes its stream
+// straight into the staged rows of its slot of shared memory (no global
+// round trip of the codes, no staging pass); then the CTA's 8 warps
+// reconstruct the streams one after the other as reconstruct_int_kernel
+// does, into a separate fp32 staging. Rows K .. 32 KS of a slot are not
+// cleared: the weights of those rows are 0 (recon_w), so whatever bytes
+// sit there add exactly nothing to the int32 sums. Tokens past n of a
+// ragged stream are computed from stale bytes and not stored.
+// Shared memory: tables | kFusedStreams code slots | fp32 staging.
+template <int D>
+__global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
+    DeviceTables tb, const uint8_t* __restrict__ in, uint64_t in_size, const uint64_t* __restrict__ offsets,
+    int64_t tokens, int64_t nb, int head0, int64_t groups_per_head, int tables_in_smem, uint32_t table_bytes,
+    uint32_t slot_bytes, uint8_t* __restrict__ bad, int* __restrict__ err, uint16_t* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int ok[kFusedStreams];
+  const int h = head0 + int(blockIdx.x / groups_per_head);
+  const int w = threadIdx.x / 32;
+  const int64_t blk0 = (blockIdx.x % groups_per_head) * kFusedStreams;
+  const uint32_t* cum;
+  const uint8_t* guide;
+  head_tables(tb, h, tables_in_smem, reinterpret_cast<uint32_t*>(smem), cum, guide);
+  unsigned char* slots = smem + table_bytes;
+  unsigned char* os_mem = slots + size_t(kFusedStreams) * slot_bytes;
+  const int64_t blk = blk0 + w;
+  if (blk < nb) {
+    const int64_t stream = int64_t(h) * nb + blk, t0 = blk * kT;
+    const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+    uint8_t* cs = slots + size_t(w) * slot_bytes;
+    const uint64_t start = offsets[stream], end = offsets[stream + 1];
+    const bool any =
+        n == kT ? rans_decode_stream<uint8_t, false, true, true>(tb, h, cum, guide, in, in_size, start, end, n, cs)
+                : rans_decode_stream<uint8_t, false, false, true>(tb, h, cum, guide, in, in_size, start, end, n, cs);
+    if (threadIdx.x % 32 == 0) {
+      flag_stream(stream, any, bad, err);
+      ok[w] = any ? 0 : 1;
+    }
+  } else if (threadIdx.x % 32 == 0) {
+    ok[w] = 0;
+  }
+  __syncthreads();
+  const int ks = (tb.kept[h] + 31) / 32;
+  for (int i = 0; i < kFusedStreams; ++i) {
+    if (!ok[i]) continue;  // uniform over the CTA; a malformed stream's tokens are left untouched
+    const int64_t t0 = (blk0 + i) * kT;
+    const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+    const unsigned char* cs = slots + size_t(i) * slot_bytes;
+    if (ks <= 1) {
+      int_reconstruct_staged<D, 1>(tb, h, cs, os_mem, n, t0, y);
+    } else if (ks == 2) {
+      int_reconstruct_staged<D, 2>(tb, h, cs, os_mem, n, t0, y);
+    } else if constexpr (D >= 128) {
+      if (ks == 3)
+        int_reconstruct_staged<D, 3>(tb, h, cs, os_mem, n, t0, y);
+      else
+        int_reconstruct_staged<D, 4>(tb, h, cs, os_mem, n, t0, y);
+    }
+    __syncthreads();  // the staging is free for the next stream
+  }
+}
+
+// Shared memory of decode_int_fused_kernel past the tables: kFusedStreams
+// code slots of int_slot_bytes, then the fp32 staging.
+size_t int_slot_bytes(int k_pad) { return size_t((k_pad + 31) / 32 * 32) * kIntCodeStride; }
+size_t int_fused_smem(size_t table_bytes, int k_pad, int dim) {
+  return table_bytes + kFusedStreams * int_slot_bytes(k_pad) + size_t(kT) * size_t(dim + 8) * 4;
 }
 
 // Shared memory of reconstruct_int_kernel: the staged codes, then (reused)
