@@ -62,33 +62,31 @@ int main(int argc, char** argv) {
   uint64_t total = 0;
   const double copy_ms = bench::median_ms([&] { CK(cudaMemcpyAsync(dcopy, dx, bytes, cudaMemcpyDeviceToDevice)); }, 10);
   const double enc_ms = bench::median_ms([&] { total = codec.encode(dx, S, dout, cap, doff); }, 7);
-  const double dec_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
-  codec.check_errors();
-  std::vector<uint16_t> y(elems);
-  CK(cudaMemcpy(y.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  // The median of 11 decodes in the codec's current mode; its output into `out`.
+  const auto timed_decode = [&](std::vector<uint16_t>& out) {
+    const double ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
+    codec.check_errors();
+    out.resize(elems);
+    CK(cudaMemcpy(out.data(), dy, bytes, cudaMemcpyDeviceToHost));
+    return ms;
+  };
+  std::vector<uint16_t> y, y_tc, y_split, y_int, y_int_fused;
+  const double dec_ms = timed_decode(y);
   codec.set_reconstruction(Recon::kTf32TensorCores);
   codec.set_fused_decode(true);
-  const double dec_tc_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
-  codec.check_errors();
-  std::vector<uint16_t> y_tc(elems);
-  CK(cudaMemcpy(y_tc.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  const double dec_tc_ms = timed_decode(y_tc);
   codec.set_fused_decode(false);
-  const double dec_split_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
-  codec.check_errors();
-  std::vector<uint16_t> y_split(elems);
-  CK(cudaMemcpy(y_split.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  const double dec_split_ms = timed_decode(y_split);
   // The current decode pipelined over head ranges (set_pipeline_chunks: the
   // rANS decode of range c + 1 beside the reconstruction of range c):
   // "chunks, ms" pairs, each output checked equal to `plain`.
   bool piped_equal = true;
   const auto pipelined = [&](const std::vector<uint16_t>& plain) {
     std::string json;
+    std::vector<uint16_t> y_piped;
     for (const int chunks : {2, 4, 8}) {
       codec.set_pipeline_chunks(chunks);
-      const double ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
-      codec.check_errors();
-      std::vector<uint16_t> y_piped(elems);
-      CK(cudaMemcpy(y_piped.data(), dy, bytes, cudaMemcpyDeviceToHost));
+      const double ms = timed_decode(y_piped);
       piped_equal = piped_equal && y_piped == plain;
       json += (json.empty() ? "" : ", ") + std::to_string(chunks) + ", " + std::to_string(ms);
     }
@@ -98,16 +96,10 @@ int main(int argc, char** argv) {
   const std::string piped_json = pipelined(y_split);
   // The integer reconstruction (the CPU codec's dequantize_block on tensor cores).
   codec.set_reconstruction(Recon::kInteger);
-  const double dec_int_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
-  codec.check_errors();
-  std::vector<uint16_t> y_int(elems);
-  CK(cudaMemcpy(y_int.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  const double dec_int_ms = timed_decode(y_int);
   // Fused: rANS decode into shared memory, reconstruction from there.
   codec.set_fused_decode(true);
-  const double dec_int_fused_ms = bench::median_ms([&] { codec.decode(dout, total, doff, S, dy); }, 11);
-  codec.check_errors();
-  std::vector<uint16_t> y_int_fused(elems);
-  CK(cudaMemcpy(y_int_fused.data(), dy, bytes, cudaMemcpyDeviceToHost));
+  const double dec_int_fused_ms = timed_decode(y_int_fused);
   codec.set_fused_decode(false);
   const bool int_fused_equal = y_int_fused == y_int;
   // Pipelined too: its rANS decode (issue-bound) and integer MMAs use

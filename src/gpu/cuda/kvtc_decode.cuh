@@ -130,6 +130,19 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
   return __any_sync(0xffffffffu, fail);
 }
 
+// rans_decode_stream with kFull picked from n (a full stream drops the
+// per-step lane predicate).
+template <typename CodeT, bool kStaged, bool kStagedRows = false>
+__device__ __forceinline__ bool rans_decode_any_stream(const DeviceTables& tb, int h, const uint32_t* cum,
+                                                       const CodeT* guide, const uint8_t* __restrict__ in,
+                                                       uint64_t in_size, uint64_t start, uint64_t end, int n,
+                                                       CodeT* cs, uint8_t* stage = nullptr) {
+  return n == kT ? rans_decode_stream<CodeT, kStaged, true, kStagedRows>(tb, h, cum, guide, in, in_size, start, end, n,
+                                                                         cs, stage)
+                 : rans_decode_stream<CodeT, kStaged, false, kStagedRows>(tb, h, cum, guide, in, in_size, start, end,
+                                                                          n, cs, stage);
+}
+
 // The head's cum tables and guide into shared memory (ssm; 16-byte aligned
 // in global memory, copied as words), or left in global memory.
 template <typename CodeT>
@@ -193,10 +206,7 @@ __global__ void __launch_bounds__(32 * kRansDecodeWarps) rans_decode_kernel(Devi
   bool any;
   if (kRansStageBytes > 0 && start <= end && end - start + 32 <= kRansStageBytes) {
     uint8_t* stage = reinterpret_cast<uint8_t*>(ssm) + stage_offset + (threadIdx.x / 32) * kRansStageBytes;
-    if (n == kT)
-      any = rans_decode_stream<CodeT, true, true>(tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
-    else
-      any = rans_decode_stream<CodeT, true>(tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
+    any = rans_decode_any_stream<CodeT, true>(tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
   } else {
     any = rans_decode_stream<CodeT, false>(tb, h, cum, guide, in, in_size, start, end, n, cs);
   }

@@ -39,6 +39,8 @@
 // the same CTA (tc_reconstruct_stream), u16 codes the TF32 kernel.
 #pragma once
 
+#include <type_traits>
+
 #include "gpu/cuda/kvtc_decode.cuh"
 #include "gpu/cuda/kvtc_device.cuh"
 
@@ -162,6 +164,24 @@ __device__ __forceinline__ void int_reconstruct_staged(const DeviceTables& tb, i
   store_tokens<D, /*kMeanAdded=*/true>(tb, h, os, kOutPad, n, t0, yh, [](int) { return false; });
 }
 
+// f(std::integral_constant<int, KS>{}) for the K components' k-steps KS =
+// ceil(K / 32): K <= k_pad <= D, so at most D / 32 (a zero-K head codes
+// nothing: one k-step of zero codes gives its -Z, as none would).
+template <int D, typename F>
+__device__ __forceinline__ void with_k_steps(int K, F&& f) {
+  const int ks = (K + 31) / 32;
+  if (ks <= 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (ks == 2) {
+    f(std::integral_constant<int, 2>{});
+  } else if constexpr (D >= 128) {
+    if (ks == 3)
+      f(std::integral_constant<int, 3>{});
+    else
+      f(std::integral_constant<int, 4>{});
+  }
+}
+
 // One stream per CTA; 4 CTAs per SM at D = 64, 3 at D = 128 (its 32 A
 // registers of 4 k-steps spill at 64). With all 64 accumulators of a thread
 // live the kernel ran 2 CTAs per SM, latency-bound (0.51 warps issued per
@@ -178,25 +198,11 @@ __global__ void __launch_bounds__(kProjThreads, D <= 64 ? 4 : 3) reconstruct_int
     tc_reconstruct_stream<D, uint8_t>(tb, s.h, cs, s.n, s.t0, y, reinterpret_cast<float*>(smem));
     return;
   }
-  // k-steps: K <= k_pad <= D, so at most D / 32 (a zero-K head codes nothing:
-  // one k-step of zero codes gives its -Z, as none would).
-  const int ks = (tb.kept[s.h] + 31) / 32;
   const int K = tb.kept[s.h];
-  if (ks <= 1) {
-    stage_int_codes<1>(K, cs, smem);
-    int_reconstruct_staged<D, 1>(tb, s.h, smem, smem, s.n, s.t0, y);
-  } else if (ks == 2) {
-    stage_int_codes<2>(K, cs, smem);
-    int_reconstruct_staged<D, 2>(tb, s.h, smem, smem, s.n, s.t0, y);
-  } else if constexpr (D >= 128) {
-    if (ks == 3) {
-      stage_int_codes<3>(K, cs, smem);
-      int_reconstruct_staged<D, 3>(tb, s.h, smem, smem, s.n, s.t0, y);
-    } else {
-      stage_int_codes<4>(K, cs, smem);
-      int_reconstruct_staged<D, 4>(tb, s.h, smem, smem, s.n, s.t0, y);
-    }
-  }
+  with_k_steps<D>(K, [&](auto ks) {
+    stage_int_codes<decltype(ks)::value>(K, cs, smem);
+    int_reconstruct_staged<D, decltype(ks)::value>(tb, s.h, smem, smem, s.n, s.t0, y);
+  });
 }
 
 // The fused integer decode (set_fused_decode(true) with kInteger, every
@@ -231,9 +237,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
     const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
     uint8_t* cs = slots + size_t(w) * slot_bytes;
     const uint64_t start = offsets[stream], end = offsets[stream + 1];
-    const bool any =
-        n == kT ? rans_decode_stream<uint8_t, false, true, true>(tb, h, cum, guide, in, in_size, start, end, n, cs)
-                : rans_decode_stream<uint8_t, false, false, true>(tb, h, cum, guide, in, in_size, start, end, n, cs);
+    const bool any = rans_decode_any_stream<uint8_t, false, true>(tb, h, cum, guide, in, in_size, start, end, n, cs);
     if (threadIdx.x % 32 == 0) {
       flag_stream(stream, any, bad, err);
       ok[w] = any ? 0 : 1;
@@ -242,22 +246,13 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
     ok[w] = 0;
   }
   __syncthreads();
-  const int ks = (tb.kept[h] + 31) / 32;
+  const int K = tb.kept[h];
   for (int i = 0; i < kFusedStreams; ++i) {
     if (!ok[i]) continue;  // uniform over the CTA; a malformed stream's tokens are left untouched
     const int64_t t0 = (blk0 + i) * kT;
     const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
     const unsigned char* cs = slots + size_t(i) * slot_bytes;
-    if (ks <= 1) {
-      int_reconstruct_staged<D, 1>(tb, h, cs, os_mem, n, t0, y);
-    } else if (ks == 2) {
-      int_reconstruct_staged<D, 2>(tb, h, cs, os_mem, n, t0, y);
-    } else if constexpr (D >= 128) {
-      if (ks == 3)
-        int_reconstruct_staged<D, 3>(tb, h, cs, os_mem, n, t0, y);
-      else
-        int_reconstruct_staged<D, 4>(tb, h, cs, os_mem, n, t0, y);
-    }
+    with_k_steps<D>(K, [&](auto ks) { int_reconstruct_staged<D, decltype(ks)::value>(tb, h, cs, os_mem, n, t0, y); });
     __syncthreads();  // the staging is free for the next stream
   }
 }
