@@ -19,6 +19,7 @@ from . import _lib
 from ._lib import KVCodecError
 from .cache import Calibration
 from .prefix import PrefixCodec
+from ._layer_cache import HeldLayerCache
 
 try:
     import torch
@@ -26,7 +27,7 @@ except ImportError:  # pragma: no cover
     torch = None
 
 
-class BlockCache:
+class BlockCache(HeldLayerCache):
     """One layer (see the module's docstring). calibration: a
     kvcodec.Calibration or a path (per-layer, `kvcodec calibrate`); layer:
     its index; max_tokens: the longest history (the RoPE tables); batch: B;
@@ -123,16 +124,6 @@ class BlockCache:
             parts.append(self.tail_kv)
         return (torch.cat([p[0].to(self.dtype) for p in parts], 2),
                 torch.cat([p[1].to(self.dtype) for p in parts], 2))
-
-    def update_and_fetch(self, keys, values):
-        self.append(keys, values)
-        return self.fetch()
-
-    def size(self):
-        return self.offset
-
-    def is_trimmable(self):
-        return True
 
     def trim(self, n):
         """Drops the newest n tokens; a coded block they reach is dropped whole

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import KVCodecError
+from ._layer_cache import StatsAttributes
 
 try:  # torch is optional: numpy alone works
     import torch
@@ -125,7 +126,7 @@ class Calibration:
             self._h = None
 
 
-class Cache:
+class Cache(StatsAttributes):
     """One transformer layer's compressed KV cache.
 
     Cache("kvtc", "mode=local;block=64", n_kv_heads=2, head_dim=64) or with
@@ -334,11 +335,6 @@ class Cache:
         _lib.check(_lib.lib.kvcodec_cache_extras(self._h, _lib.EXTRA_VISITOR(add), None))
         return out
 
-    compressed_key_bytes = property(lambda self: self.stats()["compressed_key_bytes"])
-    compressed_value_bytes = property(lambda self: self.stats()["compressed_value_bytes"])
-    fp16_key_bytes = property(lambda self: self.stats()["fp16_key_bytes"])
-    fp16_value_bytes = property(lambda self: self.stats()["fp16_value_bytes"])
-    # Memory held, and shared with other caches (kvcodec.h, kvcodec_stats).
-    resident_bytes = property(lambda self: self.stats()["resident_bytes"])
+    # Memory shared with other caches (kvcodec.h, kvcodec_stats); the other
+    # stats fields are attributes through StatsAttributes.
     shared_bytes = property(lambda self: self.stats()["shared_bytes"])
-    compression_ratio = property(lambda self: self.stats()["compression_ratio"])

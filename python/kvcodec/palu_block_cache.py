@@ -41,6 +41,7 @@ from ._lib import KVCodecError
 from .cache import Cache, settings_text
 from .palu_codec import PaluCodec
 from ._device import cuda_device_count, resolve_device
+from ._layer_cache import HeldLayerCache, StatsAttributes
 
 try:
     import torch
@@ -55,7 +56,7 @@ def _invalid(message):
     return KVCodecError(_lib.INVALID_ARGUMENT, message)
 
 
-class PaluBlockCache:
+class PaluBlockCache(HeldLayerCache, StatsAttributes):
     """One layer (see the module's docstring). settings: palu's (a dict or
     "field=value;..." text, as kvcodec.Cache takes); n_kv_heads, head_dim:
     the layer's shape; max_tokens: the longest history (the codecs' largest
@@ -197,16 +198,6 @@ class PaluBlockCache:
             out.append(x)
         return out[0], out[1]
 
-    def update_and_fetch(self, keys, values):
-        self.append(keys, values)
-        return self.fetch()
-
-    def size(self):
-        return self.offset
-
-    def is_trimmable(self):
-        return True
-
     def trim(self, n):
         """Drops the newest n tokens; returns how many. Before the fit the
         host cache drops them too (so the fit sees what a CPU cache would);
@@ -258,10 +249,3 @@ class PaluBlockCache:
         return {"tokens": self.offset, "compressed_key_bytes": stored["keys"],
                 "compressed_value_bytes": stored["values"], "fp16_key_bytes": f16, "fp16_value_bytes": f16,
                 "resident_bytes": resident, "compression_ratio": 2 * f16 / total if total else 0.0}
-
-    compressed_key_bytes = property(lambda self: self.stats()["compressed_key_bytes"])
-    compressed_value_bytes = property(lambda self: self.stats()["compressed_value_bytes"])
-    fp16_key_bytes = property(lambda self: self.stats()["fp16_key_bytes"])
-    fp16_value_bytes = property(lambda self: self.stats()["fp16_value_bytes"])
-    resident_bytes = property(lambda self: self.stats()["resident_bytes"])
-    compression_ratio = property(lambda self: self.stats()["compression_ratio"])
