@@ -39,7 +39,7 @@ struct DeviceTables {
   // [NH, k_pad] {cum offset in the head's table, guide offset in the head's
   // guide, sym_base, scale_bits | guide shift << 8}
   const uint4* comp;
-  const uint4* sym_enc;       // per symbol {rcp, bias, freq, shift | cmpl_freq << 8} (encoder)
+  const uint4* sym_enc;       // per symbol {rcp, bias, x_max = freq << (31 - scale), shift | cmpl_freq << 8} (encoder)
   const uint32_t* cum;        // per head, per component: cum[0..levels] (levels + 1 entries; decoder)
   const uint32_t* head_base;  // [NH + 1] start of each head's entries in cum
   // Decoder guide, per head per component 2^gbits entries (CodeT: u8, or u16
