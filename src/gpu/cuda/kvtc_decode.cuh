@@ -107,8 +107,20 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
         const bool active = kFull || pass * 32 + lane < n;
         const uint32_t slot = st & mask;
         uint32_t base = gk[slot >> gshift];
+        // The bucket's first symbol, then one step up without a branch (with
+        // 32 lanes some lane's bucket holds a boundary below its slot at
+        // most warp steps; after this step the loop below still runs at 40%
+        // of them, ncu, H100). cum[base + 2] may be one word past the
+        // component's table (the next table's or the guide's first, or the
+        // pad word after the last head) and is then not taken, as hi =
+        // cum[levels] > slot.
         uint32_t lo = ck[base], hi = ck[base + 1];
-        while (hi <= slot) lo = hi, hi = ck[++base + 1];  // ends: cum[levels] = 2^scale > slot
+        const uint32_t hi2 = ck[base + 2];
+        const bool up = hi <= slot;
+        base += up ? 1u : 0u;
+        lo = up ? hi : lo;
+        hi = up ? hi2 : hi;
+        while (hi <= slot) lo = hi, hi = ck[++base + 1];  // rare; ends: cum[levels] = 2^scale > slot
         const uint32_t next = (hi - lo) * (st >> scale) + slot - lo;
         if (active) {
           st = next;
@@ -119,7 +131,13 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
         const unsigned b1 = __ballot_sync(0xffffffffu, one), b2 = __ballot_sync(0xffffffffu, two);
         const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
         pos += __popc(b1) + __popc(b2);
-        if (one) {
+        if constexpr (kStaged) {
+          // Both bytes read from shared memory and kept by selects (the
+          // compiler makes the second read conditional again; as shifts,
+          // with both reads unconditional, it was slower: 0.78 vs 0.71 ms).
+          const uint32_t x0 = data[min(pre, last)], x1 = data[min(pre + 1, last)];
+          st = one ? (two ? st << 16 | x0 << 8 | x1 : st << 8 | x0) : st;
+        } else if (one) {
           st = st << 8 | data[min(pre, last)];
           if (two) st = st << 8 | data[min(pre + 1, last)];
         }

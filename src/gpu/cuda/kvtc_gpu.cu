@@ -543,6 +543,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   }
   head_base.push_back(uint32_t(cum.size()));
   guide_base.push_back(uint32_t(guide.size()));
+  cum.push_back(0);  // the decoder reads cum[base + 2] unconditionally (kvtc_decode.cuh)
   m.dev.comp = upload(comp, m.owned);
   m.dev.sym_enc = upload(sym_enc, m.owned);
   m.dev.cum = upload(cum, m.owned);
