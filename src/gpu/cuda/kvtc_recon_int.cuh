@@ -33,8 +33,8 @@
 //      into the fp32 staging [kT][D + 8] (reusing the codes' memory); then
 //      store_tokens (* inv_scale, RoPE, bf16) with the mean already added.
 //      One tile's accumulators live at a time (16 registers, not 64), so
-//      3 CTAs fit an SM at D = 128 and 4 at D = 64 (was 2: 1.24 -> 1.00 ms
-//      on the calibrated bench batch, H100).
+//      4 CTAs fit an SM (2 before: 1.24 -> 1.00 ms with 3, 0.87 with 4
+//      at D = 128, the calibrated bench batch, H100).
 // A head without the integer tables (recon_int 0) takes the TF32 path in
 // the same CTA (tc_reconstruct_stream), u16 codes the TF32 kernel.
 #pragma once
@@ -182,12 +182,14 @@ __device__ __forceinline__ void with_k_steps(int K, F&& f) {
   }
 }
 
-// One stream per CTA; 4 CTAs per SM at D = 64, 3 at D = 128 (its 32 A
-// registers of 4 k-steps spill at 64). With all 64 accumulators of a thread
-// live the kernel ran 2 CTAs per SM, latency-bound (0.51 warps issued per
-// scheduler per cycle, ncu, H100).
+// One stream per CTA, 4 CTAs per SM (64 registers). At D = 128 that spills
+// 40 bytes (the A registers of 4 k-steps) and is still faster than 3 CTAs
+// with none: the kernel is latency-bound, shared-memory round trips between
+// its phases (0.973 -> 0.865 ms on the calibrated bench batch, H100,
+// session 38). With all 64 accumulators of a thread live it ran 2 CTAs per
+// SM (0.51 warps issued per scheduler per cycle, ncu, H100).
 template <int D>
-__global__ void __launch_bounds__(kProjThreads, D <= 64 ? 4 : 3) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
+__global__ void __launch_bounds__(kProjThreads, 4) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
                                                                        const uint8_t* __restrict__ bad, int64_t tokens,
                                                                        int64_t nb, int head0, uint16_t* __restrict__ y) {
   extern __shared__ __align__(16) unsigned char smem[];
