@@ -144,11 +144,16 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
     const bool fits = fabsf(ss) < INFINITY && __fmul_rn(m, ps) <= tb.proj_max_abs[h] &&
                       __fmul_rn(ss, __fmul_rn(ps, ps)) <= tb.proj_max_sq[h];
     if (e == 0) fit[t] = fits ? 1 : 0;
+    // rint(c * ps) as the low 16 bits of c * ps + 1.5 * 2^23 (round to
+    // nearest even, exact while |c * ps| < 2^22; a fitting row's are <=
+    // 32767): two full-rate adds and one byte permute per pair, where
+    // __float2int_rn is a quarter-rate conversion per value.
+    constexpr float kRound = 12582912.0f;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
-      const uint32_t lo = fits ? uint32_t(uint16_t(__float2int_rn(__fmul_rn(c[0][j], ps)))) : 0u;
-      const uint32_t hi = fits ? uint32_t(uint16_t(__float2int_rn(__fmul_rn(c[1][j], ps)))) : 0u;
-      row[e + 4 * j] = lo | hi << 16;
+      const uint32_t lo = __float_as_uint(__fadd_rn(__fmul_rn(c[0][j], ps), kRound));
+      const uint32_t hi = __float_as_uint(__fadd_rn(__fmul_rn(c[1][j], ps), kRound));
+      row[e + 4 * j] = fits ? __byte_perm(lo, hi, 0x5410) : 0u;
     }
     if (__any_sync(0xffffffffu, t < n && !fits)) {
       // The float projection (the reference's order) for the rows that do
