@@ -21,8 +21,9 @@
 //   rans_encode_kernel  one warp per stream: 32 lanes, steps in reverse; at
 //                   each step every lane codes the same component (one table),
 //                   reciprocal multiply instead of division (exact for states
-//                   < 2^31), one 16-byte table entry per symbol; bytes written
-//                   backwards into the stream's scratch slot.
+//                   < 2^31), one 16-byte table entry per symbol, branch-free
+//                   steps (predicated byte stores); bytes written backwards
+//                   into the stream's scratch slot.
 //   scan of the sizes (cub), one wait for the total, pack_kernel copies the
 //   slots to the output (16-byte words where the alignment allows).
 // decode
