@@ -309,6 +309,9 @@ void gpu_matches_cpu(const Batch& b, int chunks_for_decode = 8) {
     std::vector<uint8_t> again(total);
     ASSERT_EQ(cudaMemcpy(again.data(), dout.p, total, cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_TRUE(again == ref.payload) << "chunks " << chunks;
+    std::vector<uint64_t> offsets_again(offsets.size());
+    ASSERT_EQ(cudaMemcpy(offsets_again.data(), doff.p, offsets.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(offsets_again, ref.offsets) << "chunks " << chunks;
   }
   codec.set_pipeline_chunks(chunks_for_decode);
   EXPECT_THROW(codec.set_pipeline_chunks(0), Error);

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <memory>
 #include <random>
+#include <utility>
 
 #include "cache/kvtc_calibrated.hpp"
 #include "gpu/calibrated_test_support.hpp"
@@ -250,6 +251,24 @@ void calibrated_gpu_matches_cpu(const KvtcCalibration& cal, const std::vector<ui
   ASSERT_EQ(cudaMemcpy(offsets.data(), doff.p, offsets.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(offsets, ref.offsets);
   EXPECT_TRUE(payload == ref.payload) << "GPU bytes differ from the CPU reference";
+  {
+    // The host-checked encode (out below the largest payload, or not 16-byte
+    // aligned: the total is read before the pack) gives the same bytes; one
+    // byte short of the total is refused.
+    DevBuf<uint8_t> other(cap + 1);
+    for (const auto& [shift, capacity] : {std::pair{uint64_t(0), total}, std::pair{uint64_t(1), cap}}) {
+      ASSERT_EQ(cudaMemset(other.p, 0xa5, cap + 1), cudaSuccess);
+      ASSERT_EQ(codec.encode(dx.p, S, other.p + shift, capacity, doff.p), total) << "offset " << shift;
+      std::vector<uint8_t> again(total);
+      ASSERT_EQ(cudaMemcpy(again.data(), other.p + shift, total, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_TRUE(again == ref.payload) << "bytes of the host-checked encode, out offset " << shift;
+    }
+    EXPECT_THROW(codec.encode(dx.p, S, other.p, total - 1, doff.p), Error);
+    ASSERT_EQ(cudaMemset(dout.p, 0xa5, cap), cudaSuccess);  // the pad before the raw tokens is written, not kept
+    ASSERT_EQ(codec.encode(dx.p, S, dout.p, cap, doff.p), total);
+    ASSERT_EQ(cudaMemcpy(payload.data(), dout.p, total, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(payload == ref.payload) << "bytes of the second encode over a dirty output";
+  }
 
   ASSERT_EQ(cudaMemcpy(dout.p, ref.payload.data(), total, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(doff.p, ref.offsets.data(), ref.offsets.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
