@@ -69,9 +69,12 @@ void flatten_integer_reconstruction(const kvtc::HeadParams& p, const kvtc::HeadK
 // projection / reconstruction); built once per parameter set (the
 // calibrated format repeats a layer's per batch row).
 void flatten_integer_kernels(const kvtc::HeadParams& p, int h, FlatKvtcTables& t,
-                             std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>>& built) {
+                             std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>>& built,
+                             bool eight_bit) {
   std::shared_ptr<const kvtc::HeadKernels>& kern = built[&p];
-  if (!kern) kern = kvtc::HeadKernels::build(p, kvtc::KernelSet::kBoth);
+  if (!kern)
+    kern = kvtc::HeadKernels::build(p, eight_bit ? kvtc::KernelSet::kBoth | kvtc::KernelSet::kProj8
+                                                 : kvtc::KernelSet::kBoth);
   flatten_integer_reconstruction(p, *kern, h, t);
   if (!kern->proj_int) return;
   const size_t D = size_t(t.dim), KP = size_t(t.k_pad), K = size_t(p.n_kept()), dp2 = (D + 1) / 2;
@@ -84,10 +87,20 @@ void flatten_integer_kernels(const kvtc::HeadParams& p, int h, FlatKvtcTables& t
   t.proj_max_abs[size_t(h)] = kern->proj_max_abs;
   t.proj_max_sq[size_t(h)] = kern->proj_max_sq;
   t.proj_int[size_t(h)] = 1;
+  if (!eight_bit || !kern->proj8) return;
+  const size_t dp4 = (D + 3) / 4;
+  for (size_t k = 0; k < K; ++k) {
+    t.proj8_qscale[t.idx(h, int(k))] = kern->proj8_qscale[k];
+    for (size_t d = 0; d < D; ++d)
+      t.proj8_w[(size_t(h) * KP + k) * D + d] = kern->proj8_w[kvtc::proj8_w_index(k, d, dp4)];
+  }
+  t.proj8_gate_m[size_t(h)] = kern->proj8_gate_m;
+  t.proj8_gate_ss[size_t(h)] = kern->proj8_gate_ss;
+  t.proj8[size_t(h)] = 1;
 }
 }  // namespace
 
-FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) {
+FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads, bool eight_bit) {
   FlatKvtcTables t;
   if (heads.empty()) throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: no heads given");
   t.n_heads = int(heads.size());
@@ -132,6 +145,11 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
   t.proj_scale.assign(NH, 0.0f);
   t.proj_max_abs.assign(NH, 0.0f);
   t.proj_max_sq.assign(NH, 0.0f);
+  t.proj8.assign(NH, 0);
+  t.proj8_w.assign(NH * KP * D, 0);
+  t.proj8_qscale.assign(NH * KP, 0.0f);
+  t.proj8_gate_m.assign(NH, 0.0f);
+  t.proj8_gate_ss.assign(NH, 0.0f);
   t.recon_int.assign(NH, 0);
   t.recon_w.assign(NH * KP * D, 0);
   t.recon_zero2.assign(NH * KP, 0);
@@ -177,7 +195,7 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads) 
       t.slot_base[i] = t.slot_symbol.size();
       for (uint32_t s = 0; s < q.levels; ++s) t.slot_symbol.insert(t.slot_symbol.end(), ft.freq[s], uint16_t(s));
     }
-    if (K > 0) flatten_integer_kernels(p, int(h), t, built);
+    if (K > 0) flatten_integer_kernels(p, int(h), t, built, eight_bit);
   }
   return t;
 }
@@ -201,7 +219,7 @@ FlatKvtcTables flatten_calibration(const KvtcCalibration& cal, const std::vector
     for (const bool is_key : {true, false})
       for (int b = 0; b < batch; ++b) heads.push_back(&(is_key ? cal.keys : cal.values)[size_t(l)]);
   }
-  FlatKvtcTables t = flatten_heads(heads);
+  FlatKvtcTables t = flatten_heads(heads, /*eight_bit=*/true);  // the calibrated cache's default (kvtc.int8)
   const size_t D = size_t(t.dim);
   for (size_t i = 0; i < layers.size(); ++i)
     for (const bool is_key : {true, false})
@@ -274,8 +292,9 @@ void weighted_rows_reference(const FlatKvtcTables& t, int h, const uint16_t* x, 
 }
 
 namespace {
-// The integer projection's codes [K] of one centred row xc [D]
-// (kvtc_variant.hpp); false, writing nothing, when the row does not fit.
+// The 8-bit or else the integer projection's codes [K] of one centred row
+// xc [D] (kvtc_variant.hpp); false, writing nothing, when the row fits
+// neither.
 bool integer_codes(const FlatKvtcTables& t, int h, const float* xc, uint16_t* codes) {
   const int D = t.dim, K = t.kept[size_t(h)];
   const float ps = t.proj_scale[size_t(h)];
@@ -284,8 +303,21 @@ bool integer_codes(const FlatKvtcTables& t, int h, const float* xc, uint16_t* co
     m = std::max(m, std::fabs(xc[d]));
     lane[d % 8] = std::fma(xc[d], xc[d], lane[d % 8]);
   }
-  if (!kvtc::scaled_row_fits(m, lane, ps, t.proj_max_abs[size_t(h)], t.proj_max_sq[size_t(h)])) return false;
   int32_t xi[128];  // D is 64 or 128 (flatten_heads); no allocation per row
+  if (t.proj8[size_t(h)] &&
+      kvtc::proj8_row_fits(m, kvtc::lane_square_sum(lane), t.proj8_gate_m[size_t(h)], t.proj8_gate_ss[size_t(h)])) {
+    const float s = kvtc::proj8_row_scale(m), factor = kvtc::proj8_row_factor(m);
+    for (int d = 0; d < D; ++d) xi[d] = int32_t(std::nearbyint(xc[d] * s));  // |xi| <= 127
+    for (int k = 0; k < K; ++k) {
+      const int8_t* w = t.proj8_w.data() + (size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D);
+      int32_t acc = 0;
+      for (int d = 0; d < D; ++d) acc += xi[d] * int32_t(w[d]);
+      const size_t q = t.idx(h, k);
+      codes[k] = kvtc::proj8_code(acc, factor, t.proj8_qscale[q], t.code_offset[q], t.max_code[q]);
+    }
+    return true;
+  }
+  if (!kvtc::scaled_row_fits(m, lane, ps, t.proj_max_abs[size_t(h)], t.proj_max_sq[size_t(h)])) return false;
   for (int d = 0; d < D; ++d) xi[d] = int32_t(std::nearbyint(xc[d] * ps));
   for (int k = 0; k < K; ++k) {
     const int16_t* w = t.proj_w.data() + (size_t(h) * size_t(t.k_pad) + size_t(k)) * size_t(D);

@@ -16,8 +16,18 @@
 // Arithmetic (identical on both sides, no contraction):
 //   xr      = x[t] as f32 (bf16_to_f32), RoPE removed when rope[h] (below)
 //   xc[d]   = xr[d] * scale[d] - mean[d]          (scale = 1: kvtc-gpu/2 as before)
-//   code    = the integer projection's code when the head has one
-//             (proj_int[h]) and the token's row fits it, else the float one:
+//   code    = the 8-bit projection's code when the head has one (proj8[h])
+//             and its gate takes the row, else the integer projection's
+//             when the head has one (proj_int[h]) and the row fits it,
+//             else the float one:
+//   8-bit (calibrated heads: the CPU calibrated cache's default projection,
+//   kvtc.int8, HeadKernels::proj8, the same tables and arithmetic):
+//     takes   = |ss| < inf && (m * m) * proj8_gate_m + ss * proj8_gate_ss <= 1
+//               (m, ss as below)
+//     x8[d]   = int8 rintf(xc[d] * (127 / m)) (0 for a zero row)
+//     acc[k]  = sum over d of x8[d] * proj8_w[k][d] (exact int32)
+//     code    = y = fmaf(float(acc) * (m / 127), proj8_qscale[k], code_offset[k]);
+//               min(levels-1, y) truncated, 0 when negative
 //   integer (the CPU codec's default projection, HeadKernels::proj_int, the
 //   same tables and arithmetic, so the same codes as kvtc::quantize_block
 //   on the rows xr * scale):
@@ -114,6 +124,12 @@ struct FlatKvtcTables {
   std::vector<int16_t> proj_w;       // [NH, k_pad, D] W[k][d], rows >= kept are 0
   std::vector<float> proj_qscale;    // [NH, k_pad]
   std::vector<float> proj_scale, proj_max_abs, proj_max_sq;  // [NH]
+  // The 8-bit projection (HeadKernels::proj8; calibrated heads only, as the
+  // CPU calibrated cache runs it; others keep proj8 0): rows its gate takes.
+  std::vector<uint8_t> proj8;        // [NH]
+  std::vector<int8_t> proj8_w;       // [NH, k_pad, D] W8[k][d], rows >= kept are 0
+  std::vector<float> proj8_qscale;   // [NH, k_pad]
+  std::vector<float> proj8_gate_m, proj8_gate_ss;  // [NH]
   // The integer reconstruction (HeadKernels::recon_int, the CPU codec's
   // default dequantize_block; heads without it keep recon_int 0):
   //   acc[d]  = sum over k of int16(2 code[k] - recon_zero2[k]) * recon_w[k][d] (exact int32)
@@ -132,7 +148,8 @@ struct FlatKvtcTables {
 
 // Flattens fitted heads (all of one head_dim in {64, 128}, coder rANS, alphabet
 // == levels). Throws Error(kUnsupported / kInvalidArgument) naming the head.
-FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads);
+// eight_bit: the heads take the 8-bit projection too (flatten_calibration).
+FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads, bool eight_bit = false);
 
 // The calibrated format: heads [layer][key, value][batch row] in that order
 // (NH = layers.size() * 2 * batch), each the layer's calibrated parameters,

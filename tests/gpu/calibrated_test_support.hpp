@@ -17,12 +17,14 @@ constexpr int kHeads = 2, kHeadDim = 64, kDim = kHeads * kHeadDim;
 // A calibration of `layers` layers fitted on synthetic RoPE-free vectors
 // (weighted by random per-dimension scales), and KV rows for it: per layer
 // keys (RoPE applied at the token's position) and values, [S, H * D] bf16.
+// Even layers are fitted at the default budget, odd ones at odd_budget bits
+// per token.
 struct Synthetic {
   KvtcCalibration cal;
   std::vector<std::vector<uint16_t>> keys, values;  // [layers][S * kDim]
 };
 
-inline Synthetic synthetic(int layers, int64_t S, uint32_t seed) {
+inline Synthetic synthetic(int layers, int64_t S, uint32_t seed, int odd_budget = 2 * kDim) {
   Synthetic out;
   KvtcCalibration& c = out.cal;
   c.n_layers = layers;
@@ -39,7 +41,7 @@ inline Synthetic synthetic(int layers, int64_t S, uint32_t seed) {
       for (float& v : w) v = u(rng);
       std::vector<uint16_t> zw(z.size());
       for (size_t i = 0; i < z.size(); ++i) zw[i] = f32_to_bf16_rne(bf16_bits_to_f32(z[i]) * w[i % kDim]);
-      (is_key ? c.keys : c.values).push_back(fit(zw.data(), S, kDim, l % 2 ? 2 * kDim : 0));
+      (is_key ? c.keys : c.values).push_back(fit(zw.data(), S, kDim, l % 2 ? odd_budget : 0));
       (is_key ? c.key_scale : c.value_scale).push_back(w);
       std::vector<float> x = to_f32(z.data(), z.size());
       if (is_key) rope_rotate_tokens(x.data(), S, kHeads, kHeadDim, 0, inv_freq, /*inverse=*/false);

@@ -24,6 +24,16 @@
 namespace kvcodec::gpu {
 namespace {
 
+// Tokens i with i % 7 == 3 scaled up 16x (exact in bf16): rows the 8-bit
+// projection's gate refuses and the 16-bit one takes.
+void scale_up_some_tokens(std::vector<uint16_t>& x, int64_t S) {
+  for (int64_t i = 3; i < S; i += 7)
+    for (int d = 0; d < kDim; ++d) {
+      uint16_t& v = x[size_t(i) * kDim + size_t(d)];
+      v = f32_to_bf16_rne(bf16_bits_to_f32(v) * 16.0f);
+    }
+}
+
 TEST(KvtcCalibratedVariant, HeadsCarryTheLayersTransforms) {
   const Synthetic s = synthetic(2, 256, 5);
   const FlatKvtcTables t = flatten_calibration(s.cal, {1, 0}, 3, 512, 4, 32);
@@ -72,18 +82,25 @@ TEST(KvtcCalibratedVariant, SinksAndWindowStayRawAndTheRestRoundTrips) {
                Error);
 }
 
-// The integer projection of the calibrated format is the CPU codec's: the
-// rows it centres (RoPE removed in f32 as the format does it, weighted)
-// give kvtc::quantize_block's codes, every one.
-TEST(KvtcCalibratedVariant, IntegerProjectionGivesTheCpuCodecsCodes) {
+// The projection of the calibrated format is the CPU calibrated cache's
+// default (kvtc.int8: the 8-bit projection for the rows its gate takes, the
+// 16-bit one for the rest): the rows it centres (RoPE removed in f32 as the
+// format does it, weighted) give kvtc::quantize_block's codes, every one.
+// Layer 1 is fitted at 1 bit per value, whose steps let the gate take most
+// rows; tokens scaled up 16x are refused (the 16-bit path).
+TEST(KvtcCalibratedVariant, ProjectionGivesTheCpuCalibratedCachesCodes) {
   const int64_t S = 640;
-  const Synthetic s = synthetic(1, S, 23);
-  const FlatKvtcTables t = flatten_calibration(s.cal, {0}, 1, S + 100, 0, 0);
+  const Synthetic s = synthetic(2, S, 23, /*odd_budget=*/kDim);
+  const FlatKvtcTables t = flatten_calibration(s.cal, {1}, 1, S + 100, 0, 0);
   for (const bool is_key : {true, false}) {
     const int h = is_key ? 0 : 1;
-    const kvtc::HeadParams& p = is_key ? s.cal.keys[0] : s.cal.values[0];
+    kvtc::HeadParams p = is_key ? s.cal.keys[1] : s.cal.values[1];
+    p.build_kernels(kvtc::KernelSet::kBoth | kvtc::KernelSet::kProj8);  // as KvtcCalibration::read_file
     ASSERT_EQ(t.proj_int[size_t(h)], 1);
-    const std::vector<uint16_t>& xb = is_key ? s.keys[0] : s.values[0];
+    ASSERT_EQ(t.proj8[size_t(h)], 1);
+    ASSERT_TRUE(p.derived().proj8);
+    std::vector<uint16_t> xb = is_key ? s.keys[1] : s.values[1];
+    scale_up_some_tokens(xb, S);
     const int K = p.n_kept();
     std::vector<float> rows(size_t(S) * kDim);
     weighted_rows_reference(t, h, xb.data(), S, rows.data(), 100);
@@ -91,6 +108,25 @@ TEST(KvtcCalibratedVariant, IntegerProjectionGivesTheCpuCodecsCodes) {
     kvtc::quantize_block(p, rows.data(), S, cpu.data());
     quantize_reference(t, h, xb.data(), S, ref.data(), 100);
     for (size_t i = 0; i < ref.size(); ++i) ASSERT_EQ(ref[i], cpu[i]) << (is_key ? "keys" : "values") << " at " << i;
+    // Which rows the 8-bit gate takes: most, and none of the scaled-up ones.
+    int64_t taken = 0;
+    for (int64_t i = 0; i < S; ++i) {
+      float m = 0.0f, lane[8] = {};
+      for (int d = 0; d < kDim; ++d) {
+        const float c = rows[size_t(i) * kDim + size_t(d)] - p.mean[size_t(d)];
+        m = std::max(m, std::fabs(c));
+        lane[d % 8] = std::fma(c, c, lane[d % 8]);
+      }
+      const bool takes =
+          kvtc::proj8_row_fits(m, kvtc::lane_square_sum(lane), p.derived().proj8_gate_m, p.derived().proj8_gate_ss);
+      taken += takes;
+      if (i % 7 == 3) {
+        EXPECT_FALSE(takes) << "scaled-up row " << i;
+      }
+    }
+    std::printf("%s: the 8-bit gate takes %lld of %lld rows\n", is_key ? "keys" : "values", (long long)taken,
+                (long long)S);
+    EXPECT_GT(taken, S / 2);
   }
 }
 
@@ -115,7 +151,9 @@ TEST(KvtcCalibratedVariant, AgreesWithTheCpuCalibratedCodec) {
     if (is_key) rope_rotate_tokens(x.data(), S, kHeads, kHeadDim, 0, inv_freq, /*inverse=*/true);
     for (size_t i = 0; i < x.size(); ++i) x[i] *= w[i % kDim];
     std::vector<uint16_t> cpu(size_t(S) * size_t(K)), cpu_float(cpu.size()), ref(cpu.size());
-    kvtc::quantize_block(p, x.data(), S, cpu.data());  // what the cache runs: the int16 projection
+    kvtc::HeadParams p8 = p;  // what the cache runs (kvtc.int8): the 8-bit projection where its gate takes a row
+    p8.build_kernels(kvtc::KernelSet::kBoth | kvtc::KernelSet::kProj8);
+    kvtc::quantize_block(p8, x.data(), S, cpu.data());
     kvtc::quantize_block_path(p, x.data(), S, cpu_float.data(), kvtc::QuantPath::kFloat);
     quantize_reference(t, h, xb.data(), S, ref.data(), 0);
     for (const auto* other : {&cpu_float, &cpu}) {
@@ -125,7 +163,7 @@ TEST(KvtcCalibratedVariant, AgreesWithTheCpuCalibratedCodec) {
         differ += (*other)[i] != ref[i];
         worst = std::max(worst, std::abs(int((*other)[i]) - int(ref[i])));
       }
-      // The same int16 projection as the CPU's default: only the inputs'
+      // The same projections as the CPU cache's default: only the inputs'
       // RoPE differs (f32 here, double there): boundary ties (< 0.2%; 0
       // measured); against the CPU's fp32 projection (the int16 rounding
       // of x and the basis) measured 2.3-2.6%, bounded at twice that.
@@ -133,7 +171,7 @@ TEST(KvtcCalibratedVariant, AgreesWithTheCpuCalibratedCodec) {
       EXPECT_LE(worst, 1) << (is_key ? "keys" : "values");
       EXPECT_LE(double(differ), (float_path ? 0.05 : 0.002) * double(ref.size())) << differ << " of " << ref.size();
       std::printf("%s: %zu of %zu codes differ from the CPU codec's %s projection (by one step)\n",
-                  is_key ? "keys" : "values", differ, ref.size(), float_path ? "float" : "default (int16)");
+                  is_key ? "keys" : "values", differ, ref.size(), float_path ? "float" : "default (8-bit / int16)");
     }
     // Same codes (the CPU's) through both reconstructions.
     std::vector<float> y_cpu(size_t(S) * kDim), y_ref(y_cpu.size());
@@ -151,17 +189,19 @@ TEST(KvtcCalibratedVariant, AgreesWithTheCpuCalibratedCodec) {
 }
 
 // On the KV dump with the shipped calibration: the format's codes are the
-// CPU codec's 16-bit projection's (kvtc.int8=false), every one; the CPU
-// cache's default 8-bit projection (KernelSet::kProj8) differs from them by
-// at most one step, on the share of coefficients its gate's rounding moves
-// across a cell boundary (printed; bounded at 5%).
-TEST(KvtcCalibratedVariant, TheCachesEightBitProjectionIsWithinAStepOnTheKvDump) {
+// CPU calibrated cache's (its default 8-bit projection, KernelSet::kProj8,
+// where the gate takes a row), every one; the 16-bit projection
+// (kvtc.int8=false) differs from them by at most one step, on the share of
+// coefficients the 8-bit rounding moves across a cell boundary (printed;
+// bounded at 5%), which shows the gate took rows.
+TEST(KvtcCalibratedVariant, TheFormatsCodesAreTheCalibratedCachesOnTheKvDump) {
   const std::string dump = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
   const std::string cal_path = std::string(KVCODEC_SOURCE_DIR) + "/models/tinycode/kvtc.kvcal";
   if (!std::filesystem::exists(dump)) GTEST_SKIP() << "no KV dump at " << dump << " (shared folder absent)";
   const KvtcCalibration cal = KvtcCalibration::read_file(cal_path);
   const SafetensorsFile f = SafetensorsFile::open(dump);
   size_t total = 0, differ8 = 0, differ16 = 0;
+  int64_t rows8 = 0, all_rows = 0;
   int worst = 0;
   for (int layer = 0; layer < cal.n_layers; ++layer) {
     const FlatKvtcTables t = flatten_calibration(cal, {layer}, 1, 2048, 0, 0);
@@ -176,6 +216,7 @@ TEST(KvtcCalibratedVariant, TheCachesEightBitProjectionIsWithinAStepOnTheKvDump)
       const int h = is_key ? 0 : 1;
       const kvtc::HeadParams& p = (is_key ? cal.keys : cal.values)[size_t(layer)];
       ASSERT_TRUE(p.derived().proj8) << "read_file builds the 8-bit projection";
+      ASSERT_EQ(t.proj8[size_t(h)], 1);
       std::vector<float> rows(size_t(S * V));
       weighted_rows_reference(t, h, x.data(), S, rows.data(), 0);
       const size_t n = size_t(S) * size_t(p.n_kept());
@@ -186,18 +227,30 @@ TEST(KvtcCalibratedVariant, TheCachesEightBitProjectionIsWithinAStepOnTheKvDump)
       for (size_t i = 0; i < n; ++i) {
         differ16 += c16[i] != ref[i];
         differ8 += c8[i] != ref[i];
-        worst = std::max(worst, std::abs(int(c8[i]) - int(ref[i])));
+        worst = std::max(worst, std::abs(int(c16[i]) - int(ref[i])));
       }
       total += n;
+      for (int64_t i = 0; i < S; ++i) {  // rows the 8-bit gate takes (the GPU kernel's fast path)
+        float m = 0.0f, lane[8] = {};
+        for (int64_t d = 0; d < V; ++d) {
+          const float c = rows[size_t(i * V + d)] - p.mean[size_t(d)];
+          m = std::max(m, std::fabs(c));
+          lane[d % 8] = std::fma(c, c, lane[d % 8]);
+        }
+        rows8 += kvtc::proj8_row_fits(m, kvtc::lane_square_sum(lane), p.derived().proj8_gate_m,
+                                      p.derived().proj8_gate_ss);
+      }
+      all_rows += S;
     }
   }
-  std::printf("KV dump, shipped calibration: %zu coefficients; the CPU's 16-bit projection differs on %zu, its 8-bit "
-              "one (the cache's default) on %zu (%.3f%%), by at most %d step\n",
-              total, differ16, differ8, 100.0 * double(differ8) / double(total), worst);
-  EXPECT_EQ(differ16, 0u);
-  EXPECT_GT(differ8, 0u);  // the 8-bit projection did take rows
+  std::printf("KV dump, shipped calibration: %zu coefficients; the CPU cache's 8-bit projection (its default) differs "
+              "on %zu, its 16-bit one on %zu (%.3f%%), by at most %d step; the 8-bit gate takes %lld of %lld rows\n",
+              total, differ8, differ16, 100.0 * double(differ16) / double(total), worst, (long long)rows8,
+              (long long)all_rows);
+  EXPECT_EQ(differ8, 0u);
+  EXPECT_GT(differ16, 0u);  // the 8-bit projection did take rows
   EXPECT_LE(worst, 1);
-  EXPECT_LE(double(differ8), 0.05 * double(total));
+  EXPECT_LE(double(differ16), 0.05 * double(total));
 }
 
 TEST(KvtcCalibratedVariant, RejectsLayoutsItCannotCode) {
@@ -332,6 +385,12 @@ TEST(KvtcCalibratedGpu, MatchesCpuReference) {
   const Synthetic s = synthetic(2, S, seed);
   calibrated_gpu_matches_cpu(s.cal, batch_of(s), S, 1, 4, 32);
   calibrated_gpu_matches_cpu(s.cal, batch_of(s), S, 1, 0, 0);  // everything coded
+  // Layer 1 at 1 bit per value: the 8-bit gate takes most rows; the
+  // scaled-up ones go to the 16-bit projection, so warps take both passes.
+  Synthetic s8 = synthetic(2, S, seed + 1, /*odd_budget=*/kDim);
+  for (auto* layers : {&s8.keys, &s8.values})
+    for (std::vector<uint16_t>& x : *layers) scale_up_some_tokens(x, S);
+  calibrated_gpu_matches_cpu(s8.cal, batch_of(s8), S, 1, 4, 32);
 #endif
 }
 

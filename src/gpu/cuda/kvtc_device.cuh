@@ -61,6 +61,12 @@ struct DeviceTables {
   const float* proj_scale;     // [NH]
   const float* proj_max_abs;   // [NH]
   const float* proj_max_sq;    // [NH]
+  // The 8-bit projection (heads with proj8): the rows its gate takes.
+  const uint8_t* proj8;        // [NH]
+  const uint2* proj8_frag;     // [NH, k_pad / 8, D / 32, 32 lanes] {b0, b1} of W8 (int8)
+  const float* proj8_qscale;   // [NH, k_pad]
+  const float* proj8_gate_m;   // [NH]
+  const float* proj8_gate_ss;  // [NH]
   // The integer reconstruction (kvtc_recon_int.cuh; heads with recon_int).
   const uint8_t* recon_int;    // [NH]
   const uint4* recon_frag;     // [NH, ceil(k_pad / 32), D / 8, 32 lanes] {high bytes b0, b1, low bytes b0, b1}

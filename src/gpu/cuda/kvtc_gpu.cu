@@ -15,9 +15,10 @@
 //                   16-byte writes into the stream's code slot (u8 when every
 //                   alphabet has <= 256 symbols, else u16).
 //   project_int_kernel  the same tiles for heads with the integer
-//                   projection (kvtc_project_int.cuh: the CPU codec's int16
-//                   products, exact on the tensor cores); project_kernel
-//                   then codes only the heads without it.
+//                   projection (kvtc_project_int.cuh: the CPU codec's 8-bit
+//                   products for the rows the gate takes on calibrated heads,
+//                   its int16 ones otherwise, exact on the tensor cores);
+//                   project_kernel then codes only the heads without it.
 //   rans_encode_kernel  one warp per stream: 32 lanes, steps in reverse; at
 //                   each step every lane codes the same component (one table),
 //                   reciprocal multiply instead of division (exact for states
@@ -483,6 +484,27 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
     m.dev.proj_scale = upload(f.proj_scale, m.owned);
     m.dev.proj_max_abs = upload(f.proj_max_abs, m.owned);
     m.dev.proj_max_sq = upload(f.proj_max_sq, m.owned);
+    // The 8-bit projection's W8[k][d] (inner d, column k) as B fragments,
+    // [NH, k_pad / 8, D / 32, 32 lanes] {b0, b1} (DeviceTables::proj8_frag).
+    std::vector<uint2> frag8(frag.size());
+    for (int h = 0; h < f.n_heads; ++h)
+      for (int ng = 0; ng < KP / 8; ++ng)
+        for (int ks = 0; ks < D / 32; ++ks)
+          for (int l = 0; l < 32; ++l) {
+            uint32_t b[2] = {0, 0};
+            for (int half = 0; half < 2; ++half)
+              for (int i = 0; i < 4; ++i) {
+                const int d = ks * 32 + half * 16 + (l % 4) * 4 + i, k = ng * 8 + l / 4;
+                b[half] |= uint32_t(uint8_t(f.proj8_w[(size_t(h) * size_t(KP) + size_t(k)) * size_t(D) + size_t(d)]))
+                           << (8 * i);
+              }
+            frag8[((size_t(h) * (KP / 8) + size_t(ng)) * (D / 32) + size_t(ks)) * 32 + size_t(l)] = make_uint2(b[0], b[1]);
+          }
+    m.dev.proj8_frag = upload(frag8, m.owned);
+    m.dev.proj8 = upload(f.proj8, m.owned);
+    m.dev.proj8_qscale = upload(f.proj8_qscale, m.owned);
+    m.dev.proj8_gate_m = upload(f.proj8_gate_m, m.owned);
+    m.dev.proj8_gate_ss = upload(f.proj8_gate_ss, m.owned);
     for (int h = 0; h < f.n_heads; ++h) {
       if (f.kept[size_t(h)] == 0) continue;
       (f.proj_int[size_t(h)] ? m.any_int_projection : m.any_float_projection) = true;

@@ -1,17 +1,19 @@
-// The integer projection of the kvtc-gpu encoder (kvtc_variant.hpp,
-// "integer"): the CPU codec's int16 projection, its products exact on the
+// The integer projections of the kvtc-gpu encoder (kvtc_variant.hpp,
+// "8-bit" and "integer"): the CPU codec's, their products exact on the
 // tensor cores.
 //
 // Why integers: an fp32 projection is 2 FLOP per (token, dim, component) on
 // the CUDA cores (project_kernel: 30% of the H200's fp32 peak, most of the
 // encode's time), and tensor cores cannot reproduce an fp32 order bit for
-// bit. An int16 product can be: with v = 256 hi + lo (hi the signed high
-// byte, lo the unsigned low byte) for both operands,
+// bit. Integer products can. The 8-bit projection (calibrated heads, the
+// rows its gate takes: every row of the shared KV dump) is one s8 x s8
+// mma.sync m16n8k32 per tile of 16 tokens x 8 components x 32 dims. The
+// 16-bit one splits v = 256 hi + lo (hi the signed high byte, lo the
+// unsigned low byte) for both operands,
 //   x . w = 2^16 (xh . wh) + 2^8 (xh . wl + xl . wh) + xl . wl,
-// four s8/u8 mma.sync m16n8k32 per tile of 16 tokens x 8 components x 32
-// dims, each sum exact in int32 (|partial| < 2^23 for D <= 128), combined
-// modulo 2^32: the exact sum, since a fitting row keeps it below 2^31. So
-// the codes are the CPU codec's, whatever the order.
+// four s8/u8 MMAs per tile, each sum exact in int32 (|partial| < 2^23 for
+// D <= 128), combined modulo 2^32: the exact sum, since a fitting row keeps
+// it below 2^31. So the codes are the CPU codec's, whatever the order.
 //
 // project_int_kernel: CTA of 256 threads per (head, tile of 128 tokens = two
 // streams), as project_kernel.
@@ -21,16 +23,16 @@
 //      + 8j (the CPU's square-sum lanes 2e and 2e + 1, each summed in its
 //      order; a RoPE pair (i, i + rope_dim/2) lies in one thread since
 //      rope_dim/2 is a multiple of 8): RoPE removed -> * scale - mean -> the
-//      row check -> int16 x, written over the row's bf16 in place. A row
-//      that does not fit (rare: longer than the quantizers' cells reach, or
-//      not finite) gets the float projection's codes right there, its
-//      values shuffled within the 4 threads in the reference's order d =
-//      0..D-1.
-//   2. Warp w: tokens [16w, 16w + 16) x every component group; the x
-//      fragments for all of D stay in registers, the
-//      weights come pre-split in fragment order (proj_frag, 16 bytes per
-//      lane per (group, k-step)). Codes staged component-major as
-//      project_kernel.
+//      gates -> written over the row's bf16 in place: int8 x8 (the 8-bit
+//      gate took it; its factor m / 127 beside) or else int16 x. A row that
+//      fits neither (rare: longer than the quantizers' cells reach, or not
+//      finite) gets the float projection's codes right there, its values
+//      shuffled within the 4 threads in the reference's order d = 0..D-1.
+//   2. Warp w: tokens [16w, 16w + 16) x every component group, the 8-bit
+//      pass where the warp has 8-bit rows, the 16-bit pass where it has
+//      16-bit ones; the x fragments for all of D stay in registers, the
+//      weights come pre-split in fragment order (proj8_frag / proj_frag).
+//      Codes staged component-major as project_kernel.
 #pragma once
 
 #include "gpu/cuda/kvtc_device.cuh"
@@ -84,7 +86,8 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
   // The tile's bf16 rows, then in place their int16 scaled values.
   int16_t* xi = reinterpret_cast<int16_t*>(smem);                       // [kTile][XS]
   float4* scale_mean = reinterpret_cast<float4*>(xi + kTile * XS);       // [D / 2]
-  CodeT* cs = reinterpret_cast<CodeT*>(scale_mean + D / 2);             // [2][kT * KP]
+  float* factor8 = reinterpret_cast<float*>(scale_mean + D / 2);        // [kTile] m / 127 of 8-bit rows
+  CodeT* cs = reinterpret_cast<CodeT*>(factor8 + kTile);                // [2][kT * KP]
   const int h = head0 + int(blockIdx.x / tiles_per_head);
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
@@ -97,6 +100,8 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
   const uint16_t* xh = x + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
   const int lane = threadIdx.x % 32, e = lane % 4, base = lane - e;
   const float ps = tb.proj_scale[h];
+  const bool eight_bit = tb.proj8[h] != 0;
+  const float gate_m = tb.proj8_gate_m[h], gate_ss = tb.proj8_gate_ss[h];
 
   // 0. The tile (n contiguous rows) into shared memory, 16 bytes a load;
   // rows past n zero.
@@ -141,19 +146,40 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
     const float ss = __fadd_rn(__fadd_rn(__fadd_rn(l[0], l[4]), __fadd_rn(l[1], l[5])),
                                __fadd_rn(__fadd_rn(l[2], l[6]), __fadd_rn(l[3], l[7])));
-    const bool fits = fabsf(ss) < INFINITY && __fmul_rn(m, ps) <= tb.proj_max_abs[h] &&
-                      __fmul_rn(ss, __fmul_rn(ps, ps)) <= tb.proj_max_sq[h];
-    if (e == 0) fit[t] = fits ? 1 : 0;
-    // rint(c * ps) as the low 16 bits of c * ps + 1.5 * 2^23 (round to
-    // nearest even, exact while |c * ps| < 2^22; a fitting row's are <=
-    // 32767): two full-rate adds and one byte permute per pair, where
+    // rint(c * s) as the low bits of c * s + 1.5 * 2^23 (round to nearest
+    // even, exact while |c * s| < 2^22; a taken row's are <= 127 or 32767):
+    // two full-rate adds and one byte permute per pair, where
     // __float2int_rn is a quarter-rate conversion per value.
     constexpr float kRound = 12582912.0f;
+    // The 8-bit projection's gate (proj8_row_fits, op by op).
+    const bool eight = eight_bit && fabsf(ss) < INFINITY &&
+                       __fadd_rn(__fmul_rn(__fmul_rn(m, m), gate_m), __fmul_rn(ss, gate_ss)) <= 1.0f;
+    bool fits = true;
+    if (eight) {
+      // x8 = rint(c * 127 / m) as int8 in the row's first D bytes (dims
+      // 2e + 8j, 2e + 1 + 8j: one 16-bit store per pair).
+      const float s8 = m > 0.0f ? __fdiv_rn(127.0f, m) : 0.0f;
+      uint16_t* row8 = reinterpret_cast<uint16_t*>(row);
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const uint32_t lo = __float_as_uint(__fadd_rn(__fmul_rn(c[0][j], ps), kRound));
-      const uint32_t hi = __float_as_uint(__fadd_rn(__fmul_rn(c[1][j], ps), kRound));
-      row[e + 4 * j] = fits ? __byte_perm(lo, hi, 0x5410) : 0u;
+      for (int j = 0; j < D / 8; ++j) {
+        const uint32_t lo = __float_as_uint(__fadd_rn(__fmul_rn(c[0][j], s8), kRound));
+        const uint32_t hi = __float_as_uint(__fadd_rn(__fmul_rn(c[1][j], s8), kRound));
+        row8[e + 4 * j] = uint16_t(__byte_perm(lo, hi, 0x0040));
+      }
+      if (e == 0) {
+        factor8[t] = __fdiv_rn(m, 127.0f);
+        fit[t] = 2;
+      }
+    } else {
+      fits = fabsf(ss) < INFINITY && __fmul_rn(m, ps) <= tb.proj_max_abs[h] &&
+             __fmul_rn(ss, __fmul_rn(ps, ps)) <= tb.proj_max_sq[h];
+      if (e == 0) fit[t] = fits ? 1 : 0;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const uint32_t lo = __float_as_uint(__fadd_rn(__fmul_rn(c[0][j], ps), kRound));
+        const uint32_t hi = __float_as_uint(__fadd_rn(__fmul_rn(c[1][j], ps), kRound));
+        row[e + 4 * j] = fits ? __byte_perm(lo, hi, 0x5410) : 0u;
+      }
     }
     if (__any_sync(0xffffffffu, t < n && !fits)) {
       // The float projection (the reference's order) for the rows that do
@@ -173,10 +199,62 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
   }
   __syncthreads();
 
-  // 2. Products on the tensor cores, codes into the staging.
+  // 2. Products on the tensor cores, codes into the staging: the 8-bit
+  // pass for the warp's rows the gate took, the 16-bit one for the others
+  // (each only where the warp has such rows).
   const int m0 = (threadIdx.x / 32) * 16;
-  if (m0 < n) {
-    const int g = lane / 4, q4 = lane % 4;
+  const int g = lane / 4, q4 = lane % 4;
+  // The thread's two tokens (rows g and g + 8 of the warp's 16) are the
+  // same in every group: their paths and code slots are found once, and
+  // each group's two components' quantizers come in one 8-byte load each.
+  const int ta = m0 + g, tb8 = ta + 8;
+  const int path[2] = {ta < n ? fit[ta] : 0, tb8 < n ? fit[tb8] : 0};  // 2: 8-bit, 1: 16-bit, 0: done
+  const int slot[2] = {code_slot(ta, 0, KP), code_slot(tb8, 0, KP)};
+  const float* off = tb.code_offset + size_t(h) * KP;
+  const float* mx = tb.max_code + size_t(h) * KP;
+  const int groups = (K + 7) / 8;
+  if (m0 < n && __any_sync(0xffffffffu, path[0] == 2 || path[1] == 2)) {
+    uint32_t a[D / 32][4];
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = m0 + g + (r & 1) * 8, col = ks * 32 + (r >> 1) * 16 + q4 * 4;
+        a[ks][r] = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(xi + row * XS) + col);
+      }
+    const uint2* wf = tb.proj8_frag + size_t(h) * (KP / 8) * (D / 32) * 32 + lane;
+    const float* qs = tb.proj8_qscale + size_t(h) * KP;
+    const float factor[2] = {factor8[ta], factor8[tb8]};
+    for (int ng = 0; ng < groups; ++ng) {
+      // Two accumulators (independent chains of D/64 steps), added: exact.
+      const uint2* w = wf + size_t(ng) * (D / 32) * 32;
+      uint32_t c0[4], c1[4];
+#pragma unroll
+      for (int ks = 0; ks < D / 32; ++ks) {
+        const uint2 b = __ldg(w + ks * 32);
+        if (ks == 0) imma<false, false, false>(c0, a[ks], b.x, b.y);
+        else if (ks == 1) imma<false, false, false>(c1, a[ks], b.x, b.y);
+        else if (ks % 2 == 0) imma<false, false>(c0, a[ks], b.x, b.y);
+        else imma<false, false>(c1, a[ks], b.x, b.y);
+      }
+      const int k0 = ng * 8 + q4 * 2;
+      if (k0 >= K) continue;
+      const float2 q2 = __ldg(reinterpret_cast<const float2*>(qs + k0));
+      const float2 o2 = __ldg(reinterpret_cast<const float2*>(off + k0));
+      const float2 x2 = __ldg(reinterpret_cast<const float2*>(mx + k0));
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = r >> 1, k = k0 + (r & 1);
+        if (path[i] != 2 || k >= K) continue;
+        // proj8_code: fma(float(acc) * factor, qscale, offset), min, truncation.
+        const int32_t acc = int32_t(c0[r] + c1[r]);
+        const float y = __fmaf_rn(__fmul_rn(float(acc), factor[i]), r & 1 ? q2.y : q2.x, r & 1 ? o2.y : o2.x);
+        const float top = r & 1 ? x2.y : x2.x, v = top < y ? top : y;
+        cs[slot[i] + k * kT] = v >= 0.0f ? CodeT(__float2int_rz(v)) : CodeT(0);
+      }
+    }
+  }
+  if (m0 < n && __any_sync(0xffffffffu, path[0] == 1 || path[1] == 1)) {
     uint32_t ah[D / 32][4], al[D / 32][4];
 #pragma unroll
     for (int ks = 0; ks < D / 32; ++ks)
@@ -189,15 +267,7 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
       }
     const uint4* wf = tb.proj_frag + size_t(h) * (KP / 8) * (D / 32) * 32 + lane;
     const float* qs = tb.proj_qscale + size_t(h) * KP;
-    const float* off = tb.code_offset + size_t(h) * KP;
-    const float* mx = tb.max_code + size_t(h) * KP;
-    const int groups = (K + 7) / 8;
-    // The thread's two tokens (rows g and g + 8 of the warp's 16) are the
-    // same in every group: their checks and code slots are found once, and
-    // each group's two components' quantizers come in one 8-byte load each.
-    const int ta = m0 + g, tb8 = ta + 8;
-    const bool ok[2] = {ta < n && fit[ta] != 0, tb8 < n && fit[tb8] != 0};
-    const int slot[2] = {code_slot(ta, 0, KP), code_slot(tb8, 0, KP)};
+    const bool ok[2] = {path[0] == 1, path[1] == 1};
     for (int ng = 0; ng < groups; ++ng) {
       // Four accumulators (independent chains of D/32 steps: the m16n8k32
       // latency, not its throughput, bounds a chain).
@@ -232,8 +302,8 @@ __global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTabl
 
 // Dynamic shared memory of project_int_kernel.
 inline size_t project_int_smem(int dim, int k_pad, size_t code_bytes) {
-  return size_t(kTile) * size_t(dim + kXiPad) * 2 + size_t(dim) / 2 * 16 + 2 * size_t(kT) * size_t(k_pad) * code_bytes +
-         size_t(kTile);
+  return size_t(kTile) * size_t(dim + kXiPad) * 2 + size_t(dim) / 2 * 16 + size_t(kTile) * 4 +
+         2 * size_t(kT) * size_t(k_pad) * code_bytes + size_t(kTile);
 }
 
 }  // namespace
