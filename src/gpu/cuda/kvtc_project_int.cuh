@@ -77,8 +77,13 @@ __device__ __forceinline__ void centre_token(const DeviceTables& tb, const uint3
   }
 }
 
+// 4 CTAs per SM (64 registers; at D = 128 ptxas spills 44 bytes): with the
+// 8-bit pass's 16 A registers in place of the 16-bit pass's 32 the kernel
+// is still latency-bound between its phases, and one more CTA per SM took
+// the projection from 1.182 to 1.051 ms (H100, the calibrated bench batch,
+// session 39).
 template <int D, typename CodeT>
-__global__ void __launch_bounds__(kProjThreads, 3) project_int_kernel(DeviceTables tb, const uint16_t* __restrict__ x,
+__global__ void __launch_bounds__(kProjThreads, 4) project_int_kernel(DeviceTables tb, const uint16_t* __restrict__ x,
                                                                    int64_t tokens, int64_t nb, int64_t tiles_per_head,
                                                                    int head0, CodeT* __restrict__ codes) {
   constexpr int XS = D + kXiPad;
