@@ -11,6 +11,7 @@
 #include "kvcodec/error.hpp"
 #include "cache/kvtc_calibrated.hpp"
 #include "kvtc/codec.hpp"
+#include "kvtc/proj8.hpp"
 
 namespace kvcodec::gpu {
 namespace {
@@ -88,7 +89,7 @@ void flatten_integer_kernels(const kvtc::HeadParams& p, int h, FlatKvtcTables& t
   t.proj_max_sq[size_t(h)] = kern->proj_max_sq;
   t.proj_int[size_t(h)] = 1;
   if (!eight_bit || !kern->proj8) return;
-  const size_t dp4 = (D + 3) / 4;
+  const size_t dp4 = kvtc::proj8_row_len(D) / 4;
   for (size_t k = 0; k < K; ++k) {
     t.proj8_qscale[t.idx(h, int(k))] = kern->proj8_qscale[k];
     for (size_t d = 0; d < D; ++d)

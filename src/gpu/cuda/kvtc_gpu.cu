@@ -92,22 +92,27 @@ T* upload(const std::vector<T>& v, std::vector<void*>& owned) {
   return static_cast<T*>(p);
 }
 
-// Lane l's m16n8k32 B fragment of an int16 matrix (w(inner, col), 0 past
-// its end) at k-step `step` (inner indices 32 step ..) and 8-column tile
-// `tile`, each value split into its high (signed) and low (unsigned) byte:
+// Lane l's m16n8k32 B fragment of a byte matrix (byte(inner, col)) at
+// k-step `step` (inner indices 32 step ..) and 8-column tile `tile`:
 // column 8 tile + l / 4, inner 4 (l % 4) + i of b0 and 16 + 4 (l % 4) + i of
-// b1 in byte i; {high b0, b1, low b0, b1}, one 16-byte load per lane.
-template <typename W>
-uint4 split_b_fragment(const W& w, int step, int tile, int l) {
-  uint32_t r[4] = {0, 0, 0, 0};
+// b1 in byte i.
+template <typename B>
+uint2 b_fragment(const B& byte, int step, int tile, int l) {
+  uint32_t r[2] = {0, 0};
   const int col = tile * 8 + l / 4;
   for (int half = 0; half < 2; ++half)
-    for (int i = 0; i < 4; ++i) {
-      const uint16_t v = uint16_t(w(step * 32 + half * 16 + (l % 4) * 4 + i, col));
-      r[half] |= uint32_t(v >> 8) << (8 * i);
-      r[2 + half] |= uint32_t(v & 0xffu) << (8 * i);
-    }
-  return make_uint4(r[0], r[1], r[2], r[3]);
+    for (int i = 0; i < 4; ++i) r[half] |= uint32_t(uint8_t(byte(step * 32 + half * 16 + (l % 4) * 4 + i, col))) << (8 * i);
+  return make_uint2(r[0], r[1]);
+}
+
+// The same of an int16 matrix (w(inner, col), 0 past its end), each value
+// split into its high (signed) and low (unsigned) byte: {high b0, b1, low
+// b0, b1}, one 16-byte load per lane.
+template <typename W>
+uint4 split_b_fragment(const W& w, int step, int tile, int l) {
+  const uint2 hi = b_fragment([&](int i, int c) { return uint16_t(w(i, c)) >> 8; }, step, tile, l);
+  const uint2 lo = b_fragment([&](int i, int c) { return uint16_t(w(i, c)) & 0xffu; }, step, tile, l);
+  return make_uint4(hi.x, hi.y, lo.x, lo.y);
 }
 
 // The integer reconstruction's weights W[k][d] (inner k, column d) as B
@@ -466,17 +471,23 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
     m.dev.basis_frag = upload(frag, m.owned);
   }
   {
-    // The integer projection's weights W[k][d] (inner d, column k) as B
-    // fragments, [NH, k_pad / 8, D / 32, 32 lanes] (DeviceTables::proj_frag).
+    // The integer projections' weights W[k][d] and W8[k][d] (inner d,
+    // column k) as B fragments, [NH, k_pad / 8, D / 32, 32 lanes]
+    // (DeviceTables::proj_frag: {high b0, b1, low b0, b1}; proj8_frag: {b0, b1}).
     const int D = f.dim, KP = f.k_pad;
     std::vector<uint4> frag(size_t(f.n_heads) * size_t(KP / 8) * size_t(D / 32) * 32);
+    std::vector<uint2> frag8(frag.size());
     for (int h = 0; h < f.n_heads; ++h) {
-      const auto w = [&](int d, int k) { return f.proj_w[(size_t(h) * size_t(KP) + size_t(k)) * size_t(D) + size_t(d)]; };
+      const auto at = [&](int d, int k) { return (size_t(h) * size_t(KP) + size_t(k)) * size_t(D) + size_t(d); };
+      const auto w = [&](int d, int k) { return f.proj_w[at(d, k)]; };
+      const auto w8 = [&](int d, int k) { return f.proj8_w[at(d, k)]; };
       for (int ng = 0; ng < KP / 8; ++ng)
         for (int ks = 0; ks < D / 32; ++ks)
-          for (int l = 0; l < 32; ++l)
-            frag[((size_t(h) * (KP / 8) + size_t(ng)) * (D / 32) + size_t(ks)) * 32 + size_t(l)] =
-                split_b_fragment(w, ks, ng, l);
+          for (int l = 0; l < 32; ++l) {
+            const size_t i = ((size_t(h) * (KP / 8) + size_t(ng)) * (D / 32) + size_t(ks)) * 32 + size_t(l);
+            frag[i] = split_b_fragment(w, ks, ng, l);
+            frag8[i] = b_fragment(w8, ks, ng, l);
+          }
     }
     m.dev.proj_frag = upload(frag, m.owned);
     m.dev.proj_int = upload(f.proj_int, m.owned);
@@ -484,22 +495,6 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
     m.dev.proj_scale = upload(f.proj_scale, m.owned);
     m.dev.proj_max_abs = upload(f.proj_max_abs, m.owned);
     m.dev.proj_max_sq = upload(f.proj_max_sq, m.owned);
-    // The 8-bit projection's W8[k][d] (inner d, column k) as B fragments,
-    // [NH, k_pad / 8, D / 32, 32 lanes] {b0, b1} (DeviceTables::proj8_frag).
-    std::vector<uint2> frag8(frag.size());
-    for (int h = 0; h < f.n_heads; ++h)
-      for (int ng = 0; ng < KP / 8; ++ng)
-        for (int ks = 0; ks < D / 32; ++ks)
-          for (int l = 0; l < 32; ++l) {
-            uint32_t b[2] = {0, 0};
-            for (int half = 0; half < 2; ++half)
-              for (int i = 0; i < 4; ++i) {
-                const int d = ks * 32 + half * 16 + (l % 4) * 4 + i, k = ng * 8 + l / 4;
-                b[half] |= uint32_t(uint8_t(f.proj8_w[(size_t(h) * size_t(KP) + size_t(k)) * size_t(D) + size_t(d)]))
-                           << (8 * i);
-              }
-            frag8[((size_t(h) * (KP / 8) + size_t(ng)) * (D / 32) + size_t(ks)) * 32 + size_t(l)] = make_uint2(b[0], b[1]);
-          }
     m.dev.proj8_frag = upload(frag8, m.owned);
     m.dev.proj8 = upload(f.proj8, m.owned);
     m.dev.proj8_qscale = upload(f.proj8_qscale, m.owned);
