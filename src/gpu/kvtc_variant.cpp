@@ -10,6 +10,7 @@
 
 #include "kvcodec/error.hpp"
 #include "cache/kvtc_calibrated.hpp"
+#include "entropy/entropy.hpp"
 #include "kvtc/codec.hpp"
 #include "kvtc/proj8.hpp"
 
@@ -99,6 +100,23 @@ void flatten_integer_kernels(const kvtc::HeadParams& p, int h, FlatKvtcTables& t
   t.proj8_gate_ss[size_t(h)] = kern->proj8_gate_ss;
   t.proj8[size_t(h)] = 1;
 }
+
+// Component k's table as the streams code it: the calibration's, or, where
+// it has more than kVariantMaxScaleBits of precision (the CPU codec allows
+// 16), the optimal table of that precision for its frequencies (the lane
+// states hold 31 bits and take 16 at a time, so the slot may take at most
+// 15). Held in `scratch` when rebuilt.
+const entropy::FrequencyTable& stream_table(const entropy::FrequencyTable& ft, size_t h, int k,
+                                            entropy::FrequencyTable& scratch) {
+  if (ft.scale_bits <= kVariantMaxScaleBits) return ft;
+  if (ft.alphabet_size > (1u << kVariantMaxScaleBits))
+    throw Error(ErrorCode::kUnsupported, "kvtc-gpu: head " + std::to_string(h) + " component " + std::to_string(k) +
+                                             " has " + std::to_string(ft.alphabet_size) +
+                                             " levels; the GPU streams code at most 2^15");
+  scratch = entropy::FrequencyTable::from_counts(std::vector<uint64_t>(ft.freq.begin(), ft.freq.end()),
+                                                 kVariantMaxScaleBits, /*precision_loss=*/0.0);
+  return scratch;
+}
 }  // namespace
 
 FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads, bool eight_bit) {
@@ -157,6 +175,7 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads, 
   t.recon_z.assign(NH * D, 0);
   t.recon_scale.assign(NH * D, 0.0f);
   std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>> built;
+  entropy::FrequencyTable table15;  // a component's table rebuilt at 15 bits (stream_table)
   for (size_t h = 0; h < NH; ++h) {
     const kvtc::HeadParams& p = *heads[h];
     const int K = p.n_kept();
@@ -181,20 +200,21 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads, 
           ft.cum[q.levels] != (1u << ft.scale_bits))
         throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: head " + std::to_string(h) + " component " +
                                                      std::to_string(k) + ": quantizer and rANS table disagree");
+      const entropy::FrequencyTable& table = stream_table(ft, h, k, table15);
       // Same formulas as the CPU codec (code_offset / recon_offset there).
       t.inv_step[i] = 1.0f / q.step;
       t.code_offset[i] = q.half_offset ? float(q.levels / 2) : float(q.zero) + 0.5f;
       t.recon_offset[i] = q.half_offset ? float(q.levels / 2) - 0.5f : float(q.zero);
       t.max_code[i] = float(q.levels - 1);
       t.step[i] = q.step;
-      t.scale_bits[i] = ft.scale_bits;
+      t.scale_bits[i] = table.scale_bits;
       t.sym_base[i] = uint32_t(t.sym_freq.size());
       for (uint32_t s = 0; s < q.levels; ++s) {
-        t.sym_freq.push_back(ft.freq[s]);
-        t.sym_cum.push_back(ft.cum[s]);
+        t.sym_freq.push_back(table.freq[s]);
+        t.sym_cum.push_back(table.cum[s]);
       }
       t.slot_base[i] = t.slot_symbol.size();
-      for (uint32_t s = 0; s < q.levels; ++s) t.slot_symbol.insert(t.slot_symbol.end(), ft.freq[s], uint16_t(s));
+      for (uint32_t s = 0; s < q.levels; ++s) t.slot_symbol.insert(t.slot_symbol.end(), table.freq[s], uint16_t(s));
     }
     if (K > 0) flatten_integer_kernels(p, int(h), t, built, eight_bit);
   }
@@ -428,7 +448,7 @@ std::vector<uint8_t> rans_warp_encode(const FlatKvtcTables& t, int h, const uint
   const int64_t steps = int64_t(K) * passes;
   uint32_t x[kWarpLanes];
   std::fill(x, x + kWarpLanes, kVariantRansLow);
-  // Built backwards: step s's bytes (in decoder order) are prepended.
+  // Built backwards: step s's words (in decoder order) are prepended.
   std::vector<uint8_t> rev;  // reversed output: reversed chunks, last step first
   for (int64_t s = steps - 1; s >= 0; --s) {
     const int k = int(s / passes);
@@ -443,14 +463,14 @@ std::vector<uint8_t> rans_warp_encode(const FlatKvtcTables& t, int h, const uint
                                                      std::to_string(k) + " is outside its alphabet");
       const uint32_t f = t.sym_freq[t.sym_base[q] + sym], c = t.sym_cum[t.sym_base[q] + sym];
       const uint32_t scale = t.scale_bits[q];
-      const uint32_t x_max = ((kVariantRansLow >> scale) << 8) * f;
-      uint8_t emitted[4];
-      int ne = 0;
-      while (x[j] >= x_max) {
-        emitted[ne++] = uint8_t(x[j]);
-        x[j] >>= 8;
+      // One 16-bit word out (low bits; a state < 2^31 needs one at most),
+      // then the state is in [f 2^(15 - scale), f 2^(31 - scale)).
+      const uint32_t x_max = (kVariantRansLow >> scale << 16) * f;
+      if (x[j] >= x_max) {
+        chunk.push_back(uint8_t(x[j]));  // little-endian word
+        chunk.push_back(uint8_t(x[j] >> 8));
+        x[j] >>= 16;
       }
-      for (int e = ne - 1; e >= 0; --e) chunk.push_back(emitted[e]);  // decoder reads the last emitted first
       x[j] = ((x[j] / f) << scale) + (x[j] % f) + c;
     }
     rev.insert(rev.end(), chunk.rbegin(), chunk.rend());
@@ -474,7 +494,8 @@ void rans_warp_decode(const FlatKvtcTables& t, int h, const uint8_t* data, size_
   for (int j = 0; j < kWarpLanes; ++j) {
     x[j] = uint32_t(data[4 * j]) | uint32_t(data[4 * j + 1]) << 8 | uint32_t(data[4 * j + 2]) << 16 |
            uint32_t(data[4 * j + 3]) << 24;
-    if (x[j] < kVariantRansLow) bad_stream(h, "lane " + std::to_string(j) + " starts in an invalid state");
+    if (x[j] < kVariantRansLow || x[j] >= kVariantRansHigh)
+      bad_stream(h, "lane " + std::to_string(j) + " starts in an invalid state");
   }
   size_t pos = kStateBytes;
   const int64_t passes = (n + kWarpLanes - 1) / kWarpLanes;
@@ -489,9 +510,10 @@ void rans_warp_decode(const FlatKvtcTables& t, int h, const uint8_t* data, size_
       const uint16_t sym = t.slot_symbol[t.slot_base[q] + slot];
       const uint32_t f = t.sym_freq[t.sym_base[q] + sym], c = t.sym_cum[t.sym_base[q] + sym];
       x[j] = f * (x[j] >> scale) + slot - c;
-      while (x[j] < kVariantRansLow) {
-        if (pos >= size) bad_stream(h, "truncated at step " + std::to_string(s));
-        x[j] = x[j] << 8 | data[pos++];
+      if (x[j] < kVariantRansLow) {  // one word brings it back to [2^15, 2^31)
+        if (size - pos < 2) bad_stream(h, "truncated at step " + std::to_string(s));
+        x[j] = x[j] << 16 | uint32_t(data[pos + 1]) << 8 | data[pos];
+        pos += 2;
       }
       codes[tok * K + k] = sym;
     }

@@ -1,4 +1,4 @@
-// The GPU variant of the KVTC payload ("kvtc-gpu/2") and its plain CPU
+// The GPU variant of the KVTC payload ("kvtc-gpu/3") and its plain CPU
 // reference, compiled in every build so the CPU can read and write what the
 // GPU kernels produce (and CI tests the format without a GPU).
 //
@@ -15,7 +15,7 @@
 //
 // Arithmetic (identical on both sides, no contraction):
 //   xr      = x[t] as f32 (bf16_to_f32), RoPE removed when rope[h] (below)
-//   xc[d]   = xr[d] * scale[d] - mean[d]          (scale = 1: kvtc-gpu/2 as before)
+//   xc[d]   = xr[d] * scale[d] - mean[d]          (scale = 1: plain heads)
 //   code    = the 8-bit projection's code when the head has one (proj8[h])
 //             and its gate takes the row, else the integer projection's
 //             when the head has one (proj_int[h]) and the row fits it,
@@ -60,16 +60,20 @@
 //
 // Stream bytes (empty when K == 0): 32 lane states (u32 little-endian, lane 0
 // first; the encoder's final states = the decoder's initial ones), then the
-// renormalisation bytes in the order the decoder reads them. Symbols are
-// component-major: with P = ceil(n / 32) passes, decode step s = k*P + p
-// codes component k of tokens p*32 + j on lane j (lanes with p*32 + j >= n
-// idle), so at every step all lanes use one component's table (kvtc-gpu/2;
-// /1 was token-major, lane = (t*K + k) % 32, and made the 32 lanes gather
-// from 32 different tables). Each lane j decodes x -> f*(x >> scale) + (x &
-// mask) - cum, then reads bytes while x < 2^23 (x = x << 8 | byte); step s's
-// bytes are lane 0's, then lane 1's, ... (a warp finds its offsets with a
-// prefix count). A valid stream is consumed exactly and ends with every lane
-// back at 2^23.
+// renormalisation words (u16 little-endian) in the order the decoder reads
+// them. Symbols are component-major: with P = ceil(n / 32) passes, decode
+// step s = k*P + p codes component k of tokens p*32 + j on lane j (lanes
+// with p*32 + j >= n idle), so at every step all lanes use one component's
+// table (/1 was token-major, lane = (t*K + k) % 32, and made the 32 lanes
+// gather from 32 different tables). Each lane j decodes x -> f*(x >> scale)
+// + (x & mask) - cum, then reads one word if x < 2^15 (x = x << 16 | word);
+// step s's words are lane 0's, then lane 1's, ... (a warp finds its
+// offsets with one ballot and a prefix count). A valid stream is consumed
+// exactly and ends with every lane back at 2^15.
+// kvtc-gpu/3 differs from /2 in the renormalisation only: /2 kept states in
+// [2^23, 2^31) and read 0-2 bytes per step, which cost the GPU decoder two
+// ballots and four prefix counts per step; the 16-bit words also make the
+// streams about 1% smaller (the initial states hold 15 bits, not 23).
 #pragma once
 
 #include <cstddef>
@@ -86,7 +90,13 @@ struct HeadParams;
 namespace kvcodec::gpu {
 
 inline constexpr int kWarpLanes = 32;
-inline constexpr uint32_t kVariantRansLow = 1u << 23;
+// Lane states live in [kVariantRansLow, kVariantRansHigh) = [2^15, 2^31)
+// and renormalise 16 bits at a time; a table's slot takes at most
+// kVariantMaxScaleBits bits (the calibration's 16-bit tables are rebuilt at
+// 15 for the streams).
+inline constexpr uint32_t kVariantRansLow = 1u << 15;
+inline constexpr uint32_t kVariantRansHigh = 1u << 31;
+inline constexpr uint32_t kVariantMaxScaleBits = 15;
 inline constexpr size_t kStateBytes = 4 * kWarpLanes;
 
 // Every head's frozen parameters as flat arrays: what the GPU uploads and the

@@ -63,6 +63,14 @@ inline kvtc::HeadParams fit(const uint16_t* x, int64_t n, int dim, int bit_budge
   return kvtc::fit_head(xf.data(), n, dim, pca.mean, pca.components, pca.eigenvalues, o);
 }
 
+// p with every component's rANS table rebuilt at 16 bits of precision (the
+// CPU codec's most; the GPU streams code at most 15 and rebuild such tables).
+inline kvtc::HeadParams with_16_bit_tables(kvtc::HeadParams p) {
+  for (entropy::FrequencyTable& ft : p.rans_tables)
+    ft = entropy::FrequencyTable::from_counts(std::vector<uint64_t>(ft.freq.begin(), ft.freq.end()), 16, 0.0);
+  return p;
+}
+
 inline bool have_gpu() { return device_count() > 0; }
 
 #ifdef KVCODEC_HAVE_CUDA

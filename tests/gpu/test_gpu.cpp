@@ -163,9 +163,49 @@ TEST(KvtcVariant, StreamRoundTripIsExactForEveryBlockLength) {
     quantize_reference(t, 0, x.data() + 100 * dim, n, codes.data());
     const std::vector<uint8_t> s = rans_warp_encode(t, 0, codes.data(), n);
     ASSERT_GE(s.size(), kStateBytes);
+    EXPECT_EQ(s.size() % 2, 0u) << "the states, then whole 16-bit words";
     rans_warp_decode(t, 0, s.data(), s.size(), n, back.data());
     EXPECT_EQ(back, codes) << "n = " << n;
   }
+}
+
+// The calibration's tables may carry 16 bits of precision; the streams'
+// states take 15 (kVariantMaxScaleBits), so flatten_heads rebuilds such a
+// table at 15 bits: every symbol keeps a slot, the rate barely moves, and
+// streams round-trip.
+TEST(KvtcVariant, SixteenBitTablesAreCodedAtFifteen) {
+  const int dim = 64;
+  const std::vector<uint16_t> x = synth_bf16(600, dim, 5);
+  const kvtc::HeadParams p = with_16_bit_tables(fit(x.data(), 600, dim));
+  const FlatKvtcTables t = flatten_heads({&p});
+  const int K = p.n_kept();
+  ASSERT_GT(K, 0);
+  const int64_t n = 64;
+  std::vector<uint16_t> codes(size_t(n * K)), back(size_t(n * K), 0xffff);
+  quantize_reference(t, 0, x.data() + 200 * dim, n, codes.data());
+  for (int k = 0; k < K; ++k) {
+    const size_t q = t.idx(0, k);
+    const entropy::FrequencyTable& ft = p.rans_tables[size_t(k)];
+    ASSERT_EQ(ft.scale_bits, 16u);
+    ASSERT_EQ(t.scale_bits[q], kVariantMaxScaleBits);
+    uint32_t sum = 0;
+    std::vector<uint64_t> counts(ft.alphabet_size);
+    for (uint32_t s = 0; s < ft.alphabet_size; ++s) {
+      const uint32_t f = t.sym_freq[t.sym_base[q] + s];
+      EXPECT_GE(f, 1u) << "component " << k << " symbol " << s;
+      EXPECT_EQ(t.sym_cum[t.sym_base[q] + s], sum);
+      sum += f;
+      counts[s] = ft.freq[s];
+    }
+    EXPECT_EQ(sum, 1u << kVariantMaxScaleBits);
+    // The rebuilt table's cost for the 16-bit table's own distribution.
+    std::vector<uint32_t> f15(t.sym_freq.begin() + t.sym_base[q], t.sym_freq.begin() + t.sym_base[q] + ft.alphabet_size);
+    const entropy::FrequencyTable rebuilt = entropy::FrequencyTable::from_freqs(f15, kVariantMaxScaleBits);
+    EXPECT_LE(rebuilt.cost_bits(counts), ft.cost_bits(counts) * 1.001 + 8) << "component " << k;
+  }
+  const std::vector<uint8_t> s = rans_warp_encode(t, 0, codes.data(), n);
+  rans_warp_decode(t, 0, s.data(), s.size(), n, back.data());
+  EXPECT_EQ(back, codes);
 }
 
 // The GPU format has no centroid reconstruction: parameters that use it
@@ -243,7 +283,10 @@ TEST(KvtcVariant, MalformedStreamsAreRejected) {
   EXPECT_THROW(decode(longer), Error);
   EXPECT_THROW(decode(std::vector<uint8_t>(s.begin(), s.begin() + 100)), Error);
   std::vector<uint8_t> bad_state = s;
-  bad_state[0] = bad_state[1] = bad_state[2] = bad_state[3] = 0;  // lane 0 state below 2^23
+  bad_state[0] = bad_state[1] = bad_state[2] = bad_state[3] = 0;  // lane 0 state below 2^15
+  EXPECT_THROW(decode(bad_state), Error);
+  bad_state = s;
+  bad_state[7] = 0x80;  // lane 1 state at 2^31 or above
   EXPECT_THROW(decode(bad_state), Error);
   // Every single-byte flip either throws a format error or decodes to valid
   // codes (never a crash or out-of-range read: ASan watches).
@@ -438,6 +481,10 @@ TEST(KvtcGpu, MatchesCpuReferenceWithWideAlphabets) {
     b.params.push_back(fit(xh.data(), b.tokens, b.dim, 6 * b.dim, {0, 2, 10}));
     b.x.insert(b.x.end(), xh.begin(), xh.end());
   }
+  // A head whose tables carry 16 bits: the streams code them rebuilt at 15.
+  b.params.push_back(with_16_bit_tables(b.params[0]));
+  const std::vector<uint16_t> x0(b.x.begin(), b.x.begin() + long(b.tokens * b.dim));
+  b.x.insert(b.x.end(), x0.begin(), x0.end());
   gpu_matches_cpu(b);
 #endif
 }

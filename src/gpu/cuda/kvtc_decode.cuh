@@ -80,7 +80,8 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     const int passes = kFull ? kT / 32 : (n + 31) / 32;
     // A valid stream has at most 2 bytes per symbol after the states, so the
     // size fits 32 bits from here on; every failure below is warp-uniform.
-    fail = __any_sync(0xffffffffu, st < kVariantRansLow) || size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K);
+    fail = __any_sync(0xffffffffu, st < kVariantRansLow || st >= kVariantRansHigh) ||
+           size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K);
     const uint32_t size32 = uint32_t(size), last = size32 - 1;
     uint32_t pos = kStateBytes;
     const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
@@ -126,20 +127,19 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
           st = next;
           out[pass * 32] = CodeT(base);
         }
-        // One byte while st < 2^23, a second while st < 2^15 (st << 8 < 2^23).
-        const bool one = active && st < kVariantRansLow, two = active && st < (kVariantRansLow >> 8);
-        const unsigned b1 = __ballot_sync(0xffffffffu, one), b2 = __ballot_sync(0xffffffffu, two);
-        const uint32_t pre = pos + __popc(b1 & lt_mask) + __popc(b2 & lt_mask);
-        pos += __popc(b1) + __popc(b2);
+        // One word while st < 2^15 (kvtc-gpu/3): one ballot and its prefix
+        // count place it, its two bytes read at a clamped place (size >= 128).
+        const bool one = active && st < kVariantRansLow;
+        const unsigned b = __ballot_sync(0xffffffffu, one);
+        const uint32_t at = min(pos + 2 * __popc(b & lt_mask), last - 1);
+        pos += 2 * __popc(b);
         if constexpr (kStaged) {
-          // Both bytes read from shared memory and kept by selects (the
-          // compiler makes the second read conditional again; as shifts,
-          // with both reads unconditional, it was slower: 0.78 vs 0.71 ms).
-          const uint32_t x0 = data[min(pre, last)], x1 = data[min(pre + 1, last)];
-          st = one ? (two ? st << 16 | x0 << 8 | x1 : st << 8 | x0) : st;
+          // Both bytes read from shared memory and kept by a select (the
+          // staged stream may sit at an odd address: no 16-bit load).
+          const uint32_t w = uint32_t(data[at]) | uint32_t(data[at + 1]) << 8;
+          st = one ? st << 16 | w : st;
         } else if (one) {
-          st = st << 8 | data[min(pre, last)];
-          if (two) st = st << 8 | data[min(pre + 1, last)];
+          st = st << 16 | uint32_t(data[at]) | uint32_t(data[at + 1]) << 8;
         }
       }
     }

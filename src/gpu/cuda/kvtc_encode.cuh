@@ -84,14 +84,12 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
   store_code_slots(cs, n, KP, codes + size_t(int64_t(h) * nb + tile * 2) * kT * KP);
 }
 
-// One lane's bytes of a step at p: v0 at p if o1, low byte of v1 at p + 1
-// if o2. Predicated stores, no branch (the compiler branched around plain
-// conditional stores), with the second's address an immediate offset.
-__device__ __forceinline__ void store_step_bytes(uint8_t* p, bool o1, bool o2, uint32_t v0, uint32_t v1) {
-  asm volatile(
-      "{\n .reg .pred a, b;\n setp.ne.b32 a, %1, 0;\n setp.ne.b32 b, %2, 0;\n"
-      " @a st.global.u8 [%0], %3;\n @b st.global.u8 [%0+1], %4;\n}" ::"l"(p),
-      "r"(int(o1)), "r"(int(o2)), "r"(v0), "r"(v1));
+// One lane's word of a step at p (2-byte aligned: the slot ends 16-byte
+// aligned and the states and words are even-sized) if o: a predicated
+// store, no branch (the compiler branched around plain conditional stores).
+__device__ __forceinline__ void store_step_word(uint8_t* p, bool o, uint32_t v) {
+  asm volatile("{\n .reg .pred a;\n setp.ne.b32 a, %1, 0;\n @a st.global.u16 [%0], %2;\n}" ::"l"(p), "r"(int(o)),
+               "r"(v));
 }
 
 // A code, zero-extended into 32 bits by the load itself: the compiler put
@@ -112,10 +110,10 @@ __device__ __forceinline__ uint32_t ldg_code(const CodeT* p) {
 // kT (no lane is idle). Steps in reverse: components K-1..0, each its passes
 // over the tokens (at most two: kT = 64), pass 1 first.
 //
-// Each step is branch-free: a lane emits 0, 1 or 2 bytes (o1, o2), whose
-// places in the step's run come from two ballots, and stores them under
-// predicates; the shift drops the same bytes. The table entry carries
-// x_max = freq << (31 - scale) itself. Loads run ahead of their use: a
+// Each step is branch-free: a lane emits 0 or 1 word (o), whose place in
+// the step's run comes from one ballot, and stores it under a predicate;
+// the shift drops the same bits. The table entry carries x_max = freq <<
+// (31 - scale) itself (kvtc-gpu/3: (2^15 >> scale << 16) freq). Loads run ahead of their use: a
 // component's codes two components ahead, its table entries (which need
 // the codes) one ahead, so no step waits on a load (the chain code ->
 // entry was 34% of the stall samples with the codes one component ahead,
@@ -136,12 +134,11 @@ __device__ __forceinline__ uint32_t rans_encode_stream(const DeviceTables& tb, i
   uint32_t st = kVariantRansLow;
   uint8_t* p = slot + cap;  // where the bytes coded so far start
   const auto step = [&](const uint4& e) {
-    const bool o1 = st >= e.z, o2 = o1 && (st >> 8) >= e.z;
-    const unsigned b1 = __ballot_sync(0xffffffffu, o1), b2 = __ballot_sync(0xffffffffu, o2);
-    p -= __popc(b1) + __popc(b2);
-    // Two bytes: the decoder reads the last emitted (higher) byte first.
-    store_step_bytes(p + (__popc(b1 & lt_mask) + __popc(b2 & lt_mask)), o1, o2, o2 ? st >> 8 : st, st);
-    st >>= (o1 ? 8u : 0u) + (o2 ? 8u : 0u);
+    const bool o = st >= e.z;
+    const unsigned b = __ballot_sync(0xffffffffu, o);
+    p -= 2 * __popc(b);
+    store_step_word(p + 2 * __popc(b & lt_mask), o, st);
+    st >>= o ? 16u : 0u;
     // x / f and x % f through the reciprocal: q = floor(x / f) for x < 2^31.
     const uint32_t q = __umulhi(st, e.x) >> (e.w & 0xffu);
     st = st + e.y + q * (e.w >> 8);
