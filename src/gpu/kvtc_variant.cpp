@@ -105,17 +105,15 @@ void flatten_integer_kernels(const kvtc::HeadParams& p, int h, FlatKvtcTables& t
 // it has more than kVariantMaxScaleBits of precision (the CPU codec allows
 // 16), the optimal table of that precision for its frequencies (the lane
 // states hold 31 bits and take 16 at a time, so the slot may take at most
-// 15). Held in `scratch` when rebuilt.
-const entropy::FrequencyTable& stream_table(const entropy::FrequencyTable& ft, size_t h, int k,
-                                            entropy::FrequencyTable& scratch) {
+// 15).
+entropy::FrequencyTable stream_table(const entropy::FrequencyTable& ft, size_t h, int k) {
   if (ft.scale_bits <= kVariantMaxScaleBits) return ft;
   if (ft.alphabet_size > (1u << kVariantMaxScaleBits))
     throw Error(ErrorCode::kUnsupported, "kvtc-gpu: head " + std::to_string(h) + " component " + std::to_string(k) +
                                              " has " + std::to_string(ft.alphabet_size) +
                                              " levels; the GPU streams code at most 2^15");
-  scratch = entropy::FrequencyTable::from_counts(std::vector<uint64_t>(ft.freq.begin(), ft.freq.end()),
-                                                 kVariantMaxScaleBits, /*precision_loss=*/0.0);
-  return scratch;
+  return entropy::FrequencyTable::from_counts(std::vector<uint64_t>(ft.freq.begin(), ft.freq.end()),
+                                              kVariantMaxScaleBits, /*precision_loss=*/0.0);
 }
 }  // namespace
 
@@ -175,7 +173,6 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads, 
   t.recon_z.assign(NH * D, 0);
   t.recon_scale.assign(NH * D, 0.0f);
   std::map<const kvtc::HeadParams*, std::shared_ptr<const kvtc::HeadKernels>> built;
-  entropy::FrequencyTable table15;  // a component's table rebuilt at 15 bits (stream_table)
   for (size_t h = 0; h < NH; ++h) {
     const kvtc::HeadParams& p = *heads[h];
     const int K = p.n_kept();
@@ -200,7 +197,7 @@ FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads, 
           ft.cum[q.levels] != (1u << ft.scale_bits))
         throw Error(ErrorCode::kInvalidArgument, "kvtc-gpu: head " + std::to_string(h) + " component " +
                                                      std::to_string(k) + ": quantizer and rANS table disagree");
-      const entropy::FrequencyTable& table = stream_table(ft, h, k, table15);
+      const entropy::FrequencyTable table = stream_table(ft, h, k);
       // Same formulas as the CPU codec (code_offset / recon_offset there).
       t.inv_step[i] = 1.0f / q.step;
       t.code_offset[i] = q.half_offset ? float(q.levels / 2) : float(q.zero) + 0.5f;

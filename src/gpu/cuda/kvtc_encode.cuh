@@ -113,7 +113,7 @@ __device__ __forceinline__ uint32_t ldg_code(const CodeT* p) {
 // Each step is branch-free: a lane emits 0 or 1 word (o), whose place in
 // the step's run comes from one ballot, and stores it under a predicate;
 // the shift drops the same bits. The table entry carries x_max = freq <<
-// (31 - scale) itself (kvtc-gpu/3: (2^15 >> scale << 16) freq). Loads run ahead of their use: a
+// (31 - scale) itself. Loads run ahead of their use: a
 // component's codes two components ahead, its table entries (which need
 // the codes) one ahead, so no step waits on a load (the chain code ->
 // entry was 34% of the stall samples with the codes one component ahead,

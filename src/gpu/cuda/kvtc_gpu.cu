@@ -150,7 +150,7 @@ uint4 encoder_entry(uint32_t freq, uint32_t cum, uint32_t scale) {
     e.y = cum;
     e.w = shift - 1;
   }
-  e.z = freq << (31 - scale);  // x_max: a state >= it emits before coding the symbol
+  e.z = (kVariantRansLow >> scale << 16) * freq;  // x_max (= freq << (31 - scale)): a state >= it emits a word first
   e.w |= (m - freq) << 8;
   return e;
 }
