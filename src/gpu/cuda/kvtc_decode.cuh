@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "gpu/cuda/kvtc_device.cuh"
 
@@ -21,23 +22,32 @@ namespace {
 constexpr uint32_t kRansStageBytes = 2560;
 constexpr int kRansDecodeWarps = 8;  // streams (warps) per decode CTA
 
-// Row stride of the integer reconstruction's staged codes (kvtc_recon_int.cuh):
-// 18 words, so the A loads of a warp (rows k + 4 q + i, word 8 (w % 2) + g:
-// bank 18 (4 q + i) + g + const = 8 q + g + const mod 32) hit 32 distinct
-// banks. In a staged row each 32-token half's word g holds tokens g, g + 8,
-// g + 16, g + 24 (bytes 0..3).
-constexpr int kIntCodeStride = 72;
-__device__ __forceinline__ int staged_code_offset(int t) { return (t / 32) * 32 + (t % 8) * 4 + (t % 32) / 8; }
+// Where the integer reconstruction (kvtc_recon_int.cuh) wants its codes:
+// "code words", word (j, t) = components 4j .. 4j + 3 of token t (byte i
+// = component 4j + i), the m16n8k32 A operand's register as it is, rows
+// j < ceil(K / 4) of kT words. kCodeWords: in global memory, row-major
+// (word j * kT + t: a warp's 32 tokens are one 128-byte store).
+// kSwizzledWords: in shared memory, each row's tokens permuted within
+// their 32-token half (code_word_index), so that the A loads of a warp
+// (rows j + q, tokens g + const) and the rANS stores (one row, 32 tokens)
+// both hit 32 distinct banks.
+enum CodeLayout { kCodeBytes = 0, kCodeWords = 1, kSwizzledWords = 2 };
+template <int kLayout>
+__device__ __forceinline__ int code_word_index(int j, int t) {
+  if constexpr (kLayout == kSwizzledWords) return j * kT + (t ^ (8 * ((j + (t >> 5)) & 3)));
+  return j * kT + t;
+}
 
 // One warp decodes one stream (n tokens) of head h into cs ([K][kT] codes,
 // component-major; global or shared memory) with the head's cum tables and
 // guide at cum / guide. With kStaged, stage is the warp's kRansStageBytes
 // of shared memory and the stream fits it (size + 32 <= kRansStageBytes: whole 16-byte words).
 // kFull: n == kT (every lane of every pass decodes: no per-step predicate).
-// kStagedRows: cs is shared memory in the integer reconstruction's staged
-// rows (kIntCodeStride apart, tokens reordered) instead of [K][kT].
+// kLayout: kCodeBytes, cs is [K][kT] codes (component-major); else cs is
+// code words (u8 codes only; kCodeWords in global memory, kSwizzledWords
+// in shared memory), each lane's 4 codes of a row stored as one word.
 // Returns whether the stream is malformed (the same on every lane).
-template <typename CodeT, bool kStaged = false, bool kFull = false, bool kStagedRows = false>
+template <typename CodeT, bool kStaged = false, bool kFull = false, int kLayout = kCodeBytes>
 __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h, const uint32_t* cum,
                                                    const CodeT* guide, const uint8_t* __restrict__ in,
                                                    uint64_t in_size, uint64_t start, uint64_t end, int n,
@@ -90,11 +100,13 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     // last byte and a stream that ran past its end ends with pos > size,
     // which the final check reports (pos only grows). The next component's
     // entry is loaded a component ahead, off the state's dependency chain.
-    constexpr int kRow = kStagedRows ? kIntCodeStride : kT;
     // Component k's slot of token lane (+32 per pass), kept as a running pointer.
-    CodeT* out = cs + (kStagedRows ? staged_code_offset(lane) : lane);
+    CodeT* out = cs + lane;
+    static_assert(kLayout == kCodeBytes || sizeof(CodeT) == 1, "code words hold 8-bit codes");
+    uint32_t* words = reinterpret_cast<uint32_t*>(cs);
+    uint32_t word[kT / 32] = {};  // code words: each pass's codes of the row so far
     uint4 c_next = __ldg(comp);
-    for (int k = 0; k < K && !fail; ++k, out += kRow) {
+    for (int k = 0; k < K && !fail; ++k, out += kT) {
       const uint4 c = c_next;  // the same for every lane
       if (k + 1 < K) c_next = __ldg(comp + k + 1);
       const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
@@ -123,9 +135,11 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
         hi = up ? hi2 : hi;
         while (hi <= slot) lo = hi, hi = ck[++base + 1];  // rare; ends: cum[levels] = 2^scale > slot
         const uint32_t next = (hi - lo) * (st >> scale) + slot - lo;
-        if (active) {
-          st = next;
-          out[pass * 32] = CodeT(base);
+        if (active) st = next;
+        if constexpr (kLayout == kCodeBytes) {
+          if (active) out[pass * 32] = CodeT(base);
+        } else {
+          word[pass] |= base << (8 * (k & 3));  // lanes past n: a slot no one reads
         }
         // One word while st < 2^15 (kvtc-gpu/3): one ballot and its prefix
         // count place it, its two bytes read at a clamped place (size >= 128).
@@ -142,6 +156,15 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
           st = st << 16 | uint32_t(data[at]) | uint32_t(data[at + 1]) << 8;
         }
       }
+      if constexpr (kLayout != kCodeBytes) {
+        if ((k & 3) == 3 || k + 1 == K) {  // the row's last component: its words out
+#pragma unroll
+          for (int pass = 0; pass < kT / 32; ++pass) {
+            if (pass < passes) words[code_word_index<kLayout>(k >> 2, pass * 32 + lane)] = word[pass];
+            word[pass] = 0;
+          }
+        }
+      }
     }
     if (!fail && (pos != size32 || st != kVariantRansLow)) fail = 1;
   }
@@ -150,15 +173,15 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
 
 // rans_decode_stream with kFull picked from n (a full stream drops the
 // per-step lane predicate).
-template <typename CodeT, bool kStaged, bool kStagedRows = false>
+template <typename CodeT, bool kStaged, int kLayout = kCodeBytes>
 __device__ __forceinline__ bool rans_decode_any_stream(const DeviceTables& tb, int h, const uint32_t* cum,
                                                        const CodeT* guide, const uint8_t* __restrict__ in,
                                                        uint64_t in_size, uint64_t start, uint64_t end, int n,
                                                        CodeT* cs, uint8_t* stage = nullptr) {
-  return n == kT ? rans_decode_stream<CodeT, kStaged, true, kStagedRows>(tb, h, cum, guide, in, in_size, start, end, n,
-                                                                         cs, stage)
-                 : rans_decode_stream<CodeT, kStaged, false, kStagedRows>(tb, h, cum, guide, in, in_size, start, end,
-                                                                          n, cs, stage);
+  return n == kT ? rans_decode_stream<CodeT, kStaged, true, kLayout>(tb, h, cum, guide, in, in_size, start, end, n, cs,
+                                                                      stage)
+                 : rans_decode_stream<CodeT, kStaged, false, kLayout>(tb, h, cum, guide, in, in_size, start, end, n,
+                                                                       cs, stage);
 }
 
 // The head's cum tables and guide into shared memory (ssm; 16-byte aligned
@@ -206,7 +229,7 @@ __global__ void __launch_bounds__(32 * kRansDecodeWarps) rans_decode_kernel(Devi
                                                                       const uint64_t* __restrict__ offsets,
                                                                       int64_t tokens, int64_t nb, int head0,
                                                                       int64_t groups_per_head,
-                                                                      uint32_t stage_offset,
+                                                                      uint32_t stage_offset, int code_words,
                                                                       CodeT* __restrict__ codes,
                                                                       uint8_t* __restrict__ bad, int* __restrict__ err) {
   extern __shared__ __align__(16) uint32_t ssm[];
@@ -222,11 +245,21 @@ __global__ void __launch_bounds__(32 * kRansDecodeWarps) rans_decode_kernel(Devi
   const uint64_t start = offsets[stream], end = offsets[stream + 1];
   CodeT* cs = codes + size_t(stream) * kT * tb.k_pad;
   bool any;
-  if (kRansStageBytes > 0 && start <= end && end - start + 32 <= kRansStageBytes) {
-    uint8_t* stage = reinterpret_cast<uint8_t*>(ssm) + stage_offset + (threadIdx.x / 32) * kRansStageBytes;
-    any = rans_decode_any_stream<CodeT, true>(tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
+  // code_words: the integer reconstruction's heads get their codes as code
+  // words (kvtc_recon_int.cuh); the others, as [K][kT] codes.
+  const auto decode = [&](auto layout) {
+    constexpr int L = decltype(layout)::value;
+    if (kRansStageBytes > 0 && start <= end && end - start + 32 <= kRansStageBytes) {
+      uint8_t* stage = reinterpret_cast<uint8_t*>(ssm) + stage_offset + (threadIdx.x / 32) * kRansStageBytes;
+      return rans_decode_any_stream<CodeT, true, L>(tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
+    }
+    return rans_decode_stream<CodeT, false, false, L>(tb, h, cum, guide, in, in_size, start, end, n, cs);
+  };
+  if constexpr (sizeof(CodeT) == 1) {
+    any = code_words && tb.recon_int[h] ? decode(std::integral_constant<int, kCodeWords>{})
+                                        : decode(std::integral_constant<int, kCodeBytes>{});
   } else {
-    any = rans_decode_stream<CodeT, false>(tb, h, cum, guide, in, in_size, start, end, n, cs);
+    any = decode(std::integral_constant<int, kCodeBytes>{});
   }
   if (threadIdx.x % 32 == 0) flag_stream(stream, any, bad, err);
 }

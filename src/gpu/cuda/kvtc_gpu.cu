@@ -115,6 +115,25 @@ uint4 split_b_fragment(const W& w, int step, int tile, int l) {
   return make_uint4(hi.x, hi.y, lo.x, lo.y);
 }
 
+// The same cos and sin as rope_cos / rope_sin, laid out for the integer
+// reconstruction (DeviceTables::rope_cs): [rope_dim / 4, positions]
+// {cos f, cos f + 1, sin f, sin f + 1}, f = 2 i, so a warp's loads for
+// 8 consecutive tokens and 4 frequency pairs are 4 contiguous 128-byte
+// lines.
+std::vector<float4> rope_pairs_by_frequency(const FlatKvtcTables& f) {
+  std::vector<float4> cs;
+  if (f.rope_cos.empty()) return cs;
+  const int64_t P = f.rope_positions;
+  const int half = f.rope_dim / 2;
+  cs.resize(size_t(half / 2) * size_t(P));
+  for (int i = 0; i < half / 2; ++i)
+    for (int64_t p = 0; p < P; ++p) {
+      const size_t r = size_t(p) * half + 2 * i;
+      cs[size_t(i) * P + p] = make_float4(f.rope_cos[r], f.rope_cos[r + 1], f.rope_sin[r], f.rope_sin[r + 1]);
+    }
+  return cs;
+}
+
 // The integer reconstruction's weights W[k][d] (inner k, column d) as B
 // fragments, [NH, ceil(k_pad / 32), D / 8, 32 lanes] (DeviceTables::recon_frag).
 std::vector<uint4> recon_fragments(const FlatKvtcTables& f) {
@@ -264,12 +283,14 @@ struct KvtcGpuCodec::Impl {
     CodeT* c = static_cast<CodeT*>(codes);
     const uint32_t stage_offset = uint32_t(fused_table_bytes());
     const size_t smem = rans_decode_smem();
+    // The integer reconstruction reads its heads' codes as code words.
+    const int words = sizeof(CodeT) == 1 && recon == Reconstruction::kInteger ? 1 : 0;
     if (cum_smem > 0)
       rans_decode_kernel<CodeT, true><<<grid, 32 * kRansDecodeWarps, smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
-                                                                        groups, stage_offset, c, bad, err);
+                                                                        groups, stage_offset, words, c, bad, err);
     else
       rans_decode_kernel<CodeT, false><<<grid, 32 * kRansDecodeWarps, smem, s>>>(dev, in, in_size, offsets, tokens, nb, h0,
-                                                                         groups, stage_offset, c, bad, err);
+                                                                         groups, stage_offset, words, c, bad, err);
     check_cuda(cudaGetLastError(), "rans_decode_kernel launch");
   }
   template <typename CodeT>
@@ -280,11 +301,12 @@ struct KvtcGpuCodec::Impl {
     if constexpr (sizeof(CodeT) == 1) {
       if (recon == Reconstruction::kInteger) {
         const size_t ismem = int_smem_bytes(flat.k_pad, flat.dim);
-        const unsigned sgrid = unsigned(int64_t(h1 - h0) * nb);  // one stream per CTA
+        const int64_t groups = (nb + kIntStreams - 1) / kIntStreams;  // kIntStreams streams per CTA
+        const unsigned igrid = unsigned(int64_t(h1 - h0) * groups);
         if (flat.dim == 64)
-          reconstruct_int_kernel<64><<<sgrid, kProjThreads, ismem, s>>>(dev, c, bad, tokens, nb, h0, y);
+          reconstruct_int_kernel<64><<<igrid, kProjThreads, ismem, s>>>(dev, c, bad, tokens, nb, h0, groups, y);
         else
-          reconstruct_int_kernel<128><<<sgrid, kProjThreads, ismem, s>>>(dev, c, bad, tokens, nb, h0, y);
+          reconstruct_int_kernel<128><<<igrid, kProjThreads, ismem, s>>>(dev, c, bad, tokens, nb, h0, groups, y);
         check_cuda(cudaGetLastError(), "reconstruct_int_kernel launch");
         return;
       }
@@ -435,6 +457,8 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   m.dev.rope = upload(f.rope, m.owned);
   m.dev.rope_cos = upload(f.rope_cos, m.owned);
   m.dev.rope_sin = upload(f.rope_sin, m.owned);
+  m.dev.rope_cs = upload(rope_pairs_by_frequency(f), m.owned);
+  m.dev.rope_positions = f.rope_positions;
   m.dev.rope_dim = f.rope_dim;
   const int64_t max_tokens = max_tokens_;
   m.dev.n_heads = f.n_heads;

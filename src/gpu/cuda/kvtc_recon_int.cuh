@@ -16,25 +16,29 @@
 // K <= 128), combined modulo 2^32: the exact sum, since the CPU codec's
 // tables keep it below 2^31. Half the MMAs of TF32 (k = 32, not 8).
 //
-// reconstruct_int_kernel: one stream (64 tokens) per CTA of 256 threads.
-//   1. Stage: component k's 64 codes (a row of the stream's code slots)
-//      into shared row k (kIntCodeStride bytes), each 32-token half's bytes
-//      reordered (two 4 x 4 byte transposes) so that 32-bit word g holds
-//      tokens g, g + 8, g + 16, g + 24: one word is then a thread's tokens
-//      of both 16-token tiles of its half. Rows K .. 32 ceil(K / 32) are 0.
-//   2. Warp w: tokens [32 (w % 2), + 32) x dims [(w / 2) D / 4, + D / 4).
-//      Per 32 components a thread loads 8 words (4 components x 2 halves
-//      of the k-step) and one 4 x 4 byte transpose per 4 words gives its A
-//      registers of both tiles, for every k-step (KS <= 4, a template
-//      parameter) before any product, so the codes' memory is free after.
-//   3. Per 8-dim tile: B from recon_frag (one 16-byte load per k-step,
-//      {high b0, b1, low b0, b1}), the hi and lo sums over all k-steps,
-//      acc = 2 (256 hi + lo) - Z, x = fmaf(float(acc), recon_scale, mean)
-//      into the fp32 staging [kT][D + 8] (reusing the codes' memory); then
-//      store_tokens (* inv_scale, RoPE, bf16) with the mean already added.
-//      One tile's accumulators live at a time (16 registers, not 64), so
-//      4 CTAs fit an SM (2 before: 1.24 -> 1.00 ms with 3, 0.87 with 4
-//      at D = 128, the calibrated bench batch, H100).
+// The kernels, 8 warps, a CTA per kIntStreams consecutive streams of one
+// head (the split path) or per kFusedStreams (the fused one):
+//   - Codes come as "code words" (kvtc_decode.cuh: word (j, t) holds
+//     components 4j .. 4j + 3 of token t), so a thread's A register is one
+//     32-bit shared load, with no byte transposes: the rANS decode writes
+//     them (to global memory, or straight into shared memory when fused);
+//     the split kernel copies a stream's rows into shared memory with
+//     cp.async, the next stream's while this one's products run.
+//   - Warp w owns one RoPE pair of 8-dim tiles (dims [8 a, + 8) and their
+//     partners half a sub-head up) and D / 32 of the stream's 16-token
+//     m-tiles; the B fragments of its tiles for every k-step sit in its
+//     registers for all the CTA's streams (the head's weights: 32 KB at
+//     D = 128, which the previous layout, 2 x 4 warps per stream, read
+//     twice per stream through L1).
+//   - Per m-tile: the hi and lo byte sums over every k-step, then in
+//     registers acc = 2 (256 hi + lo) - Z modulo 2^32, x = fmaf(float(acc),
+//     recon_scale, mean) (the CPU codec's), * inv_scale, RoPE with both
+//     dims of each pair in the thread's registers (cos and sin from
+//     DeviceTables::rope_cs, one 16-byte load per token row), bf16 into a
+//     [kT][D + 8] staging; the CTA then writes whole rows, 16 bytes a
+//     thread. The previous kernel staged fp32 products and re-read them for
+//     the weights and RoPE (store_tokens): about twice the shared-memory
+//     wavefronts and instructions per output.
 // A head without the integer tables (recon_int 0) takes the TF32 path in
 // the same CTA (tc_reconstruct_stream), u16 codes the TF32 kernel.
 #pragma once
@@ -46,127 +50,149 @@
 
 namespace kvcodec::gpu {
 namespace {
+constexpr int kIntStreams = 8;  // consecutive streams of one head per CTA of reconstruct_int_kernel
 
-// o[j] = byte j of w0, w1, w2, w3 (byte i of o[j] from w_i): a 4 x 4 byte
-// transpose in 8 byte permutes.
-__device__ __forceinline__ void transpose_bytes_4x4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
-                                                    uint32_t (&o)[4]) {
-  const uint32_t t0 = __byte_perm(w0, w1, 0x5140), t1 = __byte_perm(w0, w1, 0x7362);
-  const uint32_t t2 = __byte_perm(w2, w3, 0x5140), t3 = __byte_perm(w2, w3, 0x7362);
-  o[0] = __byte_perm(t0, t2, 0x5410);
-  o[1] = __byte_perm(t0, t2, 0x7632);
-  o[2] = __byte_perm(t1, t3, 0x5410);
-  o[3] = __byte_perm(t1, t3, 0x7632);
+// Bytes of one stream's staged code words: ceil(k_pad / 32) k-steps of 8
+// rows of kT words (rows past ceil(K / 4) are never written: their weights
+// are 0, so whatever sits there adds nothing to the int32 sums).
+__host__ __device__ inline size_t int_slot_bytes(int k_pad) { return size_t((k_pad + 31) / 32) * 8 * kT * 4; }
+// The bf16 output staging [kT][D + 8] (rows 4 banks apart: a warp's 32-bit
+// stores, rows g and columns 2 q of a tile, hit 32 distinct banks).
+size_t int_out_bytes(int dim) { return size_t(kT) * size_t(dim + 8) * 2; }
+
+// One 16-byte cp.async (L2 only: the codes are read once).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
+  const unsigned d = unsigned(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// 1. A stream's codes (global, [K][kT]) into the staged rows of smem, each
-// half's tokens reordered; rows K .. 32 KS are 0.
-template <int KS>
-__device__ __forceinline__ void stage_int_codes(int K, const uint8_t* cs, unsigned char* smem) {
-  for (int j = threadIdx.x; j < KS * 64; j += blockDim.x) {
-    const int k = j / 2, half = j % 2;
-    uint32_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (k < K) {
-      const uint4* src = reinterpret_cast<const uint4*>(cs + size_t(k) * kT + half * 32);
-      const uint4 a = __ldcs(src), b = __ldcs(src + 1);  // read once: do not keep in L2
-      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
-    }
-    uint32_t lo[4], hi[4];
-    transpose_bytes_4x4(w[0], w[2], w[4], w[6], lo);  // words g = 0..3: tokens g + 8 i
-    transpose_bytes_4x4(w[1], w[3], w[5], w[7], hi);  // words g = 4..7
-    uint2* dst = reinterpret_cast<uint2*>(smem + k * kIntCodeStride + half * 32);
-    dst[0] = make_uint2(lo[0], lo[1]);
-    dst[1] = make_uint2(lo[2], lo[3]);
-    dst[2] = make_uint2(hi[0], hi[1]);
-    dst[3] = make_uint2(hi[2], hi[3]);
-  }
-  __syncthreads();
-}
-
-// 2-3. KS = ceil(K / 32) k-steps (a template parameter: the A fragments of
-// all of them sit in registers). One stream's reconstruction from its staged codes (codes) by the
-// CTA's 8 warps, the fp32 output staged in os_mem (may be codes: the codes
-// are in registers before it is written).
+// A warp's share of a head's reconstruction, loaded once per CTA: its RoPE
+// pair of 8-dim tiles (tile a, dims [8 a, + 8), and a + rope_dim / 16), the
+// B fragments of both for every k-step, and this lane's column constants.
+// 8 warps = D / 16 pairs x 128 / D token groups of D / 32 m-tiles.
 template <int D, int KS>
-__device__ __forceinline__ void int_reconstruct_staged(const DeviceTables& tb, int h, const unsigned char* codes,
-                                                       unsigned char* os_mem, int n, int64_t t0,
-                                                       uint16_t* __restrict__ y) {
-  constexpr int WN = 4;           // warps along the dims
-  constexpr int NT = D / 8 / WN;  // 8-dim tiles per warp
-  constexpr int kOutPad = D + 8;  // as tc_reconstruct_stream: conflict-free 64-bit stores
-  const int KSP = (tb.k_pad + 31) / 32;
+struct IntReconWarp {
+  static constexpr int kPairs = D / 16, kMTiles = D / 32;
+  uint4 b[2][KS];  // {high b0, b1, low b0, b1} (recon_frag)
+  int2 z[2];
+  float2 sc[2], mu[2], isc[2];
 
-  // 2. A fragments of every k-step into registers (KS <= D / 32: at most 32
-  // registers), then the codes' memory becomes the output staging.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int wm = warp % 2, wn = warp / 2;
-  uint32_t a[KS][2][4];
+  // Tile a of this warp's pair (its partner: a + rope_dim / 16), and this
+  // lane's first column in tile i (found again where used: registers).
+  static __device__ __forceinline__ int tile_a(const DeviceTables& tb) {
+    const int p = int(threadIdx.x) / 32 % kPairs, per = tb.rope_dim / 16;  // pairs per RoPE sub-head
+    return (p / per) * (tb.rope_dim / 8) + p % per;
+  }
+  static __device__ __forceinline__ int col(const DeviceTables& tb, int i) {
+    return (tile_a(tb) + i * (tb.rope_dim / 16)) * 8 + 2 * (int(threadIdx.x) % 4);
+  }
+  static __device__ __forceinline__ int first_m_tile() { return int(threadIdx.x) / 32 / kPairs * kMTiles; }
+
+  __device__ __forceinline__ void load(const DeviceTables& tb, int h) {
+    const int lane = int(threadIdx.x) % 32;
+    const int ksp = (tb.k_pad + 31) / 32;
+    const uint4* frag = tb.recon_frag + size_t(h) * ksp * (D / 8) * 32 + lane;
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks)
+    for (int i = 0; i < 2; ++i) {
+      const int c = col(tb, i), tile = c / 8;
 #pragma unroll
-    for (int c2 = 0; c2 < 2; ++c2) {
-      // A of tile mt, register r = hr + 2 c2: row g + 8 hr (token 16 mt + g +
-      // 8 hr of the half), components ks 32 + 16 c2 + 4 q + i in byte i.
-      const unsigned char* r = codes + wm * 32 + 4 * g + (ks * 32 + c2 * 16 + 4 * q) * kIntCodeStride;
-      uint32_t o[4];
-      transpose_bytes_4x4(*reinterpret_cast<const uint32_t*>(r), *reinterpret_cast<const uint32_t*>(r + kIntCodeStride),
-                          *reinterpret_cast<const uint32_t*>(r + 2 * kIntCodeStride),
-                          *reinterpret_cast<const uint32_t*>(r + 3 * kIntCodeStride), o);
-      a[ks][0][2 * c2] = o[0];      // token g
-      a[ks][0][2 * c2 + 1] = o[1];  // token g + 8
-      a[ks][1][2 * c2] = o[2];      // token g + 16
-      a[ks][1][2 * c2 + 1] = o[3];  // token g + 24
+      for (int ks = 0; ks < KS; ++ks) b[i][ks] = __ldg(frag + (ks * (D / 8) + tile) * 32);
+      const size_t hc = size_t(h) * D + c;
+      z[i] = __ldg(reinterpret_cast<const int2*>(tb.recon_z + hc));
+      sc[i] = __ldg(reinterpret_cast<const float2*>(tb.recon_scale + hc));
+      mu[i] = __ldg(reinterpret_cast<const float2*>(tb.mean + hc));
+      isc[i] = __ldg(reinterpret_cast<const float2*>(tb.inv_scale + hc));
     }
-  __syncthreads();
+  }
+};
 
-  // 3. Per 8-dim tile: the hi and lo byte sums over every k-step (the
-  // first with a zero C operand), then acc = 2 (256 hi + lo) - Z modulo 2^32
-  // and the CPU codec's x = fmaf(float(acc), recon_scale, mean) into the
-  // fp32 staging [kT][D + 8]. One tile's 16 accumulators live at a time (all
-  // tiles' 64 held the kernel to 2 CTAs per SM).
-  float* os = reinterpret_cast<float*>(os_mem);
-  const size_t hd = size_t(h) * D;
-  const uint4* bsrc = tb.recon_frag + (size_t(h) * KSP * (D / 8) + size_t(wn) * NT) * 32 + lane;
+// The CPU codec's x = fmaf(float(acc), recon_scale, mean) with acc = 2 (256
+// hi + lo) - Z modulo 2^32, then * inv_scale (kvtc_variant.hpp's order).
+__device__ __forceinline__ float int_output(uint32_t hi, uint32_t lo, int z, float sc, float mu, float isc) {
+  const uint32_t acc = (hi << 9) + (lo << 1) - uint32_t(z);
+  return __fmul_rn(__fmaf_rn(__int2float_rn(int32_t(acc)), sc, mu), isc);
+}
+
+// One stream's products by the CTA's 8 warps: its code words (shared,
+// kSwizzledWords) -> bf16 rows in out ([kT][D + 8], shared); rows >= n
+// (a ragged last stream) hold garbage, never stored. pos: the position of
+// the stream's first token (RoPE on keys of the calibrated format; the
+// table ends at the last coded token's). No barrier inside: the caller
+// syncs before and after.
+template <int D, int KS>
+__device__ __forceinline__ void int_reconstruct_words(const DeviceTables& tb, const IntReconWarp<D, KS>& wv,
+                                                      const uint32_t* words, uint16_t* out, int n, int64_t pos,
+                                                      bool rope) {
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
+  using W = IntReconWarp<D, KS>;
+  const int col0 = W::col(tb, 0), col1 = W::col(tb, 1);
+  // RoPE frequencies f, f + 1 of columns col0, col0 + 1: entry f / 2 of rope_cs.
+  const float4* cs = rope ? tb.rope_cs + size_t((col0 % tb.rope_dim) / 2) * size_t(tb.rope_positions) + size_t(pos) : nullptr;
 #pragma unroll 1
-  for (int t = 0; t < NT; ++t) {
+  for (int mi = 0; mi < W::kMTiles; ++mi) {
+    const int m = W::first_m_tile() + mi;
     uint32_t ch[2][4], cl[2][4];
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      const uint4 b = __ldg(bsrc + (ks * (D / 8) + t) * 32);
+      // A register r: token 16 m + g + 8 (r % 2), components 32 ks + 16 (r / 2) + 4 q + i in byte i.
+      uint32_t a[4];
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
+      for (int r = 0; r < 4; ++r)
+        a[r] = words[code_word_index<kSwizzledWords>(ks * 8 + (r / 2) * 4 + q, m * 16 + g + 8 * (r % 2))];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
         if (ks == 0) {
-          imma<true, false, false>(ch[m], a[ks][m], b.x, b.y);
-          imma<true, true, false>(cl[m], a[ks][m], b.z, b.w);
+          imma<true, false, false>(ch[i], a, wv.b[i][ks].x, wv.b[i][ks].y);
+          imma<true, true, false>(cl[i], a, wv.b[i][ks].z, wv.b[i][ks].w);
         } else {
-          imma<true, false>(ch[m], a[ks][m], b.x, b.y);
-          imma<true, true>(cl[m], a[ks][m], b.z, b.w);
+          imma<true, false>(ch[i], a, wv.b[i][ks].x, wv.b[i][ks].y);
+          imma<true, true>(cl[i], a, wv.b[i][ks].z, wv.b[i][ks].w);
         }
       }
     }
-    const int d = wn * (D / WN) + t * 8 + 2 * q;
-    const int2 z = __ldg(reinterpret_cast<const int2*>(tb.recon_z + hd + d));
-    const float2 sc = __ldg(reinterpret_cast<const float2*>(tb.recon_scale + hd + d));
-    const float2 mu = __ldg(reinterpret_cast<const float2*>(tb.mean + hd + d));
+    // C register e of a tile: token 16 m + g + 8 (e / 2), column col + e % 2.
+    float v[2][4];
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int row = wm * 32 + m * 16 + g + 8 * hr;
-        const uint32_t acc0 = (ch[m][2 * hr] << 9) + (cl[m][2 * hr] << 1) - uint32_t(z.x);
-        const uint32_t acc1 = (ch[m][2 * hr + 1] << 9) + (cl[m][2 * hr + 1] << 1) - uint32_t(z.y);
-        *reinterpret_cast<float2*>(os + row * kOutPad + d) = make_float2(
-            __fmaf_rn(__int2float_rn(int32_t(acc0)), sc.x, mu.x), __fmaf_rn(__int2float_rn(int32_t(acc1)), sc.y, mu.y));
+      for (int e = 0; e < 4; ++e)
+        v[i][e] = e % 2 ? int_output(ch[i][e], cl[i][e], wv.z[i].y, wv.sc[i].y, wv.mu[i].y, wv.isc[i].y)
+                        : int_output(ch[i][e], cl[i][e], wv.z[i].x, wv.sc[i].x, wv.mu[i].x, wv.isc[i].x);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int t = m * 16 + g + 8 * hr;
+      if (rope && t < n) {
+        const float4 c = __ldg(cs + t);  // {cos f, cos f + 1, sin f, sin f + 1}
+        rope_one(v[0][2 * hr], v[1][2 * hr], c.x, c.z, /*remove=*/false);
+        rope_one(v[0][2 * hr + 1], v[1][2 * hr + 1], c.y, c.w, /*remove=*/false);
       }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        *reinterpret_cast<uint32_t*>(out + t * (D + 8) + (i ? col1 : col0)) = pack_bf16x2(v[i][2 * hr], v[i][2 * hr + 1]);
+    }
   }
-  __syncthreads();
+}
+
+// The staged rows [0, n) of out to the head's tokens t0 .. (16-byte stores).
+template <int D>
+__device__ __forceinline__ void store_int_rows(const DeviceTables& tb, int h, const uint16_t* out, int n, int64_t t0,
+                                               uint16_t* __restrict__ y) {
   uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
-  store_tokens<D, /*kMeanAdded=*/true>(tb, h, os, kOutPad, n, t0, yh, [](int) { return false; });
+  for (int c = int(threadIdx.x); c < n * (D / 8); c += int(blockDim.x)) {
+    const int row = c / (D / 8), k = c % (D / 8);
+    __stcs(reinterpret_cast<uint4*>(yh + size_t(row) * D + k * 8),
+           *reinterpret_cast<const uint4*>(out + row * (D + 8) + k * 8));
+  }
 }
 
 // f(std::integral_constant<int, KS>{}) for the K components' k-steps KS =
 // ceil(K / 32): K <= k_pad <= D, so at most D / 32 (a zero-K head codes
-// nothing: one k-step of zero codes gives its -Z, as none would).
+// nothing: one k-step of zero weights gives its -Z, as none would).
 template <int D, typename F>
 __device__ __forceinline__ void with_k_steps(int K, F&& f) {
   const int ks = (K + 31) / 32;
@@ -182,42 +208,77 @@ __device__ __forceinline__ void with_k_steps(int K, F&& f) {
   }
 }
 
-// One stream per CTA, 4 CTAs per SM (64 registers). At D = 128 that spills
-// 40 bytes (the A registers of 4 k-steps) and is still faster than 3 CTAs
-// with none: the kernel is latency-bound, shared-memory round trips between
-// its phases (0.973 -> 0.865 ms on the calibrated bench batch, H100,
-// session 38). With all 64 accumulators of a thread live it ran 2 CTAs per
-// SM (0.51 warps issued per scheduler per cycle, ncu, H100).
+// A stream's code words (global, kCodeWords: rows j < ceil(K / 4) of kT
+// words) into a shared slot (kSwizzledWords), 16 bytes per cp.async: a
+// 4-token group stays contiguous under the swizzle (it flips token bits 3
+// and 4 only).
+__device__ __forceinline__ void stage_code_words(int K, const uint8_t* cs, uint32_t* slot) {
+  const int chunks = (K + 3) / 4 * (kT / 4);
+  for (int c = int(threadIdx.x); c < chunks; c += int(blockDim.x)) {
+    const int j = c / (kT / 4), t = 4 * (c % (kT / 4));
+    cp_async16(slot + code_word_index<kSwizzledWords>(j, t), cs + (size_t(j) * kT + t) * 4);
+  }
+  cp_async_commit();  // every thread commits a group, empty or not
+}
+
+// Split path: kIntStreams consecutive streams of one head per CTA of 256
+// threads, 3 CTAs per SM (the B fragments take 32 registers at D = 128).
+// Shared memory: two code slots (stream i + 1's copy runs during stream
+// i's products) | the bf16 output staging; or, for a head without the
+// integer tables, tc_reconstruct_stream's.
 template <int D>
-__global__ void __launch_bounds__(kProjThreads, 4) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
+__global__ void __launch_bounds__(kProjThreads, 3) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
                                                                        const uint8_t* __restrict__ bad, int64_t tokens,
-                                                                       int64_t nb, int head0, uint16_t* __restrict__ y) {
+                                                                       int64_t nb, int head0, int64_t groups_per_head,
+                                                                       uint16_t* __restrict__ y) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const CtaStream s = cta_stream(tokens, nb, head0);
-  if (bad[s.stream]) return;  // tokens of a malformed stream are left untouched
-  const uint8_t* cs = codes + size_t(s.stream) * kT * tb.k_pad;
-  if (!tb.recon_int[s.h]) {  // uniform over the CTA
-    tc_reconstruct_stream<D, uint8_t>(tb, s.h, cs, s.n, s.t0, y, reinterpret_cast<float*>(smem));
+  const int h = head0 + int(blockIdx.x / groups_per_head);
+  const int64_t blk0 = (blockIdx.x % groups_per_head) * kIntStreams;
+  const int count = int(nb - blk0 < kIntStreams ? nb - blk0 : kIntStreams);
+  const auto stream_n = [&](int i) { return tokens - (blk0 + i) * kT < kT ? int(tokens - (blk0 + i) * kT) : kT; };
+  const auto stream_codes = [&](int i) { return codes + size_t(int64_t(h) * nb + blk0 + i) * kT * tb.k_pad; };
+  if (!tb.recon_int[h]) {  // uniform over the CTA
+    for (int i = 0; i < count; ++i) {
+      if (bad[int64_t(h) * nb + blk0 + i]) continue;  // tokens of a malformed stream are left untouched
+      tc_reconstruct_stream<D, uint8_t>(tb, h, stream_codes(i), stream_n(i), (blk0 + i) * kT, y,
+                                        reinterpret_cast<float*>(smem));
+      __syncthreads();  // the staging is free for the next stream
+    }
     return;
   }
-  const int K = tb.kept[s.h];
+  const int K = tb.kept[h];
+  const size_t slot_bytes = int_slot_bytes(tb.k_pad);
+  uint16_t* out = reinterpret_cast<uint16_t*>(smem + 2 * slot_bytes);
+  const bool rope = tb.rope[h] != 0;
   with_k_steps<D>(K, [&](auto ks) {
-    stage_int_codes<decltype(ks)::value>(K, cs, smem);
-    int_reconstruct_staged<D, decltype(ks)::value>(tb, s.h, smem, smem, s.n, s.t0, y);
+    IntReconWarp<D, decltype(ks)::value> wv;
+    wv.load(tb, h);
+    const auto slot = [&](int i) { return reinterpret_cast<uint32_t*>(smem + (i % 2) * slot_bytes); };
+    stage_code_words(K, stream_codes(0), slot(0));
+    for (int i = 0; i < count; ++i) {
+      if (i + 1 < count) {
+        stage_code_words(K, stream_codes(i + 1), slot(i + 1));
+        cp_async_wait<1>();  // stream i's copy done (this thread's)
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();  // everyone's copies of stream i; the output staging is free
+      const bool ok = !bad[int64_t(h) * nb + blk0 + i];  // a malformed stream's tokens are left untouched
+      const int64_t t0 = (blk0 + i) * kT;
+      if (ok) int_reconstruct_words<D>(tb, wv, slot(i), out, stream_n(i), tb.pos0 + tb.tok0 + t0, rope);
+      __syncthreads();  // the staging is complete; slot i is free for stream i + 2
+      if (ok) store_int_rows<D>(tb, h, out, stream_n(i), t0, y);
+    }
   });
 }
 
 // The fused integer decode (set_fused_decode(true) with kInteger, every
 // head on the integer tables and u8 codes): a CTA takes kFusedStreams
 // consecutive streams of one head. Each warp rANS-decodes its stream
-// straight into the staged rows of its slot of shared memory (no global
-// round trip of the codes, no staging pass); then the CTA's 8 warps
-// reconstruct the streams one after the other as reconstruct_int_kernel
-// does, into a separate fp32 staging. Rows K .. 32 KS of a slot are not
-// cleared: the weights of those rows are 0 (recon_w), so whatever bytes
-// sit there add exactly nothing to the int32 sums. Tokens past n of a
-// ragged stream are computed from stale bytes and not stored.
-// Shared memory: tables | kFusedStreams code slots | fp32 staging.
+// straight into its slot of shared memory as code words (no global round
+// trip of the codes, no copy); then the CTA's 8 warps reconstruct the
+// streams one after the other as reconstruct_int_kernel does.
+// Shared memory: tables | kFusedStreams code slots | bf16 output staging.
 template <int D>
 __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
     DeviceTables tb, const uint8_t* __restrict__ in, uint64_t in_size, const uint64_t* __restrict__ offsets,
@@ -232,14 +293,15 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
   const uint8_t* guide;
   head_tables(tb, h, tables_in_smem, reinterpret_cast<uint32_t*>(smem), cum, guide);
   unsigned char* slots = smem + table_bytes;
-  unsigned char* os_mem = slots + size_t(kFusedStreams) * slot_bytes;
+  uint16_t* out = reinterpret_cast<uint16_t*>(slots + size_t(kFusedStreams) * slot_bytes);
   const int64_t blk = blk0 + w;
   if (blk < nb) {
     const int64_t stream = int64_t(h) * nb + blk, t0 = blk * kT;
     const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
     uint8_t* cs = slots + size_t(w) * slot_bytes;
     const uint64_t start = offsets[stream], end = offsets[stream + 1];
-    const bool any = rans_decode_any_stream<uint8_t, false, true>(tb, h, cum, guide, in, in_size, start, end, n, cs);
+    const bool any =
+        rans_decode_any_stream<uint8_t, false, kSwizzledWords>(tb, h, cum, guide, in, in_size, start, end, n, cs);
     if (threadIdx.x % 32 == 0) {
       flag_stream(stream, any, bad, err);
       ok[w] = any ? 0 : 1;
@@ -248,30 +310,33 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
     ok[w] = 0;
   }
   __syncthreads();
-  const int K = tb.kept[h];
-  for (int i = 0; i < kFusedStreams; ++i) {
-    if (!ok[i]) continue;  // uniform over the CTA; a malformed stream's tokens are left untouched
-    const int64_t t0 = (blk0 + i) * kT;
-    const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
-    const unsigned char* cs = slots + size_t(i) * slot_bytes;
-    with_k_steps<D>(K, [&](auto ks) { int_reconstruct_staged<D, decltype(ks)::value>(tb, h, cs, os_mem, n, t0, y); });
-    __syncthreads();  // the staging is free for the next stream
-  }
+  const bool rope = tb.rope[h] != 0;
+  with_k_steps<D>(tb.kept[h], [&](auto ks) {
+    IntReconWarp<D, decltype(ks)::value> wv;
+    wv.load(tb, h);
+    for (int i = 0; i < kFusedStreams; ++i) {
+      if (!ok[i]) continue;  // uniform over the CTA; a malformed stream's tokens are left untouched
+      const int64_t t0 = (blk0 + i) * kT;
+      const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+      int_reconstruct_words<D>(tb, wv, reinterpret_cast<const uint32_t*>(slots + size_t(i) * slot_bytes), out, n,
+                               tb.pos0 + tb.tok0 + t0, rope);
+      __syncthreads();
+      store_int_rows<D>(tb, h, out, n, t0, y);
+      __syncthreads();  // the staging is free for the next stream
+    }
+  });
 }
 
-// Shared memory of decode_int_fused_kernel past the tables: kFusedStreams
-// code slots of int_slot_bytes, then the fp32 staging.
-size_t int_slot_bytes(int k_pad) { return size_t((k_pad + 31) / 32 * 32) * kIntCodeStride; }
+// Shared memory of decode_int_fused_kernel past the tables.
 size_t int_fused_smem(size_t table_bytes, int k_pad, int dim) {
-  return table_bytes + kFusedStreams * int_slot_bytes(k_pad) + size_t(kT) * size_t(dim + 8) * 4;
+  return table_bytes + kFusedStreams * int_slot_bytes(k_pad) + int_out_bytes(dim);
 }
 
-// Shared memory of reconstruct_int_kernel: the staged codes, then (reused)
-// the fp32 output; at least tc_reconstruct_stream's for the heads without
-// the integer tables.
+// Shared memory of reconstruct_int_kernel: two code slots and the output
+// staging, at least tc_reconstruct_stream's for the heads without the
+// integer tables.
 size_t int_smem_bytes(int k_pad, int dim) {
-  return std::max(size_t((k_pad + 31) / 32 * 32) * kIntCodeStride, tc_smem_bytes(k_pad, dim));
+  return std::max(2 * int_slot_bytes(k_pad) + int_out_bytes(dim), tc_smem_bytes(k_pad, dim));
 }
-
 }  // namespace
 }  // namespace kvcodec::gpu
