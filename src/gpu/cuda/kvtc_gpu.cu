@@ -36,8 +36,10 @@
 //                   short scan up cum (no 2^scale-entry slot tables: their 32
 //                   scattered look-ups per step bound v2.0 by L1 throughput;
 //                   the binary search that followed cost 2.49 vs 1.58 ms);
-//                   codes to the code slots; a malformed stream sets a
-//                   per-stream flag.
+//                   codes to the code slots ([K][64] per stream, or for
+//                   the integer reconstruction's heads "code words", a
+//                   token's 4 components in one 32-bit word); a malformed
+//                   stream sets a per-stream flag.
 //   reconstruct_kernel  CTA of 256 threads per (head, 128 tokens): codes ->
 //                   dequantized [K, 128] in shared; 8x8 register tiles, k
 //                   ascending; bf16 stored 16 bytes at a time. Tokens of a
@@ -51,7 +53,10 @@
 //                   codec's integer reconstruction (kvtc_recon_int.cuh): the
 //                   codes are the A operand of u8 x s8 / u8 x u8 mma.sync
 //                   m16n8k32 as they are, exact int32 sums; equal to the CPU
-//                   codec's outputs. Heads without its tables: the TF32
+//                   codec's outputs. 8 streams of one head per CTA, each
+//                   warp's B fragments (one RoPE pair of 8-dim tiles) held
+//                   in registers across them, the weights and RoPE applied
+//                   in registers. Heads without its tables: the TF32
 //                   product in the same CTA.
 //   decode_int_fused_kernel  (kInteger with set_fused_decode(true), every
 //                   head on the integer tables, u8 codes) one kernel: each
