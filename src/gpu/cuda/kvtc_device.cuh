@@ -184,8 +184,7 @@ __device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a,
 }
 
 // Stores n tokens of head h from fp32 staging os[t * pad + d] (the products,
-// before the mean unless kMeanAdded; pad = D + 4 or D + 8) as bf16: + mean
-// (unless kMeanAdded), * inv_scale, RoPE
+// before the mean; pad = D + 4 or D + 8) as bf16: + mean, * inv_scale, RoPE
 // re-applied on keys of the calibrated format at position pos0 + tok0 +
 // t_first + t, 16-byte stores. Tokens with skip(t) are left untouched. Item v is one
 // pair group q of token t, ordered so that the 8 lanes of each quarter warp
@@ -197,7 +196,7 @@ __device__ __forceinline__ void fma_tile_8x8(float (&acc)[8][8], const float* a,
 // CTA's threads are a multiple of 2 QP), so its dims and RoPE frequencies are
 // found once, before the loop over its tokens (they were re-derived per
 // item, with a division by rope_dim).
-template <int D, bool kMeanAdded = false, typename Skip>
+template <int D, typename Skip>
 __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, const float* os, int pad, int n,
                                              int64_t t_first, uint16_t* __restrict__ yh, Skip skip) {
   constexpr int QP = D / 16;  // pair groups per token
@@ -217,17 +216,15 @@ __device__ __forceinline__ void store_tokens(const DeviceTables& tb, int h, cons
     load_f32x8_ordered(os + t * pad + lo, upper_first, a);
     load_f32x8_ordered(os + t * pad + hi, upper_first, b);
     // Loaded per token, not held: 32 more live registers spill here.
-    float ml[8] = {}, mh[8] = {}, sl[8], sh[8];
-    if constexpr (!kMeanAdded) {
-      ldg_f32x8(mean + lo, ml);
-      ldg_f32x8(mean + hi, mh);
-    }
+    float ml[8], mh[8], sl[8], sh[8];
+    ldg_f32x8(mean + lo, ml);
+    ldg_f32x8(mean + hi, mh);
     ldg_f32x8(isc + lo, sl);
     ldg_f32x8(isc + hi, sh);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      a[e] = __fmul_rn(kMeanAdded ? a[e] : __fadd_rn(a[e], ml[e]), sl[e]);
-      b[e] = __fmul_rn(kMeanAdded ? b[e] : __fadd_rn(b[e], mh[e]), sh[e]);
+      a[e] = __fmul_rn(__fadd_rn(a[e], ml[e]), sl[e]);
+      b[e] = __fmul_rn(__fadd_rn(b[e], mh[e]), sh[e]);
     }
     if (rope) rope_pairs(tb, pos + t, freq0, /*remove=*/false, a, b);
     __stcs(reinterpret_cast<uint4*>(yh + size_t(t) * D + lo), pack_bf16x8(a));
