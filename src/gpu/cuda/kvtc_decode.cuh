@@ -90,8 +90,10 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     const int passes = kFull ? kT / 32 : (n + 31) / 32;
     // A valid stream has at most 2 bytes per symbol after the states, so the
     // size fits 32 bits from here on; every failure below is warp-uniform.
+    // An odd size is malformed too (a stream is its states and 16-bit
+    // words), and refusing it keeps every word's place even.
     fail = __any_sync(0xffffffffu, st < kVariantRansLow || st >= kVariantRansHigh) ||
-           size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K);
+           size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K) || (size & 1);
     const uint32_t size32 = uint32_t(size), last = size32 - 1;
     uint32_t pos = kStateBytes;
     const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
@@ -111,6 +113,8 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
       if (k + 1 < K) c_next = __ldg(comp + k + 1);
       const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
       const uint32_t* ck = cum + c.x;
+      // Code words: base's low byte into byte k % 4 of the word (one byte permute).
+      const uint32_t byte_in = (0x3210u & ~(0xfu << (4 * (k & 3)))) | (4u << (4 * (k & 3)));
       const CodeT* gk = guide + c.y;
 #pragma unroll
       for (int pass = 0; pass < kT / 32; ++pass) {
@@ -139,7 +143,7 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
         if constexpr (kLayout == kCodeBytes) {
           if (active) out[pass * 32] = CodeT(base);
         } else {
-          word[pass] |= base << (8 * (k & 3));  // lanes past n: a slot no one reads
+          word[pass] = __byte_perm(word[pass], base, byte_in);  // lanes past n: a slot no one reads
         }
         // One word while st < 2^15 (kvtc-gpu/3): one ballot and its prefix
         // count place it, its two bytes read at a clamped place (size >= 128).
@@ -148,9 +152,9 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
         const uint32_t at = min(pos + 2 * __popc(b & lt_mask), last - 1);
         pos += 2 * __popc(b);
         if constexpr (kStaged) {
-          // Both bytes read from shared memory and kept by a select (the
-          // staged stream may sit at an odd address: no 16-bit load).
-          const uint32_t w = uint32_t(data[at]) | uint32_t(data[at + 1]) << 8;
+          // One 16-bit shared load (a staged stream sits at an even
+          // address, and pos and last - 1 are even), kept by a select.
+          const uint32_t w = *reinterpret_cast<const uint16_t*>(data + at);
           st = one ? st << 16 | w : st;
         } else if (one) {
           st = st << 16 | uint32_t(data[at]) | uint32_t(data[at + 1]) << 8;
@@ -249,7 +253,11 @@ __global__ void __launch_bounds__(32 * kRansDecodeWarps) rans_decode_kernel(Devi
   // words (kvtc_recon_int.cuh); the others, as [K][kT] codes.
   const auto decode = [&](auto layout) {
     constexpr int L = decltype(layout)::value;
-    if (kRansStageBytes > 0 && start <= end && end - start + 32 <= kRansStageBytes) {
+    // Staged where the stream starts at an even address (every stream of a
+    // payload at an even address: their sizes are even), so that the
+    // renormalisation words are single 16-bit loads.
+    if (kRansStageBytes > 0 && start <= end && end - start + 32 <= kRansStageBytes &&
+        ((reinterpret_cast<uintptr_t>(in) + start) & 1) == 0) {
       uint8_t* stage = reinterpret_cast<uint8_t*>(ssm) + stage_offset + (threadIdx.x / 32) * kRansStageBytes;
       return rans_decode_any_stream<CodeT, true, L>(tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
     }

@@ -136,6 +136,16 @@ __device__ __forceinline__ void int_reconstruct_words(const DeviceTables& tb, co
 #pragma unroll 1
   for (int mi = 0; mi < W::kMTiles; ++mi) {
     const int m = W::first_m_tile() + mi;
+    // This m-tile's cos and sin ({cos f, cos f + 1, sin f, sin f + 1} of
+    // tokens 16 m + g, + 8) requested before its products, which then hide
+    // their latency (loaded after them, the RoPE multiplies waiting on
+    // these loads were the kernel's largest stall, ncu, H100).
+    float4 rc[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int t = m * 16 + g + 8 * hr;
+      rc[hr] = rope && t < n ? __ldg(cs + t) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     uint32_t ch[2][4], cl[2][4];
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -167,9 +177,8 @@ __device__ __forceinline__ void int_reconstruct_words(const DeviceTables& tb, co
     for (int hr = 0; hr < 2; ++hr) {
       const int t = m * 16 + g + 8 * hr;
       if (rope && t < n) {
-        const float4 c = __ldg(cs + t);  // {cos f, cos f + 1, sin f, sin f + 1}
-        rope_one(v[0][2 * hr], v[1][2 * hr], c.x, c.z, /*remove=*/false);
-        rope_one(v[0][2 * hr + 1], v[1][2 * hr + 1], c.y, c.w, /*remove=*/false);
+        rope_one(v[0][2 * hr], v[1][2 * hr], rc[hr].x, rc[hr].z, /*remove=*/false);
+        rope_one(v[0][2 * hr + 1], v[1][2 * hr + 1], rc[hr].y, rc[hr].w, /*remove=*/false);
       }
 #pragma unroll
       for (int i = 0; i < 2; ++i)
