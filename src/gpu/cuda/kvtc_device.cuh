@@ -70,7 +70,7 @@ struct DeviceTables {
   const float* proj8_gate_m;   // [NH]
   const float* proj8_gate_ss;  // [NH]
   // The integer reconstruction (kvtc_recon_int.cuh; heads with recon_int).
-  const uint8_t* recon_int;    // [NH]
+  const uint8_t* recon_int;    // [NH] 0 none, 1 integer, 2 integer with finite outputs (integer_reconstruction_kinds)
   const uint4* recon_frag;     // [NH, ceil(k_pad / 32), D / 8, 32 lanes] {high bytes b0, b1, low bytes b0, b1}
   const int32_t* recon_z;      // [NH, D]
   const float* recon_scale;    // [NH, D]

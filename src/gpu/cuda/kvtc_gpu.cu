@@ -64,6 +64,7 @@
 //                   CTA reconstructs its 8 streams from there (measured
 //                   slower than the two kernels: docs/gpu.md).
 #include <algorithm>
+#include <cmath>
 #include <cuda_runtime.h>
 #include <mma.h>
 
@@ -118,6 +119,30 @@ uint4 split_b_fragment(const W& w, int step, int tile, int l) {
   const uint2 hi = b_fragment([&](int i, int c) { return uint16_t(w(i, c)) >> 8; }, step, tile, l);
   const uint2 lo = b_fragment([&](int i, int c) { return uint16_t(w(i, c)) & 0xffu; }, step, tile, l);
   return make_uint4(hi.x, hi.y, lo.x, lo.y);
+}
+
+// DeviceTables::recon_int per head: 0 none, 1 the integer reconstruction,
+// 2 the same with outputs finite by construction, so its kernels round to
+// bf16 with no NaN check (kvtc_recon_int.cuh, int_pack). With |acc| <=
+// 2^31, |x| <= (2^31 |recon_scale| + |mean|) (1 + 2^-24), and after the
+// weights and a RoPE rotation (|cos|, |sin| <= 1) at most about twice that
+// times |inv_scale|: far below FLT_MAX (2^128) when both stay under 2^120
+// and every table entry is finite.
+std::vector<uint8_t> integer_reconstruction_kinds(const FlatKvtcTables& f) {
+  std::vector<uint8_t> kinds(f.recon_int);
+  const size_t D = size_t(f.dim);
+  for (size_t h = 0; h < kinds.size(); ++h) {
+    if (!kinds[h]) continue;
+    bool finite = true;
+    for (size_t d = 0; d < D && finite; ++d) {
+      const double sc = f.recon_scale[h * D + d], mu = f.mean[h * D + d], isc = f.inv_scale[h * D + d];
+      const double x = 2147483648.0 * std::fabs(sc) + std::fabs(mu);
+      finite = std::isfinite(sc) && std::isfinite(mu) && std::isfinite(isc) && x < 0x1p120 &&
+               x * std::fabs(isc) < 0x1p120;
+    }
+    if (finite) kinds[h] = 2;
+  }
+  return kinds;
 }
 
 // The same cos and sin as rope_cos / rope_sin, laid out for the integer
@@ -536,7 +561,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   }
   // The integer reconstruction's tables (kvtc_recon_int.cuh).
   m.dev.recon_frag = upload(recon_fragments(f), m.owned);
-  m.dev.recon_int = upload(f.recon_int, m.owned);
+  m.dev.recon_int = upload(integer_reconstruction_kinds(f), m.owned);
   m.all_recon_int = std::all_of(f.recon_int.begin(), f.recon_int.end(), [](uint8_t r) { return r != 0; });
   m.dev.recon_z = upload(f.recon_z, m.owned);
   m.dev.recon_scale = upload(f.recon_scale, m.owned);

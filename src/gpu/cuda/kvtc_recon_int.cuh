@@ -79,11 +79,13 @@ template <int D, int KS>
 struct IntReconWarp {
   static constexpr int kPairs = D / 16, kMTiles = D / 32;
   uint4 b[2][KS];  // {high b0, b1, low b0, b1} (recon_frag)
-  int2 z[2];
+  int2 nz[2];      // -Z of this lane's two columns per tile (negated once here, not per product)
   float2 sc[2], mu[2], isc[2];
+  int col0;    // this lane's first column in tile a (in tile a + rope_dim / 16: + rope_dim / 2)
+  int cs_row;  // its RoPE frequencies' row of rope_cs: (col0 % rope_dim) / 2
 
   // Tile a of this warp's pair (its partner: a + rope_dim / 16), and this
-  // lane's first column in tile i (found again where used: registers).
+  // lane's first column in tile i.
   static __device__ __forceinline__ int tile_a(const DeviceTables& tb) {
     const int p = int(threadIdx.x) / 32 % kPairs, per = tb.rope_dim / 16;  // pairs per RoPE sub-head
     return (p / per) * (tb.rope_dim / 8) + p % per;
@@ -97,13 +99,16 @@ struct IntReconWarp {
     const int lane = int(threadIdx.x) % 32;
     const int ksp = (tb.k_pad + 31) / 32;
     const uint4* frag = tb.recon_frag + size_t(h) * ksp * (D / 8) * 32 + lane;
+    col0 = col(tb, 0);
+    cs_row = tb.rope[h] ? (col0 % tb.rope_dim) / 2 : 0;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int c = col(tb, i), tile = c / 8;
+      const int c = col0 + i * (tb.rope_dim / 2), tile = c / 8;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) b[i][ks] = __ldg(frag + (ks * (D / 8) + tile) * 32);
       const size_t hc = size_t(h) * D + c;
-      z[i] = __ldg(reinterpret_cast<const int2*>(tb.recon_z + hc));
+      const int2 z = __ldg(reinterpret_cast<const int2*>(tb.recon_z + hc));
+      nz[i] = make_int2(int(0u - uint32_t(z.x)), int(0u - uint32_t(z.y)));
       sc[i] = __ldg(reinterpret_cast<const float2*>(tb.recon_scale + hc));
       mu[i] = __ldg(reinterpret_cast<const float2*>(tb.mean + hc));
       isc[i] = __ldg(reinterpret_cast<const float2*>(tb.inv_scale + hc));
@@ -113,27 +118,41 @@ struct IntReconWarp {
 
 // The CPU codec's x = fmaf(float(acc), recon_scale, mean) with acc = 2 (256
 // hi + lo) - Z modulo 2^32, then * inv_scale (kvtc_variant.hpp's order).
-__device__ __forceinline__ float int_output(uint32_t hi, uint32_t lo, int z, float sc, float mu, float isc) {
-  const uint32_t acc = (hi << 9) + (lo << 1) - uint32_t(z);
+__device__ __forceinline__ float int_output(uint32_t hi, uint32_t lo, int nz, float sc, float mu, float isc) {
+  const uint32_t acc = (hi << 9) + (lo << 1) + uint32_t(nz);
   return __fmul_rn(__fmaf_rn(__int2float_rn(int32_t(acc)), sc, mu), isc);
+}
+
+// Two outputs to bf16 (round to nearest even). kFinite: the head's outputs
+// are finite by construction (recon_int == 2: the host bounded its tables,
+// kvtc_gpu.cu), so the conversion alone equals f32_to_bf16_rne; otherwise
+// a NaN takes the CPU's quiet-NaN rule (pack_bf16x2's branch: 4 of the
+// kernel's ~150 instructions per tile, ncu).
+template <bool kFinite>
+__device__ __forceinline__ uint32_t int_pack(float lo, float hi) {
+  if constexpr (kFinite) {
+    uint32_t w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+  } else {
+    return pack_bf16x2(lo, hi);
+  }
 }
 
 // One stream's products by the CTA's 8 warps: its code words (shared,
 // kSwizzledWords) -> bf16 rows in out ([kT][D + 8], shared); rows >= n
-// (a ragged last stream) hold garbage, never stored. pos: the position of
-// the stream's first token (RoPE on keys of the calibrated format; the
-// table ends at the last coded token's). No barrier inside: the caller
-// syncs before and after.
-template <int D, int KS>
+// (a ragged last stream) hold garbage, never stored (their RoPE takes the
+// last row's angles: the table ends at the last coded token). pos: the
+// position of the stream's first token (RoPE on keys, kRope). The m-tiles
+// are unrolled, so their code-word addresses fold into immediates. No
+// barrier inside: the caller syncs before and after.
+template <int D, int KS, bool kRope, bool kFinite>
 __device__ __forceinline__ void int_reconstruct_words(const DeviceTables& tb, const IntReconWarp<D, KS>& wv,
-                                                      const uint32_t* words, uint16_t* out, int n, int64_t pos,
-                                                      bool rope) {
+                                                      const uint32_t* words, uint16_t* out, int n, int64_t pos) {
   const int lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
   using W = IntReconWarp<D, KS>;
-  const int col0 = W::col(tb, 0), col1 = W::col(tb, 1);
-  // RoPE frequencies f, f + 1 of columns col0, col0 + 1: entry f / 2 of rope_cs.
-  const float4* cs = rope ? tb.rope_cs + size_t((col0 % tb.rope_dim) / 2) * size_t(tb.rope_positions) + size_t(pos) : nullptr;
-#pragma unroll 1
+  const float4* cs = kRope ? tb.rope_cs + size_t(wv.cs_row) * size_t(tb.rope_positions) + size_t(pos) : nullptr;
+#pragma unroll
   for (int mi = 0; mi < W::kMTiles; ++mi) {
     const int m = W::first_m_tile() + mi;
     // This m-tile's cos and sin ({cos f, cos f + 1, sin f, sin f + 1} of
@@ -141,10 +160,9 @@ __device__ __forceinline__ void int_reconstruct_words(const DeviceTables& tb, co
     // their latency (loaded after them, the RoPE multiplies waiting on
     // these loads were the kernel's largest stall, ncu, H100).
     float4 rc[2];
+    if constexpr (kRope) {
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int t = m * 16 + g + 8 * hr;
-      rc[hr] = rope && t < n ? __ldg(cs + t) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int hr = 0; hr < 2; ++hr) rc[hr] = __ldg(cs + min(m * 16 + g + 8 * hr, n - 1));
     }
     uint32_t ch[2][4], cl[2][4];
 #pragma unroll
@@ -171,31 +189,61 @@ __device__ __forceinline__ void int_reconstruct_words(const DeviceTables& tb, co
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        v[i][e] = e % 2 ? int_output(ch[i][e], cl[i][e], wv.z[i].y, wv.sc[i].y, wv.mu[i].y, wv.isc[i].y)
-                        : int_output(ch[i][e], cl[i][e], wv.z[i].x, wv.sc[i].x, wv.mu[i].x, wv.isc[i].x);
+        v[i][e] = e % 2 ? int_output(ch[i][e], cl[i][e], wv.nz[i].y, wv.sc[i].y, wv.mu[i].y, wv.isc[i].y)
+                        : int_output(ch[i][e], cl[i][e], wv.nz[i].x, wv.sc[i].x, wv.mu[i].x, wv.isc[i].x);
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int t = m * 16 + g + 8 * hr;
-      if (rope && t < n) {
+      if constexpr (kRope) {
         rope_one(v[0][2 * hr], v[1][2 * hr], rc[hr].x, rc[hr].z, /*remove=*/false);
         rope_one(v[0][2 * hr + 1], v[1][2 * hr + 1], rc[hr].y, rc[hr].w, /*remove=*/false);
       }
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-        *reinterpret_cast<uint32_t*>(out + t * (D + 8) + (i ? col1 : col0)) = pack_bf16x2(v[i][2 * hr], v[i][2 * hr + 1]);
+      uint16_t* at = out + t * (D + 8) + wv.col0;
+      *reinterpret_cast<uint32_t*>(at) = int_pack<kFinite>(v[0][2 * hr], v[0][2 * hr + 1]);
+      *reinterpret_cast<uint32_t*>(at + tb.rope_dim / 2) = int_pack<kFinite>(v[1][2 * hr], v[1][2 * hr + 1]);
     }
   }
 }
 
-// The staged rows [0, n) of out to the head's tokens t0 .. (16-byte stores).
+// The staged rows [0, n) of out to the head's tokens t0 .. (16-byte
+// stores). Thread i always takes chunk i % (D / 8) of rows i / (D / 8) +
+// a multiple of kRows: no division per store; a full stream unrolled.
 template <int D>
 __device__ __forceinline__ void store_int_rows(const DeviceTables& tb, int h, const uint16_t* out, int n, int64_t t0,
                                                uint16_t* __restrict__ y) {
-  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
-  for (int c = int(threadIdx.x); c < n * (D / 8); c += int(blockDim.x)) {
-    const int row = c / (D / 8), k = c % (D / 8);
-    __stcs(reinterpret_cast<uint4*>(yh + size_t(row) * D + k * 8),
-           *reinterpret_cast<const uint4*>(out + row * (D + 8) + k * 8));
+  constexpr int kChunks = D / 8, kRows = kProjThreads / kChunks;
+  static_assert(kT % kRows == 0, "whole passes over a full stream");
+  const int k = int(threadIdx.x) % kChunks, r0 = int(threadIdx.x) / kChunks;
+  uint16_t* yh = y + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0) + size_t(r0)) * D + k * 8;
+  const uint16_t* src = out + r0 * (D + 8) + k * 8;
+  if (n == kT) {
+#pragma unroll
+    for (int i = 0; i < kT / kRows; ++i)
+      __stcs(reinterpret_cast<uint4*>(yh + size_t(i) * kRows * D),
+             *reinterpret_cast<const uint4*>(src + i * kRows * (D + 8)));
+  } else {
+    for (int i = 0; r0 + i * kRows < n; ++i)
+      __stcs(reinterpret_cast<uint4*>(yh + size_t(i) * kRows * D),
+             *reinterpret_cast<const uint4*>(src + i * kRows * (D + 8)));
+  }
+}
+
+// f(kRope, kFinite) as compile-time constants for head h (a value head
+// issues no RoPE instruction at all: predicated off they still cost issue
+// slots).
+template <typename F>
+__device__ __forceinline__ void with_head_kind(const DeviceTables& tb, int h, F&& f) {
+  const bool rope = tb.rope[h] != 0, finite = tb.recon_int[h] == 2;
+  if (rope) {
+    if (finite)
+      f(std::true_type{}, std::true_type{});
+    else
+      f(std::true_type{}, std::false_type{});
+  } else {
+    if (finite)
+      f(std::false_type{}, std::true_type{});
+    else
+      f(std::false_type{}, std::false_type{});
   }
 }
 
@@ -222,21 +270,23 @@ __device__ __forceinline__ void with_k_steps(int K, F&& f) {
 // 4-token group stays contiguous under the swizzle (it flips token bits 3
 // and 4 only).
 __device__ __forceinline__ void stage_code_words(int K, const uint8_t* cs, uint32_t* slot) {
-  const int chunks = (K + 3) / 4 * (kT / 4);
-  for (int c = int(threadIdx.x); c < chunks; c += int(blockDim.x)) {
-    const int j = c / (kT / 4), t = 4 * (c % (kT / 4));
+  const unsigned chunks = unsigned(K + 3) / 4 * (kT / 4);
+  for (unsigned c = threadIdx.x; c < chunks; c += kProjThreads) {
+    const int j = int(c / (kT / 4)), t = int(4 * (c % (kT / 4)));
     cp_async16(slot + code_word_index<kSwizzledWords>(j, t), cs + (size_t(j) * kT + t) * 4);
   }
   cp_async_commit();  // every thread commits a group, empty or not
 }
 
 // Split path: kIntStreams consecutive streams of one head per CTA of 256
-// threads, 3 CTAs per SM (the B fragments take 32 registers at D = 128).
+// threads, 2 CTAs per SM: with 128 registers the m-tiles unroll without
+// spilling (the B fragments take up to 32; at 3 CTAs per SM, 80 registers,
+// the rolled loop ran 0.76 ms on the calibrated bench, H100, this one 0.67).
 // Shared memory: two code slots (stream i + 1's copy runs during stream
 // i's products) | the bf16 output staging; or, for a head without the
 // integer tables, tc_reconstruct_stream's.
 template <int D>
-__global__ void __launch_bounds__(kProjThreads, 3) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
+__global__ void __launch_bounds__(kProjThreads, 2) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
                                                                        const uint8_t* __restrict__ bad, int64_t tokens,
                                                                        int64_t nb, int head0, int64_t groups_per_head,
                                                                        uint16_t* __restrict__ y) {
@@ -258,26 +308,29 @@ __global__ void __launch_bounds__(kProjThreads, 3) reconstruct_int_kernel(Device
   const int K = tb.kept[h];
   const size_t slot_bytes = int_slot_bytes(tb.k_pad);
   uint16_t* out = reinterpret_cast<uint16_t*>(smem + 2 * slot_bytes);
-  const bool rope = tb.rope[h] != 0;
   with_k_steps<D>(K, [&](auto ks) {
     IntReconWarp<D, decltype(ks)::value> wv;
     wv.load(tb, h);
     const auto slot = [&](int i) { return reinterpret_cast<uint32_t*>(smem + (i % 2) * slot_bytes); };
     stage_code_words(K, stream_codes(0), slot(0));
-    for (int i = 0; i < count; ++i) {
-      if (i + 1 < count) {
-        stage_code_words(K, stream_codes(i + 1), slot(i + 1));
-        cp_async_wait<1>();  // stream i's copy done (this thread's)
-      } else {
-        cp_async_wait<0>();
+    with_head_kind(tb, h, [&](auto rope, auto finite) {
+      for (int i = 0; i < count; ++i) {
+        if (i + 1 < count) {
+          stage_code_words(K, stream_codes(i + 1), slot(i + 1));
+          cp_async_wait<1>();  // stream i's copy done (this thread's)
+        } else {
+          cp_async_wait<0>();
+        }
+        __syncthreads();  // everyone's copies of stream i; the output staging is free
+        const bool ok = !bad[int64_t(h) * nb + blk0 + i];  // a malformed stream's tokens are left untouched
+        const int64_t t0 = (blk0 + i) * kT;
+        if (ok)
+          int_reconstruct_words<D, decltype(ks)::value, decltype(rope)::value, decltype(finite)::value>(
+              tb, wv, slot(i), out, stream_n(i), tb.pos0 + tb.tok0 + t0);
+        __syncthreads();  // the staging is complete; slot i is free for stream i + 2
+        if (ok) store_int_rows<D>(tb, h, out, stream_n(i), t0, y);
       }
-      __syncthreads();  // everyone's copies of stream i; the output staging is free
-      const bool ok = !bad[int64_t(h) * nb + blk0 + i];  // a malformed stream's tokens are left untouched
-      const int64_t t0 = (blk0 + i) * kT;
-      if (ok) int_reconstruct_words<D>(tb, wv, slot(i), out, stream_n(i), tb.pos0 + tb.tok0 + t0, rope);
-      __syncthreads();  // the staging is complete; slot i is free for stream i + 2
-      if (ok) store_int_rows<D>(tb, h, out, stream_n(i), t0, y);
-    }
+    });
   });
 }
 
@@ -319,20 +372,21 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
     ok[w] = 0;
   }
   __syncthreads();
-  const bool rope = tb.rope[h] != 0;
   with_k_steps<D>(tb.kept[h], [&](auto ks) {
     IntReconWarp<D, decltype(ks)::value> wv;
     wv.load(tb, h);
-    for (int i = 0; i < kFusedStreams; ++i) {
-      if (!ok[i]) continue;  // uniform over the CTA; a malformed stream's tokens are left untouched
-      const int64_t t0 = (blk0 + i) * kT;
-      const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
-      int_reconstruct_words<D>(tb, wv, reinterpret_cast<const uint32_t*>(slots + size_t(i) * slot_bytes), out, n,
-                               tb.pos0 + tb.tok0 + t0, rope);
-      __syncthreads();
-      store_int_rows<D>(tb, h, out, n, t0, y);
-      __syncthreads();  // the staging is free for the next stream
-    }
+    with_head_kind(tb, h, [&](auto rope, auto finite) {
+      for (int i = 0; i < kFusedStreams; ++i) {
+        if (!ok[i]) continue;  // uniform over the CTA; a malformed stream's tokens are left untouched
+        const int64_t t0 = (blk0 + i) * kT;
+        const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+        int_reconstruct_words<D, decltype(ks)::value, decltype(rope)::value, decltype(finite)::value>(
+            tb, wv, reinterpret_cast<const uint32_t*>(slots + size_t(i) * slot_bytes), out, n, tb.pos0 + tb.tok0 + t0);
+        __syncthreads();
+        store_int_rows<D>(tb, h, out, n, t0, y);
+        __syncthreads();  // the staging is free for the next stream
+      }
+    });
   });
 }
 
