@@ -108,13 +108,12 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     uint32_t* words = reinterpret_cast<uint32_t*>(cs);
     uint32_t word[kT / 32] = {};  // code words: each pass's codes of the row so far
     uint4 c_next = __ldg(comp);
+    const uint4* comp_next = comp + 1;  // a running pointer: no 64-bit index arithmetic per component
     for (int k = 0; k < K && !fail; ++k, out += kT) {
       const uint4 c = c_next;  // the same for every lane
-      if (k + 1 < K) c_next = __ldg(comp + k + 1);
+      if (k + 1 < K) c_next = __ldg(comp_next++);
       const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
       const uint32_t* ck = cum + c.x;
-      // Code words: base's low byte into byte k % 4 of the word (one byte permute).
-      const uint32_t byte_in = (0x3210u & ~(0xfu << (4 * (k & 3)))) | (4u << (4 * (k & 3)));
       const CodeT* gk = guide + c.y;
 #pragma unroll
       for (int pass = 0; pass < kT / 32; ++pass) {
@@ -143,7 +142,10 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
         if constexpr (kLayout == kCodeBytes) {
           if (active) out[pass * 32] = CodeT(base);
         } else {
-          word[pass] = __byte_perm(word[pass], base, byte_in);  // lanes past n: a slot no one reads
+          // Code words: the code (< 256) in at the top byte, the earlier
+          // ones shifted down a byte (one funnel shift; after 4 components
+          // component 4j + i sits in byte i). Lanes past n: a slot no one reads.
+          word[pass] = __funnelshift_r(word[pass], base, 8);
         }
         // One word while st < 2^15 (kvtc-gpu/3): one ballot and its prefix
         // count place it, its two bytes read at a clamped place (size >= 128).
@@ -162,9 +164,10 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
       }
       if constexpr (kLayout != kCodeBytes) {
         if ((k & 3) == 3 || k + 1 == K) {  // the row's last component: its words out
+          const uint32_t down = 8 * (3 - (k & 3));  // a short last row: its codes down to byte 0
 #pragma unroll
           for (int pass = 0; pass < kT / 32; ++pass) {
-            if (pass < passes) words[code_word_index<kLayout>(k >> 2, pass * 32 + lane)] = word[pass];
+            if (pass < passes) words[code_word_index<kLayout>(k >> 2, pass * 32 + lane)] = word[pass] >> down;
             word[pass] = 0;
           }
         }

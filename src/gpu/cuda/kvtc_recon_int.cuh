@@ -58,7 +58,7 @@ constexpr int kIntStreams = 8;  // consecutive streams of one head per CTA of re
 __host__ __device__ inline size_t int_slot_bytes(int k_pad) { return size_t((k_pad + 31) / 32) * 8 * kT * 4; }
 // The bf16 output staging [kT][D + 8] (rows 4 banks apart: a warp's 32-bit
 // stores, rows g and columns 2 q of a tile, hit 32 distinct banks).
-size_t int_out_bytes(int dim) { return size_t(kT) * size_t(dim + 8) * 2; }
+__host__ __device__ inline size_t int_out_bytes(int dim) { return size_t(kT) * size_t(dim + 8) * 2; }
 
 // One 16-byte cp.async (L2 only: the codes are read once).
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
@@ -283,8 +283,9 @@ __device__ __forceinline__ void stage_code_words(int K, const uint8_t* cs, uint3
 // spilling (the B fragments take up to 32; at 3 CTAs per SM, 80 registers,
 // the rolled loop ran 0.76 ms on the calibrated bench, H100, this one 0.67).
 // Shared memory: two code slots (stream i + 1's copy runs during stream
-// i's products) | the bf16 output staging; or, for a head without the
-// integer tables, tc_reconstruct_stream's.
+// i's products) | two bf16 output stagings (stream i - 1's stores run
+// beside stream i's products); or, for a head without the integer tables,
+// tc_reconstruct_stream's.
 template <int D>
 __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_int_kernel(DeviceTables tb, const uint8_t* __restrict__ codes,
                                                                        const uint8_t* __restrict__ bad, int64_t tokens,
@@ -306,30 +307,34 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_int_kernel(Device
     return;
   }
   const int K = tb.kept[h];
-  const size_t slot_bytes = int_slot_bytes(tb.k_pad);
-  uint16_t* out = reinterpret_cast<uint16_t*>(smem + 2 * slot_bytes);
+  const size_t slot_bytes = int_slot_bytes(tb.k_pad), out_bytes = int_out_bytes(D);
+  const auto out = [&](int i) { return reinterpret_cast<uint16_t*>(smem + 2 * slot_bytes + (i % 2) * out_bytes); };
+  const uint8_t* bad_h = bad + int64_t(h) * nb + blk0;  // a malformed stream's tokens are left untouched
   with_k_steps<D>(K, [&](auto ks) {
     IntReconWarp<D, decltype(ks)::value> wv;
     wv.load(tb, h);
     const auto slot = [&](int i) { return reinterpret_cast<uint32_t*>(smem + (i % 2) * slot_bytes); };
     stage_code_words(K, stream_codes(0), slot(0));
+    // One barrier per stream: stream i's products go to staging i % 2 while
+    // stream i - 1's rows are stored from the other, and stream i + 1's
+    // codes are copied (issued past the barrier, where every warp is done
+    // with stream i - 1's slot). A second barrier per stream (products,
+    // sync, store, sync) stalled the warps for 7% of the samples (ncu).
     with_head_kind(tb, h, [&](auto rope, auto finite) {
+      bool prev_ok = false;
       for (int i = 0; i < count; ++i) {
-        if (i + 1 < count) {
-          stage_code_words(K, stream_codes(i + 1), slot(i + 1));
-          cp_async_wait<1>();  // stream i's copy done (this thread's)
-        } else {
-          cp_async_wait<0>();
-        }
-        __syncthreads();  // everyone's copies of stream i; the output staging is free
-        const bool ok = !bad[int64_t(h) * nb + blk0 + i];  // a malformed stream's tokens are left untouched
-        const int64_t t0 = (blk0 + i) * kT;
+        const bool ok = !bad_h[i];  // loaded before the wait, which hides its latency
+        cp_async_wait<0>();         // stream i's copy (this thread's)
+        __syncthreads();            // everyone's: stream i's codes; stream i - 1's products; slot i + 1 free
+        if (i + 1 < count) stage_code_words(K, stream_codes(i + 1), slot(i + 1));
+        if (prev_ok) store_int_rows<D>(tb, h, out(i - 1), stream_n(i - 1), (blk0 + i - 1) * kT, y);
         if (ok)
           int_reconstruct_words<D, decltype(ks)::value, decltype(rope)::value, decltype(finite)::value>(
-              tb, wv, slot(i), out, stream_n(i), tb.pos0 + tb.tok0 + t0);
-        __syncthreads();  // the staging is complete; slot i is free for stream i + 2
-        if (ok) store_int_rows<D>(tb, h, out, stream_n(i), t0, y);
+              tb, wv, slot(i), out(i), stream_n(i), tb.pos0 + tb.tok0 + (blk0 + i) * kT);
+        prev_ok = ok;
       }
+      __syncthreads();
+      if (prev_ok) store_int_rows<D>(tb, h, out(count - 1), stream_n(count - 1), (blk0 + count - 1) * kT, y);
     });
   });
 }
@@ -395,11 +400,11 @@ size_t int_fused_smem(size_t table_bytes, int k_pad, int dim) {
   return table_bytes + kFusedStreams * int_slot_bytes(k_pad) + int_out_bytes(dim);
 }
 
-// Shared memory of reconstruct_int_kernel: two code slots and the output
-// staging, at least tc_reconstruct_stream's for the heads without the
+// Shared memory of reconstruct_int_kernel: two code slots and two output
+// stagings, at least tc_reconstruct_stream's for the heads without the
 // integer tables.
 size_t int_smem_bytes(int k_pad, int dim) {
-  return std::max(2 * int_slot_bytes(k_pad) + int_out_bytes(dim), tc_smem_bytes(k_pad, dim));
+  return std::max(2 * int_slot_bytes(k_pad) + 2 * int_out_bytes(dim), tc_smem_bytes(k_pad, dim));
 }
 }  // namespace
 }  // namespace kvcodec::gpu
