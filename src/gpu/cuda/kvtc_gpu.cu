@@ -53,7 +53,7 @@
 //                   codec's integer reconstruction (kvtc_recon_int.cuh): the
 //                   codes are the A operand of u8 x s8 / u8 x u8 mma.sync
 //                   m16n8k32 as they are, exact int32 sums; equal to the CPU
-//                   codec's outputs. 8 streams of one head per CTA, each
+//                   codec's outputs. 16 streams of one head per CTA, each
 //                   warp's B fragments (one RoPE pair of 8-dim tiles) held
 //                   in registers across them, the weights and RoPE applied
 //                   in registers. Heads without its tables: the TF32

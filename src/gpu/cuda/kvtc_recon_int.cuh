@@ -50,7 +50,7 @@
 
 namespace kvcodec::gpu {
 namespace {
-constexpr int kIntStreams = 8;  // consecutive streams of one head per CTA of reconstruct_int_kernel
+constexpr int kIntStreams = 16;  // consecutive streams of one head per CTA of reconstruct_int_kernel (8: 2% slower, H100)
 
 // Bytes of one stream's staged code words: ceil(k_pad / 32) k-steps of 8
 // rows of kT words (rows past ceil(K / 4) are never written: their weights
