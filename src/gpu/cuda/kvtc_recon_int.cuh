@@ -126,8 +126,8 @@ __device__ __forceinline__ float int_output(uint32_t hi, uint32_t lo, int nz, fl
 // Two outputs to bf16 (round to nearest even). kFinite: the head's outputs
 // are finite by construction (recon_int == 2: the host bounded its tables,
 // kvtc_gpu.cu), so the conversion alone equals f32_to_bf16_rne; otherwise
-// a NaN takes the CPU's quiet-NaN rule (pack_bf16x2's branch: 4 of the
-// kernel's ~150 instructions per tile, ncu).
+// a NaN takes the CPU's quiet-NaN rule (pack_bf16x2's branch: 4
+// instructions a pair, 16 of the ~150 per m-tile, ncu).
 template <bool kFinite>
 __device__ __forceinline__ uint32_t int_pack(float lo, float hi) {
   if constexpr (kFinite) {
