@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(32 * kRansDecodeWarps) rans_decode_kernel(Devi
   if (blk >= nb) return;
   const int64_t stream = int64_t(h) * nb + blk;
   const int64_t t0 = blk * kT;
-  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const int n = block_tokens(tokens, t0, kT);
   const uint64_t start = offsets[stream], end = offsets[stream + 1];
   CodeT* cs = codes + size_t(stream) * kT * tb.k_pad;
   bool any;
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_kernel(DeviceTabl
   const int h = head0 + int(blockIdx.x / tiles_per_head);
   const int64_t tile = blockIdx.x % tiles_per_head;
   const int64_t t0 = tile * kTile;
-  const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
+  const int n = block_tokens(tokens, t0, kTile);
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
   const int64_t stream0 = int64_t(h) * nb + tile * 2;
@@ -531,7 +531,7 @@ struct CtaStream {
 __device__ __forceinline__ CtaStream cta_stream(int64_t tokens, int64_t nb, int head0) {
   const int h = head0 + int(blockIdx.x / nb);
   const int64_t blk = blockIdx.x % nb, t0 = blk * kT;
-  return {h, int64_t(h) * nb + blk, t0, tokens - t0 < kT ? int(tokens - t0) : kT};
+  return {h, int64_t(h) * nb + blk, t0, block_tokens(tokens, t0, kT)};
 }
 
 // One stream (64 tokens) per CTA, 4 CTAs per SM (one CTA's code loads
@@ -663,7 +663,7 @@ __global__ void __launch_bounds__(kProjThreads, 3) decode_fused_kernel(DeviceTab
   CodeT* cs = reinterpret_cast<CodeT*>(smem + table_bytes) + size_t(w) * kT * tb.k_pad;  // this warp's slot
   const int64_t stream = int64_t(h) * nb + blk;
   const int64_t t0 = blk * kT;
-  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const int n = block_tokens(tokens, t0, kT);
   const bool any = rans_decode_stream(tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n, cs);
   if (threadIdx.x % 32 == 0) flag_stream(stream, any, bad, err);
   if (any) return;  // warp-uniform: tokens of a malformed stream are left untouched

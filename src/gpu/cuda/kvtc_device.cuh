@@ -16,6 +16,12 @@ namespace {
 
 constexpr int kT = KvtcGpuCodec::kBlockTokens;  // tokens per stream
 constexpr int kTile = 2 * kT;                    // tokens per projection CTA
+
+// Tokens of the block of up to len tokens starting at t0 of a head's
+// `tokens` (a ragged last block holds fewer).
+__host__ __device__ __forceinline__ int block_tokens(int64_t tokens, int64_t t0, int len) {
+  return tokens - t0 < len ? int(tokens - t0) : len;
+}
 constexpr int kProjThreads = 256;
 constexpr int kRansWarps = 4;
 // Decoder guide buckets per component: 2^min(scale, ceil(log2(levels)) + 2,
@@ -100,14 +106,20 @@ __device__ __forceinline__ void load_bf16x8(const uint16_t* p, float (&v)[8]) {
   }
 }
 
-// Two values as bf16 (lo in the low half): one hardware round-to-nearest-
-// even conversion (cvt.rn.bf16x2.f32, a third of the integer rounding's
-// instructions), the same bits as f32_to_bf16_dev except for NaN, which
-// takes f32_to_bf16_dev's quiet NaN (the reference's) instead of the
-// canonical one.
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+// Two values as bf16 (lo in the low half) by one hardware round-to-
+// nearest-even conversion (cvt.rn.bf16x2.f32, a third of the integer
+// rounding's instructions): the same bits as f32_to_bf16_dev except for
+// NaN, which becomes the canonical NaN.
+__device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
   uint32_t w;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  return w;
+}
+
+// cvt_bf16x2 with a NaN taking f32_to_bf16_dev's quiet NaN (the
+// reference's) instead of the canonical one.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t w = cvt_bf16x2(lo, hi);
   if (lo != lo || hi != hi) w = uint32_t(f32_to_bf16_dev(lo)) | uint32_t(f32_to_bf16_dev(hi)) << 16;
   return w;
 }

@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) project_kernel(DeviceTables t
   const int h = head0 + int(blockIdx.x / tiles_per_head);
   const int64_t tile = blockIdx.x % tiles_per_head;
   const int64_t t0 = tile * kTile;
-  const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
+  const int n = block_tokens(tokens, t0, kTile);
   const int K = tb.kept[h];
   const int KP = tb.k_pad;
   if (K == 0 || tb.proj_int[h]) return;  // project_int_kernel codes the latter
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(32 * kRansWarps) rans_encode_kernel(DeviceTabl
   if (stream >= ns) return;
   const int h = int(stream / nb);
   const int64_t t0 = (stream % nb) * kT;
-  const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+  const int n = block_tokens(tokens, t0, kT);
   const int K = tb.kept[h];
   uint32_t start = uint32_t(cap);
   if (K > 0) {

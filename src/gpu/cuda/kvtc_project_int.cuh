@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kProjThreads, 4) project_int_kernel(DeviceTabl
   uint8_t* fit = reinterpret_cast<uint8_t*>(cs + 2 * kT * KP);  // [kTile]
   const int64_t tile = blockIdx.x % tiles_per_head;
   const int64_t t0 = tile * kTile;
-  const int n = tokens - t0 < kTile ? int(tokens - t0) : kTile;
+  const int n = block_tokens(tokens, t0, kTile);
   const bool rope = tb.rope[h] != 0;
   const uint16_t* xh = x + (size_t(h) * size_t(tb.seq) + size_t(tb.tok0 + t0)) * D;
   const int lane = threadIdx.x % 32, e = lane % 4, base = lane - e;

@@ -84,14 +84,11 @@ struct IntReconWarp {
   int col0;    // this lane's first column in tile a (in tile a + rope_dim / 16: + rope_dim / 2)
   int cs_row;  // its RoPE frequencies' row of rope_cs: (col0 % rope_dim) / 2
 
-  // Tile a of this warp's pair (its partner: a + rope_dim / 16), and this
-  // lane's first column in tile i.
-  static __device__ __forceinline__ int tile_a(const DeviceTables& tb) {
+  // This lane's first column in tile a of this warp's pair (its partner:
+  // tile a + rope_dim / 16).
+  static __device__ __forceinline__ int first_col(const DeviceTables& tb) {
     const int p = int(threadIdx.x) / 32 % kPairs, per = tb.rope_dim / 16;  // pairs per RoPE sub-head
-    return (p / per) * (tb.rope_dim / 8) + p % per;
-  }
-  static __device__ __forceinline__ int col(const DeviceTables& tb, int i) {
-    return (tile_a(tb) + i * (tb.rope_dim / 16)) * 8 + 2 * (int(threadIdx.x) % 4);
+    return ((p / per) * (tb.rope_dim / 8) + p % per) * 8 + 2 * (int(threadIdx.x) % 4);
   }
   static __device__ __forceinline__ int first_m_tile() { return int(threadIdx.x) / 32 / kPairs * kMTiles; }
 
@@ -99,7 +96,7 @@ struct IntReconWarp {
     const int lane = int(threadIdx.x) % 32;
     const int ksp = (tb.k_pad + 31) / 32;
     const uint4* frag = tb.recon_frag + size_t(h) * ksp * (D / 8) * 32 + lane;
-    col0 = col(tb, 0);
+    col0 = first_col(tb);
     cs_row = tb.rope[h] ? (col0 % tb.rope_dim) / 2 : 0;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -130,13 +127,10 @@ __device__ __forceinline__ float int_output(uint32_t hi, uint32_t lo, int nz, fl
 // instructions a pair, 16 of the ~150 per m-tile, ncu).
 template <bool kFinite>
 __device__ __forceinline__ uint32_t int_pack(float lo, float hi) {
-  if constexpr (kFinite) {
-    uint32_t w;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
-    return w;
-  } else {
+  if constexpr (kFinite)
+    return cvt_bf16x2(lo, hi);
+  else
     return pack_bf16x2(lo, hi);
-  }
 }
 
 // One stream's products by the CTA's 8 warps: its code words (shared,
@@ -295,6 +289,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_int_kernel(Device
   const int h = head0 + int(blockIdx.x / groups_per_head);
   const int64_t blk0 = (blockIdx.x % groups_per_head) * kIntStreams;
   const int count = int(nb - blk0 < kIntStreams ? nb - blk0 : kIntStreams);
+  // (Written out, not block_tokens: that changes this kernel's PTX, and the change is untested on a GPU.)
   const auto stream_n = [&](int i) { return tokens - (blk0 + i) * kT < kT ? int(tokens - (blk0 + i) * kT) : kT; };
   const auto stream_codes = [&](int i) { return codes + size_t(int64_t(h) * nb + blk0 + i) * kT * tb.k_pad; };
   if (!tb.recon_int[h]) {  // uniform over the CTA
@@ -364,7 +359,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
   const int64_t blk = blk0 + w;
   if (blk < nb) {
     const int64_t stream = int64_t(h) * nb + blk, t0 = blk * kT;
-    const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+    const int n = block_tokens(tokens, t0, kT);
     uint8_t* cs = slots + size_t(w) * slot_bytes;
     const uint64_t start = offsets[stream], end = offsets[stream + 1];
     const bool any =
@@ -384,7 +379,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
       for (int i = 0; i < kFusedStreams; ++i) {
         if (!ok[i]) continue;  // uniform over the CTA; a malformed stream's tokens are left untouched
         const int64_t t0 = (blk0 + i) * kT;
-        const int n = tokens - t0 < kT ? int(tokens - t0) : kT;
+        const int n = block_tokens(tokens, t0, kT);
         int_reconstruct_words<D, decltype(ks)::value, decltype(rope)::value, decltype(finite)::value>(
             tb, wv, reinterpret_cast<const uint32_t*>(slots + size_t(i) * slot_bytes), out, n, tb.pos0 + tb.tok0 + t0);
         __syncthreads();
