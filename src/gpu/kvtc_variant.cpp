@@ -102,20 +102,28 @@ void flatten_integer_kernels(const kvtc::HeadParams& p, int h, FlatKvtcTables& t
 }
 
 // Component k's table as the streams code it: the calibration's, or, where
-// it has more than kVariantMaxScaleBits of precision (the CPU codec allows
-// 16), the optimal table of that precision for its frequencies (the lane
-// states hold 31 bits and take 16 at a time, so the slot may take at most
-// 15).
+// it has more than stream_scale_bits of precision, the optimal table of that
+// precision for its frequencies (every symbol keeps a slot).
 entropy::FrequencyTable stream_table(const entropy::FrequencyTable& ft, size_t h, int k) {
-  if (ft.scale_bits <= kVariantMaxScaleBits) return ft;
-  if (ft.alphabet_size > (1u << kVariantMaxScaleBits))
+  const uint32_t bits = stream_scale_bits(ft.alphabet_size, ft.scale_bits);
+  if (ft.scale_bits <= bits) return ft;
+  if (ft.alphabet_size > (1u << bits))  // only past 2^15 levels: below, bits >= log2(levels) + 2
     throw Error(ErrorCode::kUnsupported, "kvtc-gpu: head " + std::to_string(h) + " component " + std::to_string(k) +
                                              " has " + std::to_string(ft.alphabet_size) +
                                              " levels; the GPU streams code at most 2^15");
-  return entropy::FrequencyTable::from_counts(std::vector<uint64_t>(ft.freq.begin(), ft.freq.end()),
-                                              kVariantMaxScaleBits, /*precision_loss=*/0.0);
+  return entropy::FrequencyTable::from_counts(std::vector<uint64_t>(ft.freq.begin(), ft.freq.end()), bits,
+                                              /*precision_loss=*/0.0);
 }
 }  // namespace
+
+// The lane states hold 31 bits and take 16 at a time, so a slot may take at
+// most 15; below that, ceil(log2 levels) + 2 bits (at least 8) keep the
+// decoder's slot table small (kvtc_variant.hpp).
+uint32_t stream_scale_bits(uint32_t levels, uint32_t table_bits) {
+  uint32_t lg = 0;
+  while (lg < 31 && (1u << lg) < levels) ++lg;
+  return std::min({table_bits, std::max(kVariantMinScaleBits, lg + 2), kVariantMaxScaleBits});
+}
 
 FlatKvtcTables flatten_heads(const std::vector<const kvtc::HeadParams*>& heads, bool eight_bit) {
   FlatKvtcTables t;

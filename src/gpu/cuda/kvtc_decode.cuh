@@ -20,7 +20,10 @@ namespace {
 // decode 0.82 -> 0.75 ms; 4096 bytes with 4 warps per CTA (7 CTAs per SM
 // by shared memory) was slower than no stage (0.89 vs 0.83 ms).
 constexpr uint32_t kRansStageBytes = 2560;
-constexpr int kRansDecodeWarps = 8;  // streams (warps) per decode CTA
+// Streams (warps) per decode CTA: 16 since kvtc-gpu/4, whose slot tables
+// (up to ~30 KB per head on the shipped calibration) would leave 8-warp CTAs
+// at 4 per SM by shared memory.
+constexpr int kRansDecodeWarps = 16;
 
 // Where the integer reconstruction (kvtc_recon_int.cuh) wants its codes:
 // "code words", word (j, t) = components 4j .. 4j + 3 of token t (byte i
@@ -32,6 +35,26 @@ constexpr int kRansDecodeWarps = 8;  // streams (warps) per decode CTA
 // (rows j + q, tokens g + const) and the rANS stores (one row, 32 tokens)
 // both hit 32 distinct banks.
 enum CodeLayout { kCodeBytes = 0, kCodeWords = 1, kSwizzledWords = 2 };
+
+// Shared-memory loads at 32-bit shared-window addresses: a per-component
+// base plus the index is one add per look-up (generic pointers left the
+// compiler adding the table's offset and the shared base per step).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ uint32_t lds_u8(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t lds_u16(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t lds_u32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
 template <int kLayout>
 __device__ __forceinline__ int code_word_index(int j, int t) {
   if constexpr (kLayout == kSwizzledWords) return j * kT + (t ^ (8 * ((j + (t >> 5)) & 3)));
@@ -46,8 +69,10 @@ __device__ __forceinline__ int code_word_index(int j, int t) {
 // kLayout: kCodeBytes, cs is [K][kT] codes (component-major); else cs is
 // code words (u8 codes only; kCodeWords in global memory, kSwizzledWords
 // in shared memory), each lane's 4 codes of a row stored as one word.
-// Returns whether the stream is malformed (the same on every lane).
-template <typename CodeT, bool kStaged = false, bool kFull = false, int kLayout = kCodeBytes>
+// kDirect: the tables are DeviceTables::direct's (guide = the slot table,
+// cum = spans). Returns whether the stream is malformed (the same on every lane).
+template <typename CodeT, bool kStaged = false, bool kFull = false, int kLayout = kCodeBytes, bool kDirect = false,
+          bool kSharedTables = false>
 __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h, const uint32_t* cum,
                                                    const CodeT* guide, const uint8_t* __restrict__ in,
                                                    uint64_t in_size, uint64_t start, uint64_t end, int n,
@@ -94,8 +119,9 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     // words), and refusing it keeps every word's place even.
     fail = __any_sync(0xffffffffu, st < kVariantRansLow || st >= kVariantRansHigh) ||
            size > kStateBytes + 2ull * uint64_t(n) * uint64_t(K) || (size & 1);
-    const uint32_t size32 = uint32_t(size), last = size32 - 1;
-    uint32_t pos = kStateBytes;
+    const uint32_t size32 = uint32_t(size), lastw = size32 / 2 - 1;
+    uint32_t posw = kStateBytes / 2;
+    const uint32_t data_s = kStaged ? smem_addr(data) : 0;
     const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
     // Component-outer loops (one table entry per component, not per step)
     // and no truncation branch per step: reads are clamped to the stream's
@@ -115,6 +141,12 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
       const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
       const uint32_t* ck = cum + c.x;
       const CodeT* gk = guide + c.y;
+      uint32_t ck_s = 0, gk_s = 0;
+      if constexpr (kSharedTables && kDirect) {
+        static_assert(sizeof(CodeT) == 1 || !kSharedTables, "u8 slot tables");
+        ck_s = smem_addr(ck);
+        gk_s = smem_addr(gk);
+      }
 #pragma unroll
       for (int pass = 0; pass < kT / 32; ++pass) {
         if (pass >= passes) break;
@@ -122,22 +154,36 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
         // too (in range: slot < 2^scale) and keep it: predicated, no branch.
         const bool active = kFull || pass * 32 + lane < n;
         const uint32_t slot = st & mask;
-        uint32_t base = gk[slot >> gshift];
-        // The bucket's first symbol, then one step up without a branch (with
-        // 32 lanes some lane's bucket holds a boundary below its slot at
-        // most warp steps; after this step the loop below still runs at 40%
-        // of them, ncu, H100). cum[base + 2] may be one word past the
-        // component's table (the next table's or the guide's first, or the
-        // pad word after the last head) and is then not taken, as hi =
-        // cum[levels] > slot.
-        uint32_t lo = ck[base], hi = ck[base + 1];
-        const uint32_t hi2 = ck[base + 2];
-        const bool up = hi <= slot;
-        base += up ? 1u : 0u;
-        lo = up ? hi : lo;
-        hi = up ? hi2 : hi;
-        while (hi <= slot) lo = hi, hi = ck[++base + 1];  // rare; ends: cum[levels] = 2^scale > slot
-        const uint32_t next = (hi - lo) * (st >> scale) + slot - lo;
+        uint32_t base, next;
+        if constexpr (kDirect) {
+          // The slot's symbol, then its span {cum | freq << 16}: two look-ups.
+          uint32_t span;
+          if constexpr (kSharedTables) {  // 32-bit shared addresses fixed per component: one add each
+            base = lds_u8(gk_s + slot);
+            span = lds_u32(ck_s + 4 * base);
+          } else {
+            base = gk[slot];
+            span = ck[base];
+          }
+          next = (span >> 16) * (st >> scale) + slot - (span & 0xffffu);
+        } else {
+          base = gk[slot >> gshift];
+          // The bucket's first symbol, then one step up without a branch
+          // (with 32 lanes some lane's bucket holds a boundary below its
+          // slot at most warp steps; after this step the loop below still
+          // runs at 40% of them, ncu, H100). cum[base + 2] may be one word
+          // past the component's table (the next table's or the guide's
+          // first, or the pad word after the last head) and is then not
+          // taken, as hi = cum[levels] > slot.
+          uint32_t lo = ck[base], hi = ck[base + 1];
+          const uint32_t hi2 = ck[base + 2];
+          const bool up = hi <= slot;
+          base += up ? 1u : 0u;
+          lo = up ? hi : lo;
+          hi = up ? hi2 : hi;
+          while (hi <= slot) lo = hi, hi = ck[++base + 1];  // rare; ends: cum[levels] = 2^scale > slot
+          next = (hi - lo) * (st >> scale) + slot - lo;
+        }
         if (active) st = next;
         if constexpr (kLayout == kCodeBytes) {
           if (active) out[pass * 32] = CodeT(base);
@@ -147,19 +193,20 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
           // component 4j + i sits in byte i). Lanes past n: a slot no one reads.
           word[pass] = __funnelshift_r(word[pass], base, 8);
         }
-        // One word while st < 2^15 (kvtc-gpu/3): one ballot and its prefix
-        // count place it, its two bytes read at a clamped place (size >= 128).
+        // One word while st < 2^15 (since kvtc-gpu/3): one ballot and its
+        // prefix count place it, read at a clamped place (size >= 128).
+        // Places count 16-bit words (posw: the next unread word).
         const bool one = active && st < kVariantRansLow;
         const unsigned b = __ballot_sync(0xffffffffu, one);
-        const uint32_t at = min(pos + 2 * __popc(b & lt_mask), last - 1);
-        pos += 2 * __popc(b);
+        const uint32_t at = min(posw + __popc(b & lt_mask), lastw);
+        posw += __popc(b);
         if constexpr (kStaged) {
           // One 16-bit shared load (a staged stream sits at an even
-          // address, and pos and last - 1 are even), kept by a select.
-          const uint32_t w = *reinterpret_cast<const uint16_t*>(data + at);
+          // address), kept by a select.
+          const uint32_t w = lds_u16(data_s + 2 * at);
           st = one ? st << 16 | w : st;
         } else if (one) {
-          st = st << 16 | uint32_t(data[at]) | uint32_t(data[at + 1]) << 8;
+          st = st << 16 | uint32_t(data[2 * at]) | uint32_t(data[2 * at + 1]) << 8;
         }
       }
       if constexpr (kLayout != kCodeBytes) {
@@ -173,22 +220,29 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
         }
       }
     }
-    if (!fail && (pos != size32 || st != kVariantRansLow)) fail = 1;
+    if (!fail && (2 * posw != size32 || st != kVariantRansLow)) fail = 1;
   }
   return __any_sync(0xffffffffu, fail);
 }
 
 // rans_decode_stream with kFull picked from n (a full stream drops the
 // per-step lane predicate).
-template <typename CodeT, bool kStaged, int kLayout = kCodeBytes>
+template <typename CodeT, bool kStaged, int kLayout = kCodeBytes, bool kDirect = false, bool kSharedTables = false>
 __device__ __forceinline__ bool rans_decode_any_stream(const DeviceTables& tb, int h, const uint32_t* cum,
                                                        const CodeT* guide, const uint8_t* __restrict__ in,
                                                        uint64_t in_size, uint64_t start, uint64_t end, int n,
                                                        CodeT* cs, uint8_t* stage = nullptr) {
-  return n == kT ? rans_decode_stream<CodeT, kStaged, true, kLayout>(tb, h, cum, guide, in, in_size, start, end, n, cs,
-                                                                      stage)
-                 : rans_decode_stream<CodeT, kStaged, false, kLayout>(tb, h, cum, guide, in, in_size, start, end, n,
-                                                                       cs, stage);
+  return n == kT ? rans_decode_stream<CodeT, kStaged, true, kLayout, kDirect, kSharedTables>(
+                       tb, h, cum, guide, in, in_size, start, end, n, cs, stage)
+                 : rans_decode_stream<CodeT, kStaged, false, kLayout, kDirect, kSharedTables>(
+                       tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
+}
+
+// f(std::bool_constant<tb.direct>{}): the decode step's form as a
+// compile-time constant (uniform over the launch).
+template <typename F>
+__device__ __forceinline__ auto with_direct_tables(const DeviceTables& tb, F&& f) {
+  return tb.direct ? f(std::true_type{}) : f(std::false_type{});
 }
 
 // The head's cum tables and guide into shared memory (ssm; 16-byte aligned
@@ -256,15 +310,19 @@ __global__ void __launch_bounds__(32 * kRansDecodeWarps) rans_decode_kernel(Devi
   // words (kvtc_recon_int.cuh); the others, as [K][kT] codes.
   const auto decode = [&](auto layout) {
     constexpr int L = decltype(layout)::value;
-    // Staged where the stream starts at an even address (every stream of a
-    // payload at an even address: their sizes are even), so that the
-    // renormalisation words are single 16-bit loads.
-    if (kRansStageBytes > 0 && start <= end && end - start + 32 <= kRansStageBytes &&
-        ((reinterpret_cast<uintptr_t>(in) + start) & 1) == 0) {
-      uint8_t* stage = reinterpret_cast<uint8_t*>(ssm) + stage_offset + (threadIdx.x / 32) * kRansStageBytes;
-      return rans_decode_any_stream<CodeT, true, L>(tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
-    }
-    return rans_decode_stream<CodeT, false, false, L>(tb, h, cum, guide, in, in_size, start, end, n, cs);
+    return with_direct_tables(tb, [&](auto direct) {
+      constexpr bool kDirect = decltype(direct)::value;
+      // Staged where the stream starts at an even address (every stream of a
+      // payload at an even address: their sizes are even), so that the
+      // renormalisation words are single 16-bit loads.
+      if (kRansStageBytes > 0 && start <= end && end - start + 32 <= kRansStageBytes &&
+          ((reinterpret_cast<uintptr_t>(in) + start) & 1) == 0) {
+        uint8_t* stage = reinterpret_cast<uint8_t*>(ssm) + stage_offset + (threadIdx.x / 32) * kRansStageBytes;
+        return rans_decode_any_stream<CodeT, true, L, kDirect, kTablesInSmem && sizeof(CodeT) == 1>(
+            tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
+      }
+      return rans_decode_stream<CodeT, false, false, L, kDirect>(tb, h, cum, guide, in, in_size, start, end, n, cs);
+    });
   };
   if constexpr (sizeof(CodeT) == 1) {
     any = code_words && tb.recon_int[h] ? decode(std::integral_constant<int, kCodeWords>{})
@@ -664,7 +722,10 @@ __global__ void __launch_bounds__(kProjThreads, 3) decode_fused_kernel(DeviceTab
   const int64_t stream = int64_t(h) * nb + blk;
   const int64_t t0 = blk * kT;
   const int n = block_tokens(tokens, t0, kT);
-  const bool any = rans_decode_stream(tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n, cs);
+  const bool any = with_direct_tables(tb, [&](auto direct) {
+    return rans_decode_stream<CodeT, false, false, kCodeBytes, decltype(direct)::value>(
+        tb, h, cum, guide, in, in_size, offsets[stream], offsets[stream + 1], n, cs);
+  });
   if (threadIdx.x % 32 == 0) flag_stream(stream, any, bad, err);
   if (any) return;  // warp-uniform: tokens of a malformed stream are left untouched
   __syncwarp();

@@ -46,7 +46,13 @@ struct DeviceTables {
   // guide, sym_base, scale_bits | guide shift << 8}
   const uint4* comp;
   const uint4* sym_enc;       // per symbol {rcp, bias, x_max = freq << (31 - scale), shift | cmpl_freq << 8} (encoder)
-  const uint32_t* cum;        // per head, per component: cum[0..levels] (levels + 1 entries; decoder)
+  // Decoder, per head, per component, levels + 1 entries: cum[0..levels];
+  // with `direct`, spans {cum[s] | freq[s] << 16} (the last entry unused).
+  const uint32_t* cum;
+  // Every component's guide is its whole slot table (shift 0: guide[slot] is
+  // the slot's symbol, kvtc-gpu/4's tables of at most 10 bits) and cum holds
+  // spans: a decode step is two look-ups, no scan (kvtc_decode.cuh).
+  int direct;
   const uint32_t* head_base;  // [NH + 1] start of each head's entries in cum
   // Decoder guide, per head per component 2^gbits entries (CodeT: u8, or u16
   // with wide codes): guide[j] = the symbol of slot j << shift (shift = scale

@@ -32,10 +32,13 @@
 //   rans_decode_kernel  one warp per stream, 8 streams of one head per CTA,
 //                   the head's cum tables and decoder guide in shared memory,
 //                   each stream's bytes copied there first (<= 2.5 KB);
-//                   symbol by a guide look-up (>= 4 buckets per symbol) and a
-//                   short scan up cum (no 2^scale-entry slot tables: their 32
-//                   scattered look-ups per step bound v2.0 by L1 throughput;
-//                   the binary search that followed cost 2.49 vs 1.58 ms);
+//                   symbol by one look-up in the component's slot table
+//                   (kvtc-gpu/4 tables have at most 10 bits for 8-bit
+//                   codes: 256-1024 bytes, in shared memory), then its span
+//                   {cum, freq}; tables wider than 10 bits keep a guide of
+//                   >= 4 buckets per symbol and a short scan up cum (v2.0's
+//                   4096-entry slot tables in global memory were bound by L1
+//                   throughput; a binary search cost 2.49 vs 1.58 ms);
 //                   codes to the code slots ([K][64] per stream, or for
 //                   the integer reconstruction's heads "code words", a
 //                   token's 4 components in one 32-bit word); a malformed
@@ -578,6 +581,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   std::vector<uint16_t> guide;
   std::vector<uint32_t> guide_base;
   uint64_t max_head = 0, max_guide = 0;
+  bool direct = true;
   for (int h = 0; h < f.n_heads; ++h) {
     head_base.push_back(uint32_t(cum.size()));
     guide_base.push_back(uint32_t(guide.size()));
@@ -588,7 +592,11 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
       const uint32_t scale = f.scale_bits[q];
       uint32_t lg = 0;
       while ((1u << lg) < levels) ++lg;
-      const uint32_t gbits = std::min(std::min(scale, lg + 2), kGuideMaxBits), shift = scale - gbits;
+      // Tables of up to kGuideMaxBits bits (every 8-bit alphabet's in
+      // kvtc-gpu/4) get their whole slot table; wider ones a guide of
+      // 2^(lg + 2) buckets (>= 4 per symbol), scanned up from.
+      const uint32_t gbits = scale <= kGuideMaxBits ? scale : std::min(lg + 2, kGuideMaxBits), shift = scale - gbits;
+      direct = direct && shift == 0;
       comp[q] = make_uint4(uint32_t(cum.size()) - head_base.back(), uint32_t(guide.size()) - guide_base.back(),
                            f.sym_base[q], scale | shift << 8);
       for (uint32_t s = 0; s < levels; ++s) {
@@ -617,6 +625,17 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   head_base.push_back(uint32_t(cum.size()));
   guide_base.push_back(uint32_t(guide.size()));
   cum.push_back(0);  // the decoder reads cum[base + 2] unconditionally (kvtc_decode.cuh)
+  if (direct) {  // spans in place of cum: same offsets, one look-up per step
+    for (int h = 0; h < f.n_heads; ++h)
+      for (int k = 0; k < f.kept[size_t(h)]; ++k) {
+        const size_t q = f.idx(h, k);
+        const uint32_t at = head_base[size_t(h)] + comp[q].x;
+        for (uint32_t s = 0; s < uint32_t(f.max_code[q]) + 1; ++s)
+          cum[at + s] = f.sym_cum[f.sym_base[q] + s] | f.sym_freq[f.sym_base[q] + s] << 16;
+        cum[at + uint32_t(f.max_code[q]) + 1] = 0;
+      }
+  }
+  m.dev.direct = direct ? 1 : 0;
   m.dev.comp = upload(comp, m.owned);
   m.dev.sym_enc = upload(sym_enc, m.owned);
   m.dev.cum = upload(cum, m.owned);

@@ -362,8 +362,10 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
     const int n = block_tokens(tokens, t0, kT);
     uint8_t* cs = slots + size_t(w) * slot_bytes;
     const uint64_t start = offsets[stream], end = offsets[stream + 1];
-    const bool any =
-        rans_decode_any_stream<uint8_t, false, kSwizzledWords>(tb, h, cum, guide, in, in_size, start, end, n, cs);
+    const bool any = with_direct_tables(tb, [&](auto direct) {
+      return rans_decode_any_stream<uint8_t, false, kSwizzledWords, decltype(direct)::value>(tb, h, cum, guide, in,
+                                                                                            in_size, start, end, n, cs);
+    });
     if (threadIdx.x % 32 == 0) {
       flag_stream(stream, any, bad, err);
       ok[w] = any ? 0 : 1;
