@@ -1,5 +1,5 @@
 // libFuzzer target for the whole-prefix codec's decoder on the CPU (the
-// kvtc-gpu/3 calibrated format: what kvcodec_prefix_decode runs with
+// kvtc-gpu/4 calibrated format: what kvcodec_prefix_decode runs with
 // KVCODEC_PREFIX_CPU, src/gpu/kvtc_variant.cpp). Input: u8 token count
 // (1..256), u8 first position, then the stream offsets as u64 little-endian
 // (n_streams + 1 of them), then the payload. Any input must end in success

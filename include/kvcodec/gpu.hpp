@@ -1,5 +1,5 @@
 // kvcodec GPU codec: KVTC encode/decode of a batch of KV blocks resident on
-// an NVIDIA GPU, in the "kvtc-gpu/3" variant of the payload (see
+// an NVIDIA GPU, in the "kvtc-gpu/4" variant of the payload (see
 // docs/gpu.md; the CPU reads and writes it too, src/gpu/kvtc_variant.hpp).
 //
 // Built with -DKVCODEC_CUDA=ON; otherwise cuda_compiled() is false,

@@ -216,7 +216,7 @@ KVCODEC_API kvcodec_status kvcodec_cache_extras(kvcodec_cache* cache, kvcodec_ex
  *
  * One layer's KV of a whole sequence coded at once (a prefix leaving GPU
  * memory for host memory, disk or another machine, and coming back) in the
- * calibrated "kvtc-gpu/3" format of docs/gpu.md: the layer's calibrated
+ * calibrated "kvtc-gpu/4" format of docs/gpu.md: the layer's calibrated
  * basis over its concatenated heads, RoPE removed from keys before the
  * projection and re-applied on decode, the first `sinks` and last `window`
  * tokens raw, the rest in independent rANS streams of 64 tokens.

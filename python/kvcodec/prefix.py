@@ -6,7 +6,7 @@
     keys2, values2 = codec.decode(enc)   # bfloat16, on the same GPU
     enc.nbytes, enc.compression_ratio    # every stored byte (payload + offsets)
 
-The format is the calibrated kvtc-gpu/3 one: the layer's calibrated basis
+The format is the calibrated kvtc-gpu/4 one: the layer's calibrated basis
 over its concatenated heads, RoPE removed from keys and re-applied on
 decode, `sinks` and `window` tokens raw, the rest in rANS streams of 64
 tokens. device="cpu" runs the reference implementation on CPU tensors and

@@ -1,5 +1,5 @@
 // The C API's whole-prefix codec (kvcodec.h, "whole-prefix codec"): the
-// calibrated kvtc-gpu/3 format of src/gpu, on the host through the CPU
+// calibrated kvtc-gpu/4 format of src/gpu, on the host through the CPU
 // reference (src/gpu/kvtc_variant.hpp) or on a CUDA device through
 // gpu::KvtcGpuCodec. Both take the same arguments and write the same bytes
 // (tests/gpu: the GPU against the reference; tests/capi: this wrapper

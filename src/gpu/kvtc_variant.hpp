@@ -1,4 +1,4 @@
-// The GPU variant of the KVTC payload ("kvtc-gpu/3") and its plain CPU
+// The GPU variant of the KVTC payload ("kvtc-gpu/4") and its plain CPU
 // reference, compiled in every build so the CPU can read and write what the
 // GPU kernels produce (and CI tests the format without a GPU).
 //
@@ -70,10 +70,14 @@
 // step s's words are lane 0's, then lane 1's, ... (a warp finds its
 // offsets with one ballot and a prefix count). A valid stream is consumed
 // exactly and ends with every lane back at 2^15.
-// kvtc-gpu/3 differs from /2 in the renormalisation only: /2 kept states in
-// [2^23, 2^31) and read 0-2 bytes per step, which cost the GPU decoder two
-// ballots and four prefix counts per step; the 16-bit words also make the
-// streams about 1% smaller (the initial states hold 15 bits, not 23).
+// kvtc-gpu/4 differs from /3 in the tables only: /3 coded with the
+// calibration's (12 bits on the shipped ones), /4 rebuilds them at
+// stream_scale_bits (below), at most 10 bits for 8-bit codes, so the GPU
+// decoder's slot tables are small enough for shared memory. A /3 payload is
+// not a /4 one (no version byte: re-encode it). /3 differed from /2 in the
+// renormalisation only: /2 kept states in [2^23, 2^31) and read 0-2 bytes
+// per step, which cost the GPU decoder two ballots and four prefix counts
+// per step; the 16-bit words also made the streams about 1% smaller.
 #pragma once
 
 #include <cstddef>

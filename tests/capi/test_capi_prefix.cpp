@@ -1,5 +1,5 @@
 // The C API's whole-prefix codec on the CPU (KVCODEC_PREFIX_CPU) against the
-// kvtc-gpu/3 reference it wraps, on real KV (the shared dump) with the
+// kvtc-gpu/4 reference it wraps, on real KV (the shared dump) with the
 // shipped calibration; its refusals; and, in a build without CUDA, the
 // plain refusal of KVCODEC_PREFIX_CUDA. (The GPU side: tests/gpu for the
 // kernels against the same reference, tests/python/test_prefix.py on the

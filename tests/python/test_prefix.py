@@ -1,4 +1,4 @@
-"""kvcodec.PrefixCodec: a layer's whole prefix in the calibrated kvtc-gpu/3
+"""kvcodec.PrefixCodec: a layer's whole prefix in the calibrated kvtc-gpu/4
 format, on the CPU (CI) and, where this libkvcodec has CUDA and torch a GPU
 (the GPU machine), on the GPU against the CPU bit for bit."""
 

@@ -1,4 +1,4 @@
-// CUDA kernels of the kvtc-gpu/3 variant (contract: src/gpu/kvtc_variant.hpp).
+// CUDA kernels of the kvtc-gpu/4 variant (contract: src/gpu/kvtc_variant.hpp).
 //
 // Projection and entropy coding are separate kernels, so that each runs at
 // its own best shape (the fused v1 kept 3 of 4 warps idle during rANS, whose
