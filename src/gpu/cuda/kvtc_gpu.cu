@@ -29,7 +29,7 @@
 //   small; pack_kernel copies the slots to the output (aligned 4-byte words
 //   of the output, each a funnel shift of two source words).
 // decode
-//   rans_decode_kernel  one warp per stream, 8 streams of one head per CTA,
+//   rans_decode_kernel  one warp per stream, 16 streams of one head per CTA,
 //                   the head's cum tables and decoder guide in shared memory,
 //                   each stream's bytes copied there first (<= 2.5 KB);
 //                   symbol by one look-up in the component's slot table
