@@ -36,10 +36,10 @@ constexpr int kRansDecodeWarps = 16;
 // both hit 32 distinct banks.
 enum CodeLayout { kCodeBytes = 0, kCodeWords = 1, kSwizzledWords = 2 };
 
-// Shared-memory loads at 32-bit shared-window addresses: a per-component
-// base plus the index is one add per look-up (generic pointers left the
-// compiler adding the table's offset and the shared base per step).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// Shared-memory loads at 32-bit shared-window addresses (smem_addr): a
+// per-component base plus the index is one add per look-up (generic
+// pointers left the compiler adding the table's offset and the shared base
+// per step).
 __device__ __forceinline__ uint32_t lds_u8(uint32_t a) {
   uint32_t v;
   asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));

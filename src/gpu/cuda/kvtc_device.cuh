@@ -93,6 +93,10 @@ struct DeviceTables {
   int64_t seq, tok0, pos0 = 0;
 };
 
+// A shared-memory pointer's 32-bit address in the shared window (what
+// ld.shared / cp.async take).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
 __device__ __forceinline__ float bf16_to_f32_dev(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
 
 __device__ __forceinline__ uint16_t f32_to_bf16_dev(float v) {

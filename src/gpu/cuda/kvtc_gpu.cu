@@ -581,7 +581,14 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   std::vector<uint16_t> guide;
   std::vector<uint32_t> guide_base;
   uint64_t max_head = 0, max_guide = 0;
+  // Tables of up to kGuideMaxBits bits (every 8-bit alphabet's in
+  // kvtc-gpu/4) get their whole slot table; wider ones a guide of 2^(lg + 2)
+  // buckets (>= 4 per symbol), scanned up from. With every table whole
+  // (`direct`), the decoder's entries are spans {cum[s] | freq[s] << 16}
+  // (levels of them, then an unused pad), not cum[0..levels].
   bool direct = true;
+  for (int h = 0; h < f.n_heads; ++h)
+    for (int k = 0; k < f.kept[size_t(h)]; ++k) direct = direct && f.scale_bits[f.idx(h, k)] <= kGuideMaxBits;
   for (int h = 0; h < f.n_heads; ++h) {
     head_base.push_back(uint32_t(cum.size()));
     guide_base.push_back(uint32_t(guide.size()));
@@ -592,17 +599,13 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
       const uint32_t scale = f.scale_bits[q];
       uint32_t lg = 0;
       while ((1u << lg) < levels) ++lg;
-      // Tables of up to kGuideMaxBits bits (every 8-bit alphabet's in
-      // kvtc-gpu/4) get their whole slot table; wider ones a guide of
-      // 2^(lg + 2) buckets (>= 4 per symbol), scanned up from.
       const uint32_t gbits = scale <= kGuideMaxBits ? scale : std::min(lg + 2, kGuideMaxBits), shift = scale - gbits;
-      direct = direct && shift == 0;
       comp[q] = make_uint4(uint32_t(cum.size()) - head_base.back(), uint32_t(guide.size()) - guide_base.back(),
                            f.sym_base[q], scale | shift << 8);
       for (uint32_t s = 0; s < levels; ++s) {
         const size_t i = f.sym_base[q] + s;
         sym_enc[i] = encoder_entry(f.sym_freq[i], f.sym_cum[i], f.scale_bits[q]);
-        cum.push_back(f.sym_cum[i]);
+        cum.push_back(direct ? f.sym_cum[i] | f.sym_freq[i] << 16 : f.sym_cum[i]);
       }
       // guide[j]: the last symbol s with cum[s] <= j << shift (the symbol of
       // the bucket's first slot; the decoder scans up from it).
@@ -612,7 +615,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
         while (sym + 1 < levels && f.sym_cum[f.sym_base[q] + sym + 1] <= x) ++sym;
         guide.push_back(uint16_t(sym));
       }
-      cum.push_back(1u << f.scale_bits[q]);
+      cum.push_back(direct ? 0 : 1u << f.scale_bits[q]);
       if (cum.size() >= (uint64_t(1) << 32) - 1)
         throw Error(ErrorCode::kUnsupported, "kvtc-gpu: the heads' frequency tables exceed 2^32 entries");
     }
@@ -625,16 +628,6 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   head_base.push_back(uint32_t(cum.size()));
   guide_base.push_back(uint32_t(guide.size()));
   cum.push_back(0);  // the decoder reads cum[base + 2] unconditionally (kvtc_decode.cuh)
-  if (direct) {  // spans in place of cum: same offsets, one look-up per step
-    for (int h = 0; h < f.n_heads; ++h)
-      for (int k = 0; k < f.kept[size_t(h)]; ++k) {
-        const size_t q = f.idx(h, k);
-        const uint32_t at = head_base[size_t(h)] + comp[q].x;
-        for (uint32_t s = 0; s < uint32_t(f.max_code[q]) + 1; ++s)
-          cum[at + s] = f.sym_cum[f.sym_base[q] + s] | f.sym_freq[f.sym_base[q] + s] << 16;
-        cum[at + uint32_t(f.max_code[q]) + 1] = 0;
-      }
-  }
   m.dev.direct = direct ? 1 : 0;
   m.dev.comp = upload(comp, m.owned);
   m.dev.sym_enc = upload(sym_enc, m.owned);

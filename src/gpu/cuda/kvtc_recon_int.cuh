@@ -62,8 +62,7 @@ __host__ __device__ inline size_t int_out_bytes(int dim) { return size_t(kT) * s
 
 // One 16-byte cp.async (L2 only: the codes are read once).
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
-  const unsigned d = unsigned(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem_dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
