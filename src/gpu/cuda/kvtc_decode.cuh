@@ -55,6 +55,11 @@ __device__ __forceinline__ uint32_t lds_u32(uint32_t a) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
   return v;
 }
+__device__ __forceinline__ uint4 lds_u128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
 template <int kLayout>
 __device__ __forceinline__ int code_word_index(int j, int t) {
   if constexpr (kLayout == kSwizzledWords) return j * kT + (t ^ (8 * ((j + (t >> 5)) & 3)));
@@ -76,7 +81,8 @@ template <typename CodeT, bool kStaged = false, bool kFull = false, int kLayout 
 __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h, const uint32_t* cum,
                                                    const CodeT* guide, const uint8_t* __restrict__ in,
                                                    uint64_t in_size, uint64_t start, uint64_t end, int n,
-                                                   CodeT* cs, uint8_t* stage = nullptr) {
+                                                   CodeT* cs, uint8_t* stage = nullptr,
+                                                   const uint4* desc = nullptr) {
   const int lane = threadIdx.x % 32;
   const int K = tb.kept[h];
   const unsigned lt_mask = (1u << lane) - 1u;
@@ -122,102 +128,131 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
     const uint32_t size32 = uint32_t(size), lastw = size32 / 2 - 1;
     uint32_t posw = kStateBytes / 2;
     const uint32_t data_s = kStaged ? smem_addr(data) : 0;
-    const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
     // Component-outer loops (one table entry per component, not per step)
     // and no truncation branch per step: reads are clamped to the stream's
     // last byte and a stream that ran past its end ends with pos > size,
-    // which the final check reports (pos only grows). The next component's
-    // entry is loaded a component ahead, off the state's dependency chain.
-    // Component k's slot of token lane (+32 per pass), kept as a running pointer.
-    CodeT* out = cs + lane;
+    // which the final check reports (pos only grows).
     static_assert(kLayout == kCodeBytes || sizeof(CodeT) == 1, "code words hold 8-bit codes");
     uint32_t* words = reinterpret_cast<uint32_t*>(cs);
     uint32_t word[kT / 32] = {};  // code words: each pass's codes of the row so far
-    uint4 c_next = __ldg(comp);
-    const uint4* comp_next = comp + 1;  // a running pointer: no 64-bit index arithmetic per component
-    for (int k = 0; k < K && !fail; ++k, out += kT) {
-      const uint4 c = c_next;  // the same for every lane
-      if (k + 1 < K) c_next = __ldg(comp_next++);
-      const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
-      const uint32_t* ck = cum + c.x;
-      const CodeT* gk = guide + c.y;
-      uint32_t ck_s = 0, gk_s = 0;
-      if constexpr (kSharedTables && kDirect) {
-        static_assert(sizeof(CodeT) == 1 || !kSharedTables, "u8 slot tables");
-        ck_s = smem_addr(ck);
-        gk_s = smem_addr(gk);
+    // The rest of a decode step once the symbol (base) and the next state
+    // are known: the code out, then the renormalisation. out: component k's
+    // slot of token lane (kCodeBytes).
+    const auto finish_step = [&](int pass, bool active, uint32_t base, uint32_t next, CodeT* out) {
+      if (active) st = next;
+      if constexpr (kLayout == kCodeBytes) {
+        if (active) out[pass * 32] = CodeT(base);
+      } else {
+        // Code words: the code (< 256) in at the top byte, the earlier
+        // ones shifted down a byte (one funnel shift; after 4 components
+        // component 4j + i sits in byte i). Lanes past n: a slot no one reads.
+        word[pass] = __funnelshift_r(word[pass], base, 8);
       }
-#pragma unroll
-      for (int pass = 0; pass < kT / 32; ++pass) {
-        if (pass >= passes) break;
-        // Lanes past n (a ragged last stream) look their unchanged state up
-        // too (in range: slot < 2^scale) and keep it: predicated, no branch.
-        const bool active = kFull || pass * 32 + lane < n;
-        const uint32_t slot = st & mask;
-        uint32_t base, next;
-        if constexpr (kDirect) {
-          // The slot's symbol, then its span {cum | freq << 16}: two look-ups.
-          uint32_t span;
-          if constexpr (kSharedTables) {  // 32-bit shared addresses fixed per component: one add each
-            base = lds_u8(gk_s + slot);
-            span = lds_u32(ck_s + 4 * base);
-          } else {
-            base = gk[slot];
-            span = ck[base];
-          }
-          next = (span >> 16) * (st >> scale) + slot - (span & 0xffffu);
-        } else {
-          base = gk[slot >> gshift];
-          // The bucket's first symbol, then one step up without a branch
-          // (with 32 lanes some lane's bucket holds a boundary below its
-          // slot at most warp steps; after this step the loop below still
-          // runs at 40% of them, ncu, H100). cum[base + 2] may be one word
-          // past the component's table (the next table's or the guide's
-          // first, or the pad word after the last head) and is then not
-          // taken, as hi = cum[levels] > slot.
-          uint32_t lo = ck[base], hi = ck[base + 1];
-          const uint32_t hi2 = ck[base + 2];
-          const bool up = hi <= slot;
-          base += up ? 1u : 0u;
-          lo = up ? hi : lo;
-          hi = up ? hi2 : hi;
-          while (hi <= slot) lo = hi, hi = ck[++base + 1];  // rare; ends: cum[levels] = 2^scale > slot
-          next = (hi - lo) * (st >> scale) + slot - lo;
-        }
-        if (active) st = next;
-        if constexpr (kLayout == kCodeBytes) {
-          if (active) out[pass * 32] = CodeT(base);
-        } else {
-          // Code words: the code (< 256) in at the top byte, the earlier
-          // ones shifted down a byte (one funnel shift; after 4 components
-          // component 4j + i sits in byte i). Lanes past n: a slot no one reads.
-          word[pass] = __funnelshift_r(word[pass], base, 8);
-        }
-        // One word while st < 2^15 (since kvtc-gpu/3): one ballot and its
-        // prefix count place it, read at a clamped place (size >= 128).
-        // Places count 16-bit words (posw: the next unread word).
-        const bool one = active && st < kVariantRansLow;
-        const unsigned b = __ballot_sync(0xffffffffu, one);
-        const uint32_t at = min(posw + __popc(b & lt_mask), lastw);
-        posw += __popc(b);
-        if constexpr (kStaged) {
-          // One 16-bit shared load (a staged stream sits at an even
-          // address), kept by a select.
-          const uint32_t w = lds_u16(data_s + 2 * at);
-          st = one ? st << 16 | w : st;
-        } else if (one) {
-          st = st << 16 | uint32_t(data[2 * at]) | uint32_t(data[2 * at + 1]) << 8;
-        }
+      // One word while st < 2^15 (since kvtc-gpu/3): one ballot and its
+      // prefix count place it, read at a clamped place (size >= 128).
+      // Places count 16-bit words (posw: the next unread word).
+      const bool one = active && st < kVariantRansLow;
+      const unsigned b = __ballot_sync(0xffffffffu, one);
+      const uint32_t at = min(posw + __popc(b & lt_mask), lastw);
+      posw += __popc(b);
+      if constexpr (kStaged) {
+        // One 16-bit shared load (a staged stream sits at an even
+        // address), kept by a select.
+        const uint32_t w = lds_u16(data_s + 2 * at);
+        st = one ? st << 16 | w : st;
+      } else if (one) {
+        st = st << 16 | uint32_t(data[2 * at]) | uint32_t(data[2 * at + 1]) << 8;
       }
+    };
+    // Row j's code words out (its m components' codes shifted down to bytes
+    // 0 .. m - 1), and the words cleared for the next row.
+    const auto store_words = [&](int j, int m) {
       if constexpr (kLayout != kCodeBytes) {
-        if ((k & 3) == 3 || k + 1 == K) {  // the row's last component: its words out
-          const uint32_t down = 8 * (3 - (k & 3));  // a short last row: its codes down to byte 0
+        const uint32_t down = 8 * uint32_t(4 - m);
+#pragma unroll
+        for (int pass = 0; pass < kT / 32; ++pass) {
+          if (pass < passes) words[code_word_index<kLayout>(j, pass * 32 + lane)] = word[pass] >> down;
+          word[pass] = 0;
+        }
+      }
+    };
+    if constexpr (kDirect && kSharedTables) {
+      // Tables and descriptors in shared memory (rans_decode_kernel): per
+      // component one 16-byte look-up of {slot table, spans, mask, scale}
+      // at 32-bit shared addresses, a row of 4 components unrolled with its
+      // code words stored once. Per component this drops the global entry's
+      // 64-bit pointer, the mask's shifts, the table addresses and the
+      // per-component predicated stores (ncu, H100: 33 of a component's
+      // ~75 instructions were such).
+      const uint32_t desc_s = smem_addr(desc);
+      const int rows = (K + 3) / 4;
+      for (int j = 0; j < rows && !fail; ++j) {
+        const int m = min(4, K - 4 * j);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (i > 0 && i >= m) break;  // uniform: a short last row
+          const uint4 d = lds_u128(desc_s + 16 * uint32_t(4 * j + i));
+          CodeT* out = cs + lane + (4 * j + i) * kT;
 #pragma unroll
           for (int pass = 0; pass < kT / 32; ++pass) {
-            if (pass < passes) words[code_word_index<kLayout>(k >> 2, pass * 32 + lane)] = word[pass] >> down;
-            word[pass] = 0;
+            if (pass >= passes) break;
+            const bool active = kFull || pass * 32 + lane < n;
+            const uint32_t slot = st & d.z;
+            // The slot's symbol, then its span {cum | freq << 16}.
+            const uint32_t base = lds_u8(d.x + slot), span = lds_u32(d.y + 4 * base);
+            finish_step(pass, active, base, (span >> 16) * (st >> d.w) + slot - (span & 0xffffu), out);
           }
         }
+        store_words(j, m);
+      }
+    } else {
+      const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
+      // The next component's entry is loaded a component ahead, off the
+      // state's dependency chain. Component k's slot of token lane (+32 per
+      // pass), kept as a running pointer.
+      CodeT* out = cs + lane;
+      uint4 c_next = __ldg(comp);
+      const uint4* comp_next = comp + 1;  // a running pointer: no 64-bit index arithmetic per component
+      for (int k = 0; k < K && !fail; ++k, out += kT) {
+        const uint4 c = c_next;  // the same for every lane
+        if (k + 1 < K) c_next = __ldg(comp_next++);
+        const uint32_t scale = c.w & 0xffu, mask = (1u << scale) - 1u, gshift = c.w >> 8;
+        const uint32_t* ck = cum + c.x;
+        const CodeT* gk = guide + c.y;
+#pragma unroll
+        for (int pass = 0; pass < kT / 32; ++pass) {
+          if (pass >= passes) break;
+          // Lanes past n (a ragged last stream) look their unchanged state up
+          // too (in range: slot < 2^scale) and keep it: predicated, no branch.
+          const bool active = kFull || pass * 32 + lane < n;
+          const uint32_t slot = st & mask;
+          uint32_t base, next;
+          if constexpr (kDirect) {
+            // The slot's symbol, then its span {cum | freq << 16}: two look-ups.
+            base = gk[slot];
+            const uint32_t span = ck[base];
+            next = (span >> 16) * (st >> scale) + slot - (span & 0xffffu);
+          } else {
+            base = gk[slot >> gshift];
+            // The bucket's first symbol, then one step up without a branch
+            // (with 32 lanes some lane's bucket holds a boundary below its
+            // slot at most warp steps; after this step the loop below still
+            // runs at 40% of them, ncu, H100). cum[base + 2] may be one word
+            // past the component's table (the next table's or the guide's
+            // first, or the pad word after the last head) and is then not
+            // taken, as hi = cum[levels] > slot.
+            uint32_t lo = ck[base], hi = ck[base + 1];
+            const uint32_t hi2 = ck[base + 2];
+            const bool up = hi <= slot;
+            base += up ? 1u : 0u;
+            lo = up ? hi : lo;
+            hi = up ? hi2 : hi;
+            while (hi <= slot) lo = hi, hi = ck[++base + 1];  // rare; ends: cum[levels] = 2^scale > slot
+            next = (hi - lo) * (st >> scale) + slot - lo;
+          }
+          finish_step(pass, active, base, next, out);
+        }
+        if ((k & 3) == 3 || k + 1 == K) store_words(k >> 2, (k & 3) + 1);  // the row's last component
       }
     }
     if (!fail && (2 * posw != size32 || st != kVariantRansLow)) fail = 1;
@@ -231,11 +266,12 @@ template <typename CodeT, bool kStaged, int kLayout = kCodeBytes, bool kDirect =
 __device__ __forceinline__ bool rans_decode_any_stream(const DeviceTables& tb, int h, const uint32_t* cum,
                                                        const CodeT* guide, const uint8_t* __restrict__ in,
                                                        uint64_t in_size, uint64_t start, uint64_t end, int n,
-                                                       CodeT* cs, uint8_t* stage = nullptr) {
+                                                       CodeT* cs, uint8_t* stage = nullptr,
+                                                       const uint4* desc = nullptr) {
   return n == kT ? rans_decode_stream<CodeT, kStaged, true, kLayout, kDirect, kSharedTables>(
-                       tb, h, cum, guide, in, in_size, start, end, n, cs, stage)
+                       tb, h, cum, guide, in, in_size, start, end, n, cs, stage, desc)
                  : rans_decode_stream<CodeT, kStaged, false, kLayout, kDirect, kSharedTables>(
-                       tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
+                       tb, h, cum, guide, in, in_size, start, end, n, cs, stage, desc);
 }
 
 // f(std::bool_constant<tb.direct>{}): the decode step's form as a
@@ -299,6 +335,22 @@ __global__ void __launch_bounds__(32 * kRansDecodeWarps) rans_decode_kernel(Devi
   const uint32_t* cum;
   const CodeT* guide;
   head_tables(tb, h, kTablesInSmem ? 1 : 0, ssm, cum, guide);
+  // With the tables in shared memory and whole (direct): each component's
+  // descriptor {slot table, spans (shared addresses), mask, scale} past the
+  // warps' stages, so a decode step's component needs one shared look-up.
+  uint4* desc = reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(ssm) + stage_offset +
+                                         size_t(kRansDecodeWarps) * kRansStageBytes);
+  if constexpr (kTablesInSmem && sizeof(CodeT) == 1) {
+    if (tb.direct) {  // uniform over the launch
+      const uint4* comp = tb.comp + size_t(h) * tb.k_pad;
+      for (int k = int(threadIdx.x); k < tb.kept[h]; k += int(blockDim.x)) {
+        const uint4 c = __ldg(comp + k);
+        const uint32_t scale = c.w & 0xffu;
+        desc[k] = make_uint4(smem_addr(guide + c.y), smem_addr(cum + c.x), (1u << scale) - 1u, scale);
+      }
+      __syncthreads();
+    }
+  }
   if (blk >= nb) return;
   const int64_t stream = int64_t(h) * nb + blk;
   const int64_t t0 = blk * kT;
@@ -319,7 +371,7 @@ __global__ void __launch_bounds__(32 * kRansDecodeWarps) rans_decode_kernel(Devi
           ((reinterpret_cast<uintptr_t>(in) + start) & 1) == 0) {
         uint8_t* stage = reinterpret_cast<uint8_t*>(ssm) + stage_offset + (threadIdx.x / 32) * kRansStageBytes;
         return rans_decode_any_stream<CodeT, true, L, kDirect, kTablesInSmem && sizeof(CodeT) == 1>(
-            tb, h, cum, guide, in, in_size, start, end, n, cs, stage);
+            tb, h, cum, guide, in, in_size, start, end, n, cs, stage, desc);
       }
       return rans_decode_stream<CodeT, false, false, L, kDirect>(tb, h, cum, guide, in, in_size, start, end, n, cs);
     });

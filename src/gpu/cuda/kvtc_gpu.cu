@@ -361,8 +361,11 @@ struct KvtcGpuCodec::Impl {
       reconstruct_kernel<128, CodeT><<<grid, kProjThreads, smem, s>>>(dev, c, bad, tokens, nb, tiles, h0, y);
     check_cuda(cudaGetLastError(), "reconstruct_kernel launch");
   }
-  // Shared memory of rans_decode_kernel: the head's tables, then each warp's stream stage.
-  size_t rans_decode_smem() const { return fused_table_bytes() + size_t(kRansDecodeWarps) * kRansStageBytes; }
+  // Shared memory of rans_decode_kernel: the head's tables, each warp's
+  // stream stage, then the components' descriptors (16 bytes each).
+  size_t rans_decode_smem() const {
+    return fused_table_bytes() + size_t(kRansDecodeWarps) * kRansStageBytes + 16 * size_t(flat.k_pad);
+  }
   // Shared memory of decode_fused_kernel: the head's tables, each warp's codes.
   size_t fused_table_bytes() const { return (cum_smem + 15) / 16 * 16; }
   size_t fused_smem(size_t code_bytes) const {
