@@ -65,8 +65,8 @@ struct DeviceTables {
   const uint8_t* rope;         // [NH]
   const float* rope_cos;       // [positions, rope_dim / 2]
   const float* rope_sin;
-  const float4* rope_cs;       // [rope_dim / 4, positions] {cos f, cos f + 1, sin f, sin f + 1}, f = 2 i
-  int64_t rope_positions;
+  const float4* rope_cs;       // [rope_dim / 4, positions + kT] {cos f, cos f + 1, sin f, sin f + 1}, f = 2 i
+  int64_t rope_cs_stride;      // positions + kT: each row ends with kT zero entries
   int rope_dim;
   // The integer projection (kvtc_project_int.cuh; heads with proj_int).
   const uint8_t* proj_int;     // [NH]

@@ -149,20 +149,22 @@ std::vector<uint8_t> integer_reconstruction_kinds(const FlatKvtcTables& f) {
 }
 
 // The same cos and sin as rope_cos / rope_sin, laid out for the integer
-// reconstruction (DeviceTables::rope_cs): [rope_dim / 4, positions]
+// reconstruction (DeviceTables::rope_cs): [rope_dim / 4, positions + kT]
 // {cos f, cos f + 1, sin f, sin f + 1}, f = 2 i, so a warp's loads for
 // 8 consecutive tokens and 4 frequency pairs are 4 contiguous 128-byte
-// lines.
+// lines. Each row ends with kT zero entries: a ragged last stream's rows
+// past its tokens (never stored) read them, with no clamp per load.
+int64_t rope_cs_stride(const FlatKvtcTables& f) { return f.rope_positions + kT; }
 std::vector<float4> rope_pairs_by_frequency(const FlatKvtcTables& f) {
   std::vector<float4> cs;
   if (f.rope_cos.empty()) return cs;
-  const int64_t P = f.rope_positions;
+  const int64_t P = f.rope_positions, stride = rope_cs_stride(f);
   const int half = f.rope_dim / 2;
-  cs.resize(size_t(half / 2) * size_t(P));
+  cs.assign(size_t(half / 2) * size_t(stride), make_float4(0.f, 0.f, 0.f, 0.f));
   for (int i = 0; i < half / 2; ++i)
     for (int64_t p = 0; p < P; ++p) {
       const size_t r = size_t(p) * half + 2 * i;
-      cs[size_t(i) * P + p] = make_float4(f.rope_cos[r], f.rope_cos[r + 1], f.rope_sin[r], f.rope_sin[r + 1]);
+      cs[size_t(i) * stride + p] = make_float4(f.rope_cos[r], f.rope_cos[r + 1], f.rope_sin[r], f.rope_sin[r + 1]);
     }
   return cs;
 }
@@ -494,7 +496,7 @@ void KvtcGpuCodec::Impl::init(FlatKvtcTables tables, int64_t max_tokens_) {
   m.dev.rope_cos = upload(f.rope_cos, m.owned);
   m.dev.rope_sin = upload(f.rope_sin, m.owned);
   m.dev.rope_cs = upload(rope_pairs_by_frequency(f), m.owned);
-  m.dev.rope_positions = f.rope_positions;
+  m.dev.rope_cs_stride = rope_cs_stride(f);
   m.dev.rope_dim = f.rope_dim;
   const int64_t max_tokens = max_tokens_;
   m.dev.n_heads = f.n_heads;

@@ -133,18 +133,18 @@ __device__ __forceinline__ uint32_t int_pack(float lo, float hi) {
 }
 
 // One stream's products by the CTA's 8 warps: its code words (shared,
-// kSwizzledWords) -> bf16 rows in out ([kT][D + 8], shared); rows >= n
-// (a ragged last stream) hold garbage, never stored (their RoPE takes the
-// last row's angles: the table ends at the last coded token). pos: the
+// kSwizzledWords) -> bf16 rows in out ([kT][D + 8], shared); rows past
+// the stream's tokens (a ragged last stream) hold garbage, never stored
+// (their RoPE reads the zero pad at the end of rope_cs's rows). pos: the
 // position of the stream's first token (RoPE on keys, kRope). The m-tiles
 // are unrolled, so their code-word addresses fold into immediates. No
 // barrier inside: the caller syncs before and after.
 template <int D, int KS, bool kRope, bool kFinite>
 __device__ __forceinline__ void int_reconstruct_words(const DeviceTables& tb, const IntReconWarp<D, KS>& wv,
-                                                      const uint32_t* words, uint16_t* out, int n, int64_t pos) {
+                                                      const uint32_t* words, uint16_t* out, int64_t pos) {
   const int lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
   using W = IntReconWarp<D, KS>;
-  const float4* cs = kRope ? tb.rope_cs + size_t(wv.cs_row) * size_t(tb.rope_positions) + size_t(pos) : nullptr;
+  const float4* cs = kRope ? tb.rope_cs + size_t(wv.cs_row) * size_t(tb.rope_cs_stride) + size_t(pos) + g : nullptr;
 #pragma unroll
   for (int mi = 0; mi < W::kMTiles; ++mi) {
     const int m = W::first_m_tile() + mi;
@@ -155,7 +155,7 @@ __device__ __forceinline__ void int_reconstruct_words(const DeviceTables& tb, co
     float4 rc[2];
     if constexpr (kRope) {
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) rc[hr] = __ldg(cs + min(m * 16 + g + 8 * hr, n - 1));
+      for (int hr = 0; hr < 2; ++hr) rc[hr] = __ldg(cs + m * 16 + 8 * hr);  // rows past n: the zero pad
     }
     uint32_t ch[2][4], cl[2][4];
 #pragma unroll
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) reconstruct_int_kernel(Device
         if (prev_ok) store_int_rows<D>(tb, h, out(i - 1), stream_n(i - 1), (blk0 + i - 1) * kT, y);
         if (ok)
           int_reconstruct_words<D, decltype(ks)::value, decltype(rope)::value, decltype(finite)::value>(
-              tb, wv, slot(i), out(i), stream_n(i), tb.pos0 + tb.tok0 + (blk0 + i) * kT);
+              tb, wv, slot(i), out(i), tb.pos0 + tb.tok0 + (blk0 + i) * kT);
         prev_ok = ok;
       }
       __syncthreads();
@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) decode_int_fused_kernel(
         const int64_t t0 = (blk0 + i) * kT;
         const int n = block_tokens(tokens, t0, kT);
         int_reconstruct_words<D, decltype(ks)::value, decltype(rope)::value, decltype(finite)::value>(
-            tb, wv, reinterpret_cast<const uint32_t*>(slots + size_t(i) * slot_bytes), out, n, tb.pos0 + tb.tok0 + t0);
+            tb, wv, reinterpret_cast<const uint32_t*>(slots + size_t(i) * slot_bytes), out, tb.pos0 + tb.tok0 + t0);
         __syncthreads();
         store_int_rows<D>(tb, h, out, n, t0, y);
         __syncthreads();  // the staging is free for the next stream
