@@ -39,6 +39,10 @@
 //                   >= 4 buckets per symbol and a short scan up cum (v2.0's
 //                   4096-entry slot tables in global memory were bound by L1
 //                   throughput; a binary search cost 2.49 vs 1.58 ms);
+//                   with the tables in shared memory and whole, each
+//                   component's descriptor {slot table, spans, mask,
+//                   scale} sits there too (one 16-byte look-up per
+//                   component, rows of 4 components unrolled);
 //                   codes to the code slots ([K][64] per stream, or for
 //                   the integer reconstruction's heads "code words", a
 //                   token's 4 components in one 32-bit word); a malformed
