@@ -4,6 +4,7 @@
 #pragma once
 
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cache/kvtc_calibrated.hpp"
@@ -13,6 +14,11 @@
 namespace kvcodec::gpu {
 
 constexpr int kHeads = 2, kHeadDim = 64, kDim = kHeads * kHeadDim;
+
+// The calibration the repository ships (the bench's and the CLI's default).
+[[maybe_unused]] inline std::string shipped_calibration_path() {
+  return std::string(KVCODEC_SOURCE_DIR) + "/models/tinycode/kvtc.kvcal";
+}
 
 // A calibration of `layers` layers fitted on synthetic RoPE-free vectors
 // (weighted by random per-dimension scales), and KV rows for it: per layer

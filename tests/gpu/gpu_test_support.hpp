@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpu/kvtc_variant.hpp"
@@ -26,6 +27,13 @@ namespace kvcodec::gpu {
 [[maybe_unused]] inline uint32_t test_seed(uint32_t fallback) {
   const char* s = std::getenv("KVCODEC_GPU_TEST_SEED");
   return s ? uint32_t(std::strtoul(s, nullptr, 10)) : fallback;
+}
+
+// The shared model's KV dump (KVCODEC_KV_DUMP overrides it: the device
+// runs carry the dump without ../shared).
+[[maybe_unused]] inline std::string kv_dump_path() {
+  if (const char* p = std::getenv("KVCODEC_KV_DUMP")) return p;
+  return std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
 }
 
 // Correlated Gaussian tokens [n, D] with a decaying spectrum, rounded to bf16.

@@ -516,8 +516,7 @@ TEST(KvtcGpu, MatchesCpuReferenceWithWideAlphabets) {
 TEST(KvtcGpu, MatchesCpuReferenceOnTheKvDump) {
   if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  std::string path = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
-  if (const char* p = std::getenv("KVCODEC_KV_DUMP")) path = p;
+  const std::string path = kv_dump_path();
   if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent";
 #ifdef KVCODEC_HAVE_CUDA
   const SafetensorsFile f = SafetensorsFile::open(path);

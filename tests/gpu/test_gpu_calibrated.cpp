@@ -195,10 +195,9 @@ TEST(KvtcCalibratedVariant, AgreesWithTheCpuCalibratedCodec) {
 // by the CPU reference encoder (the GPU's bytes, by the GPU tests). With
 // kvtc-gpu/4's rebuilt tables: 10.36x (kvtc-gpu/3's 12-bit tables: 10.42x).
 TEST(KvtcCalibratedVariant, TheShippedCalibrationCodesTheKvDumpAtTenTimesOrMore) {
-  const std::string dump = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
-  const std::string cal_path = std::string(KVCODEC_SOURCE_DIR) + "/models/tinycode/kvtc.kvcal";
+  const std::string dump = kv_dump_path();
   if (!std::filesystem::exists(dump)) GTEST_SKIP() << "no KV dump at " << dump << " (shared folder absent)";
-  const KvtcCalibration cal = KvtcCalibration::read_file(cal_path);
+  const KvtcCalibration cal = KvtcCalibration::read_file(shipped_calibration_path());
   const SafetensorsFile f = SafetensorsFile::open(dump);
   const int64_t S = 16384;
   const int D = cal.vector_dim();
@@ -226,10 +225,9 @@ TEST(KvtcCalibratedVariant, TheShippedCalibrationCodesTheKvDumpAtTenTimesOrMore)
 // coefficients the 8-bit rounding moves across a cell boundary (printed;
 // bounded at 5%), which shows the gate took rows.
 TEST(KvtcCalibratedVariant, TheFormatsCodesAreTheCalibratedCachesOnTheKvDump) {
-  const std::string dump = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
-  const std::string cal_path = std::string(KVCODEC_SOURCE_DIR) + "/models/tinycode/kvtc.kvcal";
+  const std::string dump = kv_dump_path();
   if (!std::filesystem::exists(dump)) GTEST_SKIP() << "no KV dump at " << dump << " (shared folder absent)";
-  const KvtcCalibration cal = KvtcCalibration::read_file(cal_path);
+  const KvtcCalibration cal = KvtcCalibration::read_file(shipped_calibration_path());
   const SafetensorsFile f = SafetensorsFile::open(dump);
   size_t total = 0, differ8 = 0, differ16 = 0;
   int64_t rows8 = 0, all_rows = 0;
@@ -480,8 +478,7 @@ TEST(KvtcCalibratedGpu, MatchesCpuReferenceOnTheKvDumpWithARealCalibration) {
   if (!cuda_compiled()) GTEST_SKIP() << "built without CUDA (-DKVCODEC_CUDA=ON)";
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const char* cal_path = std::getenv("KVCODEC_GPU_CALIBRATION");
-  std::string dump = std::string(KVCODEC_SHARED_DIR) + "/models/tinycode/kv_dump.safetensors";
-  if (const char* p = std::getenv("KVCODEC_KV_DUMP")) dump = p;
+  const std::string dump = kv_dump_path();
   if (!cal_path || !std::filesystem::exists(cal_path) || !std::filesystem::exists(dump))
     GTEST_SKIP() << "needs KVCODEC_GPU_CALIBRATION and the KV dump";
 #ifdef KVCODEC_HAVE_CUDA

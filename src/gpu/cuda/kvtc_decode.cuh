@@ -184,6 +184,7 @@ __device__ __forceinline__ bool rans_decode_stream(const DeviceTables& tb, int h
       // 64-bit pointer, the mask's shifts, the table addresses and the
       // per-component predicated stores (ncu, H100: 33 of a component's
       // ~75 instructions were such).
+      static_assert(sizeof(CodeT) == 1, "u8 slot tables");
       const uint32_t desc_s = smem_addr(desc);
       const int rows = (K + 3) / 4;
       for (int j = 0; j < rows && !fail; ++j) {
